@@ -1,0 +1,66 @@
+"""Diagnostics over recorded batches: pure functions, no Energon needed.
+
+Definitions (DESIGN.md, "What fast and correct are measured by"):
+
+- cost of a micro-batch: ``sum(L + L**2 / 4096)`` over its samples (a linear term for the MLPs
+  and a quadratic one for attention, with 4,096 tokens as the crossover);
+- straggler idle of a step: ``1 - mean_r(cost_r) / max_r(cost_r)`` over the data-parallel ranks,
+  i.e. the fraction of GPU time the ranks spend waiting for the slowest one; averaged over steps;
+- padding waste of a micro-batch: ``1 - sum(L) / (B * max(L))``; averaged over micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["batch_cost", "padding_waste", "rank_overlap", "straggler_idle"]
+
+#: Sequence length at which the quadratic (attention) term equals the linear one.
+ATTENTION_CROSSOVER_TOKENS = 4096
+
+
+def batch_cost(lengths: Sequence[float]) -> float:
+    """Compute cost of one micro-batch: ``sum(L + L**2 / 4096)``, in token units."""
+    return float(sum(L + L * L / ATTENTION_CROSSOVER_TOKENS for L in lengths))
+
+
+def straggler_idle(step_lengths: Sequence[Sequence[Sequence[float]]]) -> float:
+    """Mean over steps of ``1 - mean_r(cost_r) / max_r(cost_r)``.
+
+    Args:
+        step_lengths: ``step_lengths[step][rank]`` is the list of sample lengths of that rank's
+            micro-batch at that step.
+
+    Returns:
+        Idle fraction in [0, 1); 0 when every rank's batch costs the same.
+    """
+    if not step_lengths:
+        raise ValueError("straggler_idle: no steps given.")
+    total = 0.0
+    for step, ranks in enumerate(step_lengths):
+        if not ranks:
+            raise ValueError(f"straggler_idle: step {step} has no ranks.")
+        costs = [batch_cost(b) for b in ranks]
+        peak = max(costs)
+        total += 0.0 if peak == 0 else 1.0 - (sum(costs) / len(costs)) / peak
+    return total / len(step_lengths)
+
+
+def padding_waste(batches: Sequence[Sequence[float]]) -> float:
+    """Mean over micro-batches of ``1 - sum(L) / (B * max(L))``."""
+    batches = [b for b in batches if len(b) > 0]
+    if not batches:
+        raise ValueError("padding_waste: no non-empty batches given.")
+    return sum(1.0 - sum(b) / (len(b) * max(b)) for b in batches) / len(batches)
+
+
+def rank_overlap(keys_per_rank: Sequence[Sequence[str]]) -> set[str]:
+    """Sample keys that appear on more than one rank (empty for a correct split)."""
+    seen: dict[str, int] = {}
+    dup: set[str] = set()
+    for rank, keys in enumerate(keys_per_rank):
+        for k in set(keys):
+            if k in seen and seen[k] != rank:
+                dup.add(k)
+            seen.setdefault(k, rank)
+    return dup

@@ -1,0 +1,238 @@
+"""LengthPoolSortDataset: pool encoded samples, sort by length, permute identically on all ranks."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+from megatron.energon.flavors.base_dataset import SavableDataset
+from megatron.energon.state import FlexState
+from megatron.energon.worker import WorkerConfig
+from megatron.energon.wrappers.base import BaseWrapperDataset
+from megatron.energon.wrappers.buffer import SavableSampleBuffer
+
+from energon_ordering.errors import (
+    OrderingConfigError,
+    OrderingTypeError,
+    SampleLengthError,
+    StateMismatchError,
+)
+from energon_ordering.pool_order import ORDER_VERSION, POOL_ORDERS, pool_seed
+from energon_ordering.restorability import explain_not_restorable
+from energon_ordering.sample_length import default_sample_length, sample_key
+
+__all__ = ["LengthPoolSortDataset"]
+
+T_sample = TypeVar("T_sample")
+
+#: Version of the pool's saved-state layout and logic; bumped on any change that alters order.
+STATE_VERSION = 1
+
+
+class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
+    """Pools ``pool_size`` samples, sorts them by length and emits them in an order that is the
+    same on every data-parallel rank, so that all ranks process similar lengths at each step.
+
+    Place it after ``encode_sample`` and before batching (``OrderingTaskEncoder`` does). The
+    emission order of a pool comes from :mod:`energon_ordering.pool_order`: ``mode="sample"``
+    permutes the sorted samples, ``mode="batch"`` permutes sorted chunks of ``batch_size``.
+
+    Deterministic: the permutation seed is a pure function of (``seed``, pool index, loader worker
+    slot) and never of the rank, so worker w's k-th pool is permuted identically on every rank,
+    and Energon's loader (batch b from worker ``b % num_workers`` on every rank) keeps the ranks
+    aligned for any number of workers. Ties in length keep their arrival order.
+
+    Checkpointing: the samples being collected and those not yet emitted (in emission order) are
+    saved as restore keys through Energon's :class:`SavableSampleBuffer`, plus the pool counter
+    and a stamp of (state version, order version, pool_size, mode, batch_size, seed). On restore
+    the samples are re-created with ``restore_sample``, which re-runs the pipeline below the pool;
+    that is why everything below must be restorable (``encode_sample`` marked ``@stateless``),
+    which is checked here at construction.
+
+    Finite: yields exactly the samples of the inner dataset, each once; when the inner dataset
+    ends, the last partial pool is sorted and permuted too. Repeating if the inner one repeats.
+    """
+
+    pool_size: int
+    mode: str
+    batch_size: int | None
+    key_fn: Callable[[Any], float]
+    seed: int
+
+    _pool_index: int
+    _collecting: SavableSampleBuffer[T_sample]
+    _emitting: SavableSampleBuffer[T_sample]
+    _stamp: dict[str, Any]
+
+    _savable_fields = ("_stamp", "_pool_index", "_collecting", "_emitting")
+
+    def __init__(
+        self,
+        dataset: SavableDataset[T_sample],
+        *,
+        pool_size: int,
+        worker_config: WorkerConfig,
+        mode: str = "sample",
+        batch_size: int | None = None,
+        key_fn: Callable[[Any], float] | None = None,
+        seed: int = 0,
+    ):
+        """Construct a LengthPoolSortDataset.
+
+        Args:
+            dataset: The encoded samples to pool (must be able to restore samples by key).
+            pool_size: Samples per pool, per loader worker (>= 1).
+            worker_config: Energon's worker configuration.
+            mode: ``"sample"`` or ``"batch"`` (see :mod:`energon_ordering.pool_order`).
+            batch_size: Micro-batch size in samples; required for ``mode="batch"``, where
+                ``pool_size`` must be a multiple of it.
+            key_fn: Length of a sample, in tokens. ``None`` uses ``sample.total_len`` if present,
+                else ``len(sample.tokens)``.
+            seed: Ordering seed; must be the same on every data-parallel rank.
+        """
+        _check_int("pool_size", pool_size, minimum=1)
+        if mode not in POOL_ORDERS:
+            raise OrderingConfigError(
+                f"LengthPoolSortDataset: mode = {mode!r} is unknown; use one of "
+                f"{sorted(POOL_ORDERS)}."
+            )
+        if batch_size is not None:
+            _check_int("batch_size", batch_size, minimum=1)
+        if mode == "batch":
+            if batch_size is None:
+                raise OrderingConfigError(
+                    "LengthPoolSortDataset: mode = 'batch' needs batch_size (the micro-batch "
+                    "size, in samples); pass batch_size=<micro-batch size>."
+                )
+            if pool_size % batch_size != 0:
+                raise OrderingConfigError(
+                    f"LengthPoolSortDataset: pool_size = {pool_size} is not a multiple of "
+                    f"batch_size = {batch_size} (mode='batch'); use pool_size = "
+                    f"{max(1, pool_size // batch_size) * batch_size}."
+                )
+        _check_int("seed", seed)
+        if key_fn is not None and not callable(key_fn):
+            raise OrderingTypeError(
+                f"LengthPoolSortDataset: key_fn = {key_fn!r} is not callable; pass a function "
+                "sample -> length in tokens, or None for the default."
+            )
+        problem = explain_not_restorable(dataset)
+        if problem is not None:
+            raise problem
+
+        super().__init__(dataset, worker_config=worker_config)
+        self.pool_size = int(pool_size)
+        self.mode = mode
+        self.batch_size = None if batch_size is None else int(batch_size)
+        self.key_fn = default_sample_length if key_fn is None else key_fn
+        self.seed = int(seed)
+        self.reset_state_own()
+
+    def _expected_stamp(self) -> dict[str, Any]:
+        return {
+            "state_version": STATE_VERSION,
+            "order_version": ORDER_VERSION,
+            "pool_size": self.pool_size,
+            "mode": self.mode,
+            "batch_size": self.batch_size if self.mode == "batch" else None,
+            "seed": self.seed,
+        }
+
+    def reset_state_own(self) -> None:
+        self._stamp = self._expected_stamp()
+        self._pool_index = 0
+        self._collecting = SavableSampleBuffer(self.dataset, worker_config=self.worker_config)
+        self._emitting = SavableSampleBuffer(self.dataset, worker_config=self.worker_config)
+
+    def len_worker(self, worker_idx: int | None = None) -> int:
+        return self.dataset.len_worker(worker_idx)
+
+    def _length(self, sample: T_sample) -> float:
+        length = self.key_fn(sample)
+        if (
+            isinstance(length, bool)
+            or not isinstance(length, numbers.Real)
+            or not math.isfinite(length)
+        ):
+            raise SampleLengthError(
+                f"LengthPoolSortDataset: key_fn returned {length!r} for sample "
+                f"{sample_key(sample)!r}; it must return a finite number (the length in tokens)."
+            )
+        return length
+
+    def _seal_pool(self) -> None:
+        """Moves the collected samples into the emission buffer, in this pool's order."""
+        lengths = [self._length(s) for s in self._collecting.buffer]
+        seed = pool_seed(self.seed, self._pool_index, self.worker_config.rank_worker_id())
+        order = POOL_ORDERS[self.mode](lengths, seed, self.batch_size)
+        samples, restore_keys = self._collecting.flush()
+        self._emitting.extend([samples[i] for i in order], [restore_keys[i] for i in order])
+        self._pool_index += 1
+
+    def _drain(self) -> Iterator[T_sample]:
+        while self._emitting.len_worker() > 0:
+            yield self._emitting.pop(0)
+
+    def __iter__(self) -> Iterator[T_sample]:
+        self._collecting.worker_start()
+        self._emitting.worker_start()
+        # A restored (or interrupted) pool finishes first, exactly where it stopped.
+        yield from self._drain()
+        for _ in self._collecting.append_iter():
+            if self._collecting.len_worker() >= self.pool_size:
+                self._seal_pool()
+                yield from self._drain()
+        if self._collecting.len_worker() > 0:
+            self._seal_pool()
+            yield from self._drain()
+
+    def restore_state(self, state: FlexState) -> None:
+        saved = state.get("_stamp") if state is not None else None
+        expected = self._expected_stamp()
+        if saved != expected:
+            diffs = (
+                ", ".join(
+                    f"{k}: saved {saved.get(k)!r} != configured {expected[k]!r}"
+                    for k in expected
+                    if saved.get(k) != expected[k]
+                )
+                if isinstance(saved, dict)
+                else f"saved stamp {saved!r}"
+            )
+            raise StateMismatchError(
+                f"LengthPoolSortDataset: cannot restore a state written by a different pool "
+                f"configuration ({diffs}). Restore with the configuration the checkpoint was "
+                "written with, or start the data stream fresh."
+            )
+        super().restore_state(state)
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "type": type(self).__qualname__,
+            "dataset": self.dataset.config(),
+            "pool_size": self.pool_size,
+            "mode": self.mode,
+            "batch_size": self.batch_size,
+            "key_fn": self._function_config(self.key_fn),
+            "seed": self.seed,
+            "worker_config": self.worker_config.config(),
+        }
+
+    def __str__(self) -> str:
+        return (
+            f"LengthPoolSortDataset(pool_size={self.pool_size}, mode={self.mode!r}, "
+            f"batch_size={self.batch_size}, seed={self.seed}, dataset={self.dataset})"
+        )
+
+
+def _check_int(name: str, value: Any, *, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise OrderingTypeError(
+            f"LengthPoolSortDataset: {name} = {value!r} ({type(value).__name__}) must be an int."
+        )
+    if minimum is not None and value < minimum:
+        raise OrderingConfigError(
+            f"LengthPoolSortDataset: {name} = {value!r} must be >= {minimum}."
+        )

@@ -1,0 +1,161 @@
+"""Simulated data-parallel ranks: one real Energon pipeline per rank, stepped together.
+
+Each rank gets its own ``WorkerConfig(rank=r, world_size=R, num_workers=W)`` and its own
+``get_train_dataset`` + ``get_savable_loader`` over the same prepared dataset, exactly as R
+training processes would build them. Used by the tests, the benchmarks and the demo.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+
+from energon_ordering.config import OrderingConfig
+
+__all__ = ["BatchRecord", "build_train_loader", "close_loader", "record_batch", "run_ranks"]
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """What one rank saw in one micro-batch: sample keys, lengths (tokens) and sources."""
+
+    keys: tuple[str, ...]
+    lengths: tuple[int, ...]
+    sources: tuple[str, ...]
+
+
+def record_batch(batch: Any) -> BatchRecord:
+    """Reads keys, lengths and sources of a batch (``SyntheticBatch`` or any batch with
+    ``__key__`` and per-sample ``lengths``/``sources`` lists)."""
+    keys = tuple(getattr(batch, "keys", None) or batch.__key__)
+    lengths = tuple(int(x) for x in getattr(batch, "lengths", ()))
+    sources = tuple(getattr(batch, "sources", ()))
+    return BatchRecord(keys, lengths, sources)
+
+
+def build_train_loader(
+    path: str | Path,
+    *,
+    ordering: OrderingConfig,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    batch_size: int = 4,
+    shuffle_buffer_size: int | None = 32,
+    max_samples_per_sequence: int | None = 16,
+    repeat: bool = True,
+    task_encoder_factory: Callable[[], Any] | None = None,
+    **loader_kwargs: Any,
+):
+    """Builds rank ``rank``'s training loader the way a training process would.
+
+    Args:
+        path: Prepared dataset or metadataset.
+        ordering: The ordering configuration set on the task encoder.
+        rank: Data-parallel rank.
+        world_size: Data-parallel size.
+        num_workers: Loader worker processes per rank (0 = in-process).
+        batch_size: Micro-batch size, in samples.
+        shuffle_buffer_size: Energon's per-rank sample shuffle buffer (None = off).
+        max_samples_per_sequence: Energon's shard-slice length.
+        repeat: Repeat the data (False = one finite epoch).
+        task_encoder_factory: Returns a fresh task encoder with the OrderingTaskEncoder mixin;
+            default :class:`energon_ordering.synthetic_task.SyntheticTaskEncoder`.
+        **loader_kwargs: Passed to ``get_savable_loader``.
+    """
+    if task_encoder_factory is None:
+        from energon_ordering.synthetic_task import SyntheticTaskEncoder
+
+        task_encoder_factory = SyntheticTaskEncoder
+    te = task_encoder_factory()
+    te.ordering = ordering
+    wc = WorkerConfig(rank=rank, world_size=world_size, num_workers=num_workers)
+    ds = get_train_dataset(
+        path,
+        batch_size=batch_size,
+        worker_config=wc,
+        task_encoder=te,
+        shuffle_buffer_size=shuffle_buffer_size,
+        max_samples_per_sequence=max_samples_per_sequence,
+        repeat=repeat,
+    )
+    return get_savable_loader(ds, **loader_kwargs)
+
+
+@contextmanager
+def _fast_worker_shutdown(seconds: float = 0.2) -> Iterator[None]:
+    # torch joins each loader worker for MP_STATUS_CHECK_INTERVAL (5 s) before terminating it,
+    # and Energon's workers do not exit on their own before that; a simulation that builds
+    # dozens of short-lived loaders would spend most of its time there.
+    import torch.utils.data._utils as torch_data_utils
+
+    saved = torch_data_utils.MP_STATUS_CHECK_INTERVAL
+    torch_data_utils.MP_STATUS_CHECK_INTERVAL = seconds
+    try:
+        yield
+    finally:
+        torch_data_utils.MP_STATUS_CHECK_INTERVAL = saved
+
+
+def close_loader(loader: Any) -> None:
+    """Stops a loader's worker processes now (instead of after torch's 5 s join timeout).
+
+    Only for short-lived loaders of simulations and tests; the caller must drop every other
+    reference to the loader and its iterators first.
+    """
+    with _fast_worker_shutdown():
+        it = getattr(loader, "_epoch_iterator", None)
+        if it is not None:
+            it.close()
+        loader._epoch_iterator = None
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        del it, iterator
+        gc.collect()
+
+
+def _take(loader: Any, steps: int | None) -> Iterator[BatchRecord]:
+    for i, batch in enumerate(loader):
+        if steps is not None and i >= steps:
+            break
+        yield record_batch(batch)
+
+
+def run_ranks(
+    path: str | Path,
+    *,
+    ordering: OrderingConfig,
+    world_size: int,
+    steps: int | None,
+    num_workers: int = 0,
+    **kwargs: Any,
+) -> list[list[BatchRecord]]:
+    """Runs ``world_size`` rank pipelines for ``steps`` micro-batches each.
+
+    Ranks are run one after the other (their pipelines are independent by construction, as in
+    a real job), so memory stays that of one rank. ``steps=None`` runs one finite epoch
+    (pass ``repeat=False``).
+
+    Returns:
+        ``records[rank][step]``.
+    """
+    records: list[list[BatchRecord]] = []
+    for rank in range(world_size):
+        loader = build_train_loader(
+            path,
+            ordering=ordering,
+            rank=rank,
+            world_size=world_size,
+            num_workers=num_workers,
+            **kwargs,
+        )
+        records.append(list(_take(loader, steps)))
+        close_loader(loader)
+    return records

@@ -1,0 +1,43 @@
+"""How long a sample is: the default length key of the length pool, and the sample's key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from energon_ordering.errors import SampleLengthError
+
+__all__ = ["default_sample_length", "sample_key"]
+
+
+def _field(sample: Any, name: str) -> Any:
+    if isinstance(sample, dict):
+        return sample.get(name)
+    return getattr(sample, name, None)
+
+
+def sample_key(sample: Any) -> str | None:
+    """The sample's ``__key__`` (dataclass attribute or dict entry), or None."""
+    return _field(sample, "__key__")
+
+
+def default_sample_length(sample: Any) -> int:
+    """Length of an encoded sample in tokens: ``total_len`` if present, else ``len(tokens)``.
+
+    Works for Energon ``Sample`` dataclasses, other objects with those attributes, and dicts.
+
+    Raises:
+        SampleLengthError: The sample has neither field; the message names the sample key.
+    """
+    total_len = _field(sample, "total_len")
+    if total_len is not None:
+        return total_len
+    tokens = _field(sample, "tokens")
+    if tokens is not None:
+        return len(tokens)
+    raise SampleLengthError(
+        f"Cannot tell the length of sample {sample_key(sample)!r} "
+        f"({type(sample).__name__}): it has neither `total_len` nor `tokens`. Set one of them in "
+        "encode_sample, or pass key_fn=<function sample -> length in tokens> to "
+        "LengthPoolSortDataset (with OrderingTaskEncoder: override "
+        "`ordering_sample_length(self, sample)`)."
+    )

@@ -1,0 +1,101 @@
+"""A small LLaVA-style task encoder for the synthetic datasets (tests, benchmarks, demo).
+
+``encode_sample`` turns a ``CaptioningSample`` into a :class:`TokenizedSample`: the image is
+represented by ``image_tokens`` placeholder tokens followed by the caption's whitespace tokens,
+so ``total_len = image_tokens + len(caption.split())``. Stateless (a pure function of the
+sample), as the length pool requires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any
+
+import torch
+from megatron.energon import Batch, CaptioningSample, DefaultTaskEncoder, Sample, stateless
+
+from energon_ordering.task_encoder import OrderingTaskEncoder
+
+__all__ = ["IMAGE_TOKEN_ID", "SyntheticBatch", "SyntheticTaskEncoder", "TokenizedSample"]
+
+#: Token id of the image placeholder.
+IMAGE_TOKEN_ID = 1
+
+
+@dataclasses.dataclass
+class TokenizedSample(Sample):
+    """An encoded multimodal sample.
+
+    Attributes:
+        tokens: Token ids, ``image_tokens`` placeholders first, then the caption.
+        total_len: ``len(tokens)``, in tokens.
+        num_media_tokens: How many leading tokens are image placeholders.
+        source: Source name (from the metadataset subflavor ``source``, else the key prefix).
+        image: The decoded image tensor (C, H, W).
+    """
+
+    tokens: torch.Tensor
+    total_len: int
+    num_media_tokens: int
+    source: str
+    image: torch.Tensor
+
+
+@dataclasses.dataclass
+class SyntheticBatch(Batch):
+    """A padded batch: ``tokens`` is (B, max_len), ``lengths`` the unpadded lengths."""
+
+    keys: list[str]
+    sources: list[str]
+    lengths: list[int]
+    tokens: torch.Tensor
+    images: torch.Tensor
+
+
+def _token_id(word: str) -> int:
+    return 2 + zlib.crc32(word.encode()) % 32000
+
+
+class SyntheticTaskEncoder(
+    OrderingTaskEncoder,
+    DefaultTaskEncoder[CaptioningSample, TokenizedSample, SyntheticBatch, SyntheticBatch],
+):
+    """Tokenizes synthetic captioning samples; the ordering stages come from the mixin.
+
+    Args:
+        image_tokens: Placeholder tokens per image.
+    """
+
+    def __init__(self, image_tokens: int = 64, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.image_tokens = image_tokens
+
+    @stateless
+    def encode_sample(self, sample: CaptioningSample) -> TokenizedSample:
+        words = sample.caption.split()
+        ids = [IMAGE_TOKEN_ID] * self.image_tokens + [_token_id(w) for w in words]
+        source = (sample.__subflavors__ or {}).get("source") or sample.__key__.rsplit("-", 1)[0]
+        return TokenizedSample.derive_from(
+            sample,
+            tokens=torch.tensor(ids, dtype=torch.int32),
+            total_len=len(ids),
+            num_media_tokens=self.image_tokens,
+            source=source,
+            image=sample.image,
+        )
+
+    @stateless
+    def batch(self, samples: list[TokenizedSample]) -> SyntheticBatch:
+        max_len = max(s.total_len for s in samples)
+        tokens = torch.zeros((len(samples), max_len), dtype=torch.int32)
+        for i, s in enumerate(samples):
+            tokens[i, : s.total_len] = s.tokens
+        return SyntheticBatch.from_samples(
+            samples,
+            keys=[s.__key__ for s in samples],
+            sources=[s.source for s in samples],
+            lengths=[s.total_len for s in samples],
+            tokens=tokens,
+            images=torch.stack([s.image for s in samples]),
+        )
