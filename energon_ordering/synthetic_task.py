@@ -53,8 +53,22 @@ class SyntheticBatch(Batch):
     images: torch.Tensor
 
 
+_VOCAB_SIZE = 32000
+
+
 def _token_id(word: str) -> int:
-    return 2 + zlib.crc32(word.encode()) % 32000
+    return 2 + zlib.crc32(word.encode()) % _VOCAB_SIZE
+
+
+class _Vocab(dict):
+    """Word -> token id, filled on first use (a pure function of the word)."""
+
+    def __missing__(self, word: str) -> int:
+        self[word] = tok = _token_id(word)
+        return tok
+
+
+_VOCAB = _Vocab()
 
 
 class SyntheticTaskEncoder(
@@ -74,7 +88,7 @@ class SyntheticTaskEncoder(
     @stateless
     def encode_sample(self, sample: CaptioningSample) -> TokenizedSample:
         words = sample.caption.split()
-        ids = [IMAGE_TOKEN_ID] * self.image_tokens + [_token_id(w) for w in words]
+        ids = [IMAGE_TOKEN_ID] * self.image_tokens + [_VOCAB[w] for w in words]
         source = (sample.__subflavors__ or {}).get("source") or sample.__key__.rsplit("-", 1)[0]
         return TokenizedSample.derive_from(
             sample,

@@ -1,0 +1,216 @@
+#!/usr/bin/env python
+"""Benchmark of cross-rank length sync on the real pipeline, every figure measured in this run.
+
+8 simulated data-parallel ranks (one real Energon pipeline each, ``WorkerConfig(rank=r,
+world_size=8)``) over a synthetic trimodal multimodal dataset, micro-batch 4. Prints:
+
+1. straggler idle and padding waste for: no pool, ``sample`` mode (the reference algorithm),
+   ``batch`` mode, at each pool size and number of loader workers, and a global sort of the
+   same samples (the limit);
+2. pool overhead: samples/s through one rank's pipeline with vs without the pool (ratio);
+3. checkpoint size: pickled ``save_state_rank()`` bytes vs pool size, bytes per pooled sample;
+4. restore latency of a full pool vs the time to fill one.
+
+Usage:
+    python tools/bench_length_sync.py                 # full run (pools 100 / 1,000 / 10,000)
+    python tools/bench_length_sync.py --quick         # small scale (the README demo)
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import pickle
+import statistics
+import time
+from pathlib import Path
+
+import click
+
+from energon_ordering import OrderingConfig
+from energon_ordering.diagnostics import padding_waste, straggler_idle
+from energon_ordering.rank_simulation import build_train_loader, close_loader, record_batch, run_ranks
+from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
+
+BATCH = 4
+
+
+def _dataset(out: Path, num_samples: int) -> Path:
+    path = out / f"trimodal_{num_samples}"
+    if not (path / "web" / ".nv-meta" / "index.uuid").exists():
+        click.echo(f"writing {num_samples} trimodal samples to {path} (energon prepare) ...")
+        make_synthetic_dataset(path, [SourceSpec("web", num_samples, "trimodal")], shard_size=256)
+    return path / "web"
+
+
+def _steps_matrix(records) -> list:
+    n = min(len(r) for r in records)
+    return [[records[r][s].lengths for r in range(len(records))] for s in range(n)]
+
+
+def _global_sort_limit(records, world: int) -> tuple[float, float]:
+    """Idle and padding if the same samples were globally sorted and dealt out step by step."""
+    lengths = sorted(L for rank in records for b in rank for L in b.lengths)
+    per_step = world * BATCH
+    steps = [
+        [lengths[s * per_step + r * BATCH : s * per_step + (r + 1) * BATCH] for r in range(world)]
+        for s in range(len(lengths) // per_step)
+    ]
+    return straggler_idle(steps), padding_waste([b for st in steps for b in st])
+
+
+def bench_sync(path: Path, world: int, pools: list[int], workers: list[int], steps_for) -> list:
+    rows = []
+    for nw in workers:
+        base = run_ranks(path, ordering=OrderingConfig(), world_size=world, num_workers=nw,
+                         steps=cap, batch_size=BATCH)
+        steps = _steps_matrix(base)
+        limit = _global_sort_limit(base, world)
+        rows.append(dict(workers=nw, pool=0, mode="off", steps=len(steps),
+                         idle=straggler_idle(steps),
+                         padding=padding_waste([b for st in steps for b in st])))
+        rows.append(dict(workers=nw, pool=0, mode="global sort", steps=len(steps),
+                         idle=limit[0], padding=limit[1]))
+        for pool in pools:
+            if pool >= 10_000 and nw > 1:
+                continue  # 10k-sample pools per worker: the 1-worker run carries the figure
+            for mode in ("sample", "batch"):
+                t0 = time.perf_counter()
+                rec = run_ranks(
+                    path,
+                    ordering=OrderingConfig(length_sort_pool_size=pool, length_sort_mode=mode),
+                    world_size=world, num_workers=nw, steps=steps_for(pool, nw),
+                    batch_size=BATCH,
+                )
+                st = _steps_matrix(rec)
+                rows.append(dict(workers=nw, pool=pool, mode=mode, steps=len(st),
+                                 idle=straggler_idle(st),
+                                 padding=padding_waste([b for s in st for b in s]),
+                                 seconds=time.perf_counter() - t0))
+                click.echo(f"  workers={nw} pool={pool} {mode}: idle {rows[-1]['idle']:.3f} "
+                           f"padding {rows[-1]['padding']:.3f}", err=True)
+    return rows
+
+
+def _rate(path: Path, pool: int, n_batches: int) -> float:
+    cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode="batch")
+    loader = build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH)
+    it = iter(loader)
+    next(it)  # startup and the first pool's fill are not throughput
+    t0 = time.perf_counter()
+    for _ in range(n_batches):
+        next(it)
+    dt = time.perf_counter() - t0
+    del it
+    close_loader(loader)
+    return n_batches * BATCH / dt
+
+
+def bench_overhead(path: Path, pool: int, n_batches: int, repeats: int) -> dict:
+    """Samples/s with and without the pool, interleaved runs, median of each."""
+    off, on = [], []
+    for _ in range(repeats):
+        off.append(_rate(path, 0, n_batches))
+        on.append(_rate(path, pool, n_batches))
+    return dict(pool=pool, samples=n_batches * BATCH, off=statistics.median(off),
+                on=statistics.median(on), ratio=statistics.median(on) / statistics.median(off))
+
+
+def _state_after(path: Path, cfg: OrderingConfig, n_batches: int):
+    loader = build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH)
+    it = iter(loader)
+    t0 = time.perf_counter()
+    for _ in range(n_batches):
+        next(it)
+    elapsed = time.perf_counter() - t0
+    state = loader.save_state_rank()
+    del it
+    close_loader(loader)
+    return state, elapsed
+
+
+def bench_checkpoint(path: Path, pools: list[int]) -> list:
+    """State bytes vs pool size (state taken right after the first batch of the first pool,
+    when the pool holds pool_size - 4 unemitted samples), and restore vs fill time."""
+    rows = []
+    for pool in pools:
+        cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode="batch")
+        state, fill_seconds = _state_after(path, cfg, 1)  # first batch = fill one pool + sort
+        plain, _ = _state_after(path, OrderingConfig(), 1)
+        pooled = pool - BATCH
+        size, base = len(pickle.dumps(state)), len(pickle.dumps(plain))
+        gc.collect()
+        loader = build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH)
+        t0 = time.perf_counter()
+        loader.restore_state_rank(state)
+        next(iter(loader))  # re-creates the pool's samples from their restore keys
+        restore_seconds = time.perf_counter() - t0
+        close_loader(loader)
+        rows.append(dict(pool=pool, state_bytes=size, plain_state_bytes=base,
+                         bytes_per_pooled_sample=(size - base) / pooled,
+                         fill_seconds=fill_seconds, restore_seconds=restore_seconds,
+                         restore_over_fill=restore_seconds / fill_seconds))
+        click.echo(f"  checkpoint pool={pool}: {rows[-1]['bytes_per_pooled_sample']:.1f} B/sample,"
+                   f" restore/fill {rows[-1]['restore_over_fill']:.2f}", err=True)
+    return rows
+
+
+def _print_tables(sync, overhead, ckpt) -> None:
+    click.echo("\n## Straggler idle and padding waste (8 ranks, micro-batch 4)\n")
+    click.echo("| workers | pool | mode | steps | straggler idle | padding waste |")
+    click.echo("|---:|---:|---|---:|---:|---:|")
+    for r in sync:
+        pool = "-" if r["pool"] == 0 else f"{r['pool']:,}"
+        click.echo(f"| {r['workers']} | {pool} | {r['mode']} | {r['steps']} | "
+                   f"{100 * r['idle']:.1f}% | {100 * r['padding']:.1f}% |")
+    click.echo("\n## Pool overhead (one rank, in-process, batch mode)\n")
+    click.echo("| pool | samples timed | samples/s off | samples/s on | on/off |")
+    click.echo("|---:|---:|---:|---:|---:|")
+    for r in overhead:
+        click.echo(f"| {r['pool']:,} | {r['samples']:,} | {r['off']:.0f} | {r['on']:.0f} | "
+                   f"{r['ratio']:.3f} |")
+    click.echo("\n## Checkpoint size and restore latency (state after the first batch)\n")
+    click.echo("| pool | state bytes | without pool | bytes / pooled sample | fill s | restore s | restore/fill |")
+    click.echo("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in ckpt:
+        click.echo(f"| {r['pool']:,} | {r['state_bytes']:,} | {r['plain_state_bytes']:,} | "
+                   f"{r['bytes_per_pooled_sample']:.1f} | {r['fill_seconds']:.2f} | "
+                   f"{r['restore_seconds']:.2f} | {r['restore_over_fill']:.2f} |")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--out", default="bench_out", type=click.Path(file_okay=False),
+              help="Folder for the dataset (reused between runs) and results.json.")
+@click.option("--quick", is_flag=True, help="Small scale: pools 100/1,000, fewer steps.")
+@click.option("--samples", default=None, type=int,
+              help="Dataset size [default: 80,000; 8,000 with --quick].")
+@click.option("--world-size", default=8, help="Simulated data-parallel ranks.")
+def main(out: str, quick: bool, samples: int | None, world_size: int) -> None:
+    """Measure cross-rank length sync, overhead, checkpoint size and restore latency."""
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = _dataset(out_dir, samples or (8_000 if quick else 80_000))
+    pools = [100, 1_000] if quick else [100, 1_000, 10_000]
+    workers = [1] if quick else [1, 4]
+    cap = 300 if quick else 1_500
+
+    def steps_for(pool: int, nw: int) -> int:
+        # Enough steps to emit two pools per worker; 10k pools: 250 steps of the first one.
+        if pool >= 10_000:
+            return 250
+        return max(200, min(cap, 2 * pool * nw // BATCH))
+
+    t0 = time.perf_counter()
+    sync = bench_sync(path, world_size, pools, workers, steps_for)
+    overhead = [bench_overhead(path, pool=1_000, n_batches=500 if quick else 5_000,
+                               repeats=1 if quick else 3)]
+    ckpt = bench_checkpoint(path, pools)
+    _print_tables(sync, overhead, ckpt)
+    click.echo(f"\n(total {time.perf_counter() - t0:.0f} s; dataset {path})")
+    (out_dir / "results.json").write_text(
+        json.dumps(dict(sync=sync, overhead=overhead, checkpoint=ckpt), indent=2)
+    )
+
+
+if __name__ == "__main__":
+    main()
