@@ -10,8 +10,10 @@ from typing import Any
 
 import yaml
 
+from energon_ordering.blend_policy import BLEND_POLICIES
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.pool_order import POOL_ORDERS
+from energon_ordering.schedules import MixtureSchedule
 
 __all__ = ["OrderingConfig"]
 
@@ -26,19 +28,62 @@ class OrderingConfig:
             (permute sorted micro-batch-sized chunks; near padding-free). See
             :mod:`energon_ordering.pool_order`.
         seed: Ordering seed, identical on every data-parallel rank.
+        mixture_schedule: Per-source weights as a function of the step: a
+            :class:`MixtureSchedule`, an inline definition (dict) or the path of a schedule
+            YAML (relative paths in a recipe are relative to the recipe). None: the
+            metadataset's own weights are used unchanged.
+        total_steps: Optimizer steps of the run; resolves fractional phase ends.
+        micro_batches_per_step: Micro-batches per optimizer step on one rank, i.e.
+            ``global_batch_size / (micro_batch_size * data_parallel_size)``.
+        blend_policy: ``"random"`` or ``"deterministic"`` (see
+            :mod:`energon_ordering.blend_policy`).
+        schedule_lag_compensation: With the length pool on, evaluate the schedule at the
+            expected emission step of a sample instead of its draw step (see
+            :class:`~energon_ordering.scheduled_blend.ScheduledBlendDataset`).
+        allow_schedule_change: Restore a data state saved under another schedule instead of
+            raising (the blend's counters carry over).
     """
 
     length_sort_pool_size: int = 0
     length_sort_mode: str = "sample"
     seed: int = 0
+    mixture_schedule: MixtureSchedule | None = None
+    total_steps: int | None = None
+    micro_batches_per_step: int = 1
+    blend_policy: str = "random"
+    schedule_lag_compensation: bool = True
+    allow_schedule_change: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("length_sort_pool_size", "seed"):
+        for name in ("length_sort_pool_size", "seed", "micro_batches_per_step", "total_steps"):
             value = getattr(self, name)
+            if value is None and name == "total_steps":
+                continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise OrderingTypeError(
                     f"OrderingConfig.{name} = {value!r} ({type(value).__name__}) must be an int."
                 )
+        for name in ("schedule_lag_compensation", "allow_schedule_change"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise OrderingTypeError(
+                    f"OrderingConfig.{name} = {value!r} must be true or false."
+                )
+        if self.micro_batches_per_step < 1:
+            raise OrderingConfigError(
+                f"OrderingConfig.micro_batches_per_step = {self.micro_batches_per_step} must be "
+                ">= 1 (global batch / (micro batch * data-parallel size))."
+            )
+        if self.total_steps is not None and self.total_steps < 1:
+            raise OrderingConfigError(
+                f"OrderingConfig.total_steps = {self.total_steps} must be >= 1."
+            )
+        if self.blend_policy not in BLEND_POLICIES:
+            raise OrderingConfigError(
+                f"OrderingConfig.blend_policy = {self.blend_policy!r} is unknown; use one of "
+                f"{list(BLEND_POLICIES)}."
+            )
+        object.__setattr__(self, "mixture_schedule", self._resolve_schedule(self.mixture_schedule))
         if self.length_sort_pool_size < 0:
             raise OrderingConfigError(
                 f"OrderingConfig.length_sort_pool_size = {self.length_sort_pool_size} must be "
@@ -49,6 +94,25 @@ class OrderingConfig:
                 f"OrderingConfig.length_sort_mode = {self.length_sort_mode!r} is unknown; use "
                 f"one of {sorted(POOL_ORDERS)}."
             )
+
+    def _resolve_schedule(self, value: Any) -> MixtureSchedule | None:
+        if value is None:
+            return None
+        if isinstance(value, MixtureSchedule):
+            if self.total_steps is not None and value.total_steps not in (None, self.total_steps):
+                raise OrderingConfigError(
+                    f"OrderingConfig.total_steps = {self.total_steps} but mixture_schedule has "
+                    f"total_steps = {value.total_steps}; make them agree."
+                )
+            return value
+        if isinstance(value, Mapping):
+            return MixtureSchedule.from_dict(value, total_steps=self.total_steps)
+        if isinstance(value, (str, Path)):
+            return MixtureSchedule.from_yaml(value, total_steps=self.total_steps)
+        raise OrderingTypeError(
+            f"OrderingConfig.mixture_schedule = {value!r} must be a MixtureSchedule, a mapping "
+            "(inline schedule) or the path of a schedule YAML."
+        )
 
     @property
     def length_sort_enabled(self) -> bool:
@@ -82,11 +146,20 @@ class OrderingConfig:
             data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
             raise OrderingConfigError(f"OrderingConfig.from_yaml: {path} is not valid YAML: {e}") from e
+        data = data if data is not None else {}
+        if isinstance(data, Mapping) and isinstance(data.get("mixture_schedule"), str):
+            schedule_path = Path(data["mixture_schedule"])
+            if not schedule_path.is_absolute():
+                data = {**data, "mixture_schedule": str(path.parent / schedule_path)}
         try:
-            return cls.from_dict(data if data is not None else {})
+            return cls.from_dict(data)
         except (OrderingConfigError, OrderingTypeError) as e:
             raise type(e)(f"{path}: {e}") from e
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings as a plain dict (round-trips through :meth:`from_dict`)."""
-        return dataclasses.asdict(self)
+        """The settings as a plain dict (round-trips through :meth:`from_dict`); the schedule is
+        written inline, in its normalised form."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.mixture_schedule is not None:
+            d["mixture_schedule"] = self.mixture_schedule.to_dict()
+        return d

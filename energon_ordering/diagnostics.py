@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["batch_cost", "padding_waste", "rank_overlap", "straggler_idle"]
+__all__ = ["batch_cost", "padding_waste", "rank_overlap", "straggler_idle", "switch_lag"]
 
 #: Sequence length at which the quadratic (attention) term equals the linear one.
 ATTENTION_CROSSOVER_TOKENS = 4096
@@ -64,3 +64,19 @@ def rank_overlap(keys_per_rank: Sequence[Sequence[str]]) -> set[str]:
                 dup.add(k)
             seen.setdefault(k, rank)
     return dup
+
+
+def switch_lag(realized: Sequence[float], target: Sequence[float]) -> float:
+    """How many steps late a mixture switch arrives, from per-step shares of one source.
+
+    ``realized[s]`` and ``target[s]`` are the source's realised and scheduled share at step s over
+    a window that starts before the switch and ends after it has fully arrived. The missing
+    (or surplus) share, divided by the size of the jump, is the shift of the switch in steps:
+    exact for a delayed step function, and the mean delay for a smeared one. Positive = late.
+    """
+    if len(realized) != len(target) or len(target) < 2:
+        raise ValueError("switch_lag: need two sequences of equal length >= 2.")
+    jump = target[-1] - target[0]
+    if jump == 0:
+        raise ValueError("switch_lag: the target does not change over the window.")
+    return float(sum(t - r for r, t in zip(realized, target)) / jump)

@@ -6,11 +6,19 @@ from typing import Any
 
 from megatron.energon.flavors.base_dataset import SavableDataset
 from megatron.energon.worker import WorkerConfig
+from megatron.energon.wrappers import (
+    EpochizeDataset,
+    LogSampleDataset,
+    RepeatDataset,
+    ShuffleBufferDataset,
+)
 
 from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.length_pool_sort import LengthPoolSortDataset
 from energon_ordering.sample_length import default_sample_length
+from energon_ordering.scheduled_blend import ScheduledBlendDataset
+from energon_ordering.source_tag import SOURCE_KEY
 
 __all__ = ["OrderingTaskEncoder"]
 
@@ -28,8 +36,18 @@ class OrderingTaskEncoder:
         te.ordering = OrderingConfig(length_sort_pool_size=1000, length_sort_mode="batch")
         ds = get_train_dataset(path, batch_size=4, task_encoder=te, worker_config=wc, ...)
 
-    The training pipeline becomes ``... -> encode_sample -> LengthPoolSortDataset -> batch ->
-    encode_batch``; validation pipelines are left untouched. The sort key is
+    The training pipeline becomes::
+
+        per source: load -> repeat -> shuffle buffer     (only with a mixture schedule)
+        -> ScheduledBlendDataset                         (only with a mixture schedule)
+        -> encode_sample -> LengthPoolSortDataset        (only with length_sort_pool_size > 0)
+        -> batch -> encode_batch
+
+    Validation pipelines are left untouched. With a mixture schedule, each metadataset ``blend:``
+    entry is one source, named by its ``subflavors: {source: NAME}`` or else by the last
+    component of its dataset path; the metadataset weights are replaced by the schedule. The
+    shuffle buffer is applied per source, before the blend, so that a phase switch is not
+    delayed by the buffer. Without a schedule Energon's own blend is used unchanged. The sort key is
     :meth:`ordering_sample_length` (override it if your samples carry neither ``total_len`` nor
     ``tokens``). Packing and ``batch_group_criterion`` are not supported together with the pool.
     """
@@ -74,9 +92,75 @@ class OrderingTaskEncoder:
                 )
         self._ordering_building_train = True
         try:
+            if cfg.mixture_schedule is not None:
+                return self._build_scheduled_train(cfg, batch_size=batch_size, **kwargs)
             return super().build_train_datasets(batch_size=batch_size, **kwargs)  # type: ignore[misc]
         finally:
             self._ordering_building_train = False
+
+    def _build_scheduled_train(
+        self,
+        cfg: OrderingConfig,
+        *,
+        datasets: list[Any],
+        worker_config: WorkerConfig,
+        batch_size: int | None,
+        batch_drop_last: bool = False,
+        packing_buffer_size: int | None = None,
+        virtual_epoch_length: int = 0,
+        shuffle_buffer_size: int | None = None,
+        blend_mode: Any = None,
+        repeat: bool = True,
+    ) -> SavableDataset:
+        """Energon's build_train_datasets with the scheduled blend after per-source shuffles."""
+        schedule = cfg.mixture_schedule
+        assert schedule is not None
+        names = [_source_name(d) for d in datasets]
+        if len(set(names)) != len(names):
+            raise OrderingConfigError(
+                f"OrderingConfig.mixture_schedule: metadataset entries share source names "
+                f"{names}; give each blend entry its own `subflavors: {{{SOURCE_KEY}: NAME}}`."
+            )
+        # Same worker rotation as Energon's build_train_datasets, so shards spread evenly.
+        global_workers = max(1, worker_config.num_workers) * worker_config.world_size
+        offsets, acc = [], 0
+        for d in datasets:
+            offsets.append(acc % global_workers)
+            acc += len(d.dataset)
+        sources = []
+        for name, d, offset in zip(names, datasets, offsets):
+            ds = self._load_dataset(d, offset, worker_config=worker_config)  # type: ignore[attr-defined]
+            if repeat:
+                ds = RepeatDataset(ds, worker_config=worker_config)
+            if shuffle_buffer_size is not None and shuffle_buffer_size > 1:
+                ds = ShuffleBufferDataset(ds, size=shuffle_buffer_size, worker_config=worker_config)
+            sources.append((name, ds))
+        lag = 0.0
+        if cfg.length_sort_enabled and cfg.schedule_lag_compensation:
+            per_batch = batch_size or 1
+            lag = (cfg.length_sort_pool_size / per_batch - 1) / 2 * max(1, worker_config.num_workers)
+        dataset: SavableDataset = ScheduledBlendDataset(
+            sources,
+            schedule=schedule,
+            worker_config=worker_config,
+            micro_batches_per_step=cfg.micro_batches_per_step,
+            policy=cfg.blend_policy,
+            lag_batches=max(0.0, lag),
+            allow_schedule_change=cfg.allow_schedule_change,
+        )
+        dataset = self.build_encode_sample(dataset, worker_config=worker_config)  # type: ignore[attr-defined]
+        dataset = self.build_batch(
+            dataset,
+            batch_size=batch_size,
+            batch_drop_last=batch_drop_last,
+            packing_buffer_size=packing_buffer_size,
+            worker_config=worker_config,
+        )
+        if virtual_epoch_length > 0:
+            dataset = EpochizeDataset(dataset, length=virtual_epoch_length, worker_config=worker_config)
+        if worker_config.should_log(level=1):
+            dataset = LogSampleDataset(dataset, mode="train", worker_config=worker_config)
+        return dataset
 
     def build_batch(
         self,
@@ -100,3 +184,18 @@ class OrderingTaskEncoder:
         return super().build_batch(  # type: ignore[misc]
             dataset, batch_size=batch_size, worker_config=worker_config, **kwargs
         )
+
+
+def _source_name(loaded: Any) -> str:
+    """A metadataset entry's source name: ``subflavors.source``, else its folder name."""
+    factory = loaded.dataset
+    subflavors = getattr(factory, "subflavors", None) or {}
+    if subflavors.get(SOURCE_KEY):
+        return str(subflavors[SOURCE_KEY])
+    path = getattr(factory, "path", None)
+    if path is None:
+        raise OrderingConfigError(
+            f"OrderingConfig.mixture_schedule: cannot name the metadataset entry {factory!r}; "
+            f"give it `subflavors: {{{SOURCE_KEY}: NAME}}`."
+        )
+    return str(path).rstrip("/").rsplit("/", 1)[-1]

@@ -23,3 +23,15 @@ def align_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("align")
     make_synthetic_dataset(root, [SourceSpec("web", 4096, "trimodal")], shard_size=64)
     return root / "web"
+
+
+@pytest.fixture(scope="session")
+def three_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A metadataset over web (2,000), code (2,000) and curated (500) samples."""
+    root = tmp_path_factory.mktemp("three")
+    return make_synthetic_dataset(
+        root,
+        [SourceSpec("web", 2000, "short"), SourceSpec("code", 2000, "medium"),
+         SourceSpec("curated", 500, "short")],
+        shard_size=50,
+    )

@@ -42,3 +42,18 @@ def test_rank_overlap():
     assert rank_overlap([["a", "b"], ["c"], ["d"]]) == set()
     assert rank_overlap([["a", "b"], ["b", "c"], ["a"]]) == {"a", "b"}
     assert rank_overlap([["a", "a"], ["b"]]) == set()  # repeats within a rank are not overlap
+
+
+def test_switch_lag_of_a_delayed_step_is_the_delay():
+    from energon_ordering.diagnostics import switch_lag
+
+    target = [0.1] * 10 + [0.6] * 20
+    late = [0.1] * 13 + [0.6] * 17
+    assert switch_lag(late, target) == pytest.approx(3)
+    assert switch_lag(target, target) == 0
+    early = [0.1] * 8 + [0.6] * 22
+    assert switch_lag(early, target) == pytest.approx(-2)
+    smeared = [0.1] * 10 + [0.1 + 0.5 * k / 10 for k in range(1, 11)] + [0.6] * 10
+    assert switch_lag(smeared, target) == pytest.approx(4.5)
+    with pytest.raises(ValueError, match="does not change"):
+        switch_lag([0.1, 0.1], [0.1, 0.1])

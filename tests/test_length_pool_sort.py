@@ -30,10 +30,10 @@ TOTAL = 40
 CUTS = (0, 3, 14, 27)
 
 
-def _run_with_cuts(path, ordering, *, num_workers, batch_size, total, cuts):
+def _run_with_cuts(path, ordering, *, num_workers, batch_size, total, cuts, **loader_kw):
     """Uninterrupted run of `total` batches; returns the records and the state at each cut."""
     loader = build_train_loader(
-        path, ordering=ordering, num_workers=num_workers, batch_size=batch_size
+        path, ordering=ordering, num_workers=num_workers, batch_size=batch_size, **loader_kw
     )
     records, states = [], {}
     it = None
@@ -50,9 +50,9 @@ def _run_with_cuts(path, ordering, *, num_workers, batch_size, total, cuts):
     return records, states
 
 
-def _resume(path, ordering, state, *, num_workers, batch_size, steps):
+def _resume(path, ordering, state, *, num_workers, batch_size, steps, **loader_kw):
     loader = build_train_loader(
-        path, ordering=ordering, num_workers=num_workers, batch_size=batch_size
+        path, ordering=ordering, num_workers=num_workers, batch_size=batch_size, **loader_kw
     )
     loader.restore_state_rank(state)
     it = iter(loader)
@@ -77,6 +77,24 @@ def test_exact_resume_at_every_cut(small_dataset, num_workers, mode, pool_size, 
         )
         for step, (want, got) in enumerate(zip(full[cut:], resumed), start=cut):
             assert got == want, f"cut {cut}: first mismatch at batch {step}: {got} != {want}"
+
+
+@pytest.mark.parametrize("mode,pool_size", [("sample", 7), ("batch", 64)])
+def test_exact_resume_from_mid_pool_worker_snapshots(small_dataset, mode, pool_size):
+    # With worker processes Energon restores from the worker's latest in-memory snapshot and
+    # replays from there. Snapshot after every batch, so the restored snapshots are taken
+    # while the pool is half collected or half emitted (not only the initial state + replay).
+    ordering = OrderingConfig(length_sort_pool_size=pool_size, length_sort_mode=mode, seed=1)
+    snap = dict(checkpoint_every_sec=0, checkpoint_every_min_n_samples=1)
+    cuts = (9, 22, 35)
+    full, states = _run_with_cuts(small_dataset, ordering, num_workers=2, batch_size=4,
+                                  total=TOTAL, cuts=cuts, **snap)
+    for cut in cuts:
+        offsets = [ws.offset for ws in states[cut].worker_states]
+        assert max(offsets) <= 1, f"expected fresh snapshots, got replay offsets {offsets}"
+        resumed = _resume(small_dataset, ordering, states[cut], num_workers=2, batch_size=4,
+                          steps=TOTAL - cut, **snap)
+        assert resumed == full[cut:], f"cut {cut}"
 
 
 def test_resume_restores_pooled_samples_with_identical_content(small_dataset):

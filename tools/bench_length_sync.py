@@ -59,11 +59,13 @@ def _global_sort_limit(records, world: int) -> tuple[float, float]:
     return straggler_idle(steps), padding_waste([b for st in steps for b in st])
 
 
-def bench_sync(path: Path, world: int, pools: list[int], workers: list[int], steps_for) -> list:
+def bench_sync(
+    path: Path, world: int, pools: list[int], workers: list[int], steps_for, base_steps: int
+) -> list:
     rows = []
     for nw in workers:
         base = run_ranks(path, ordering=OrderingConfig(), world_size=world, num_workers=nw,
-                         steps=cap, batch_size=BATCH)
+                         steps=base_steps, batch_size=BATCH)
         steps = _steps_matrix(base)
         limit = _global_sort_limit(base, world)
         rows.append(dict(workers=nw, pool=0, mode="off", steps=len(steps),
@@ -201,7 +203,7 @@ def main(out: str, quick: bool, samples: int | None, world_size: int) -> None:
         return max(200, min(cap, 2 * pool * nw // BATCH))
 
     t0 = time.perf_counter()
-    sync = bench_sync(path, world_size, pools, workers, steps_for)
+    sync = bench_sync(path, world_size, pools, workers, steps_for, base_steps=cap)
     overhead = [bench_overhead(path, pool=1_000, n_batches=500 if quick else 5_000,
                                repeats=1 if quick else 3)]
     ckpt = bench_checkpoint(path, pools)

@@ -1,0 +1,36 @@
+"""Where a sample's source name lives: ``__subflavors__["source"]``.
+
+Energon samples carry the metadataset's ``subflavors`` in ``__subflavors__``; the scheduled blend
+sets ``source`` there (a new dict, never mutating one shared with other samples), so the task
+encoder, batches and diagnostics can read it. Works for ``Sample`` dataclasses and dict samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+__all__ = ["SOURCE_KEY", "sample_source", "tag_source"]
+
+T = TypeVar("T")
+
+#: The subflavor key that names a sample's source.
+SOURCE_KEY = "source"
+
+
+def sample_source(sample: Any) -> str | None:
+    """The source name of a sample, or None if it has none."""
+    sub = sample.get("__subflavors__") if isinstance(sample, dict) else getattr(sample, "__subflavors__", None)
+    return None if not sub else sub.get(SOURCE_KEY)
+
+
+def tag_source(sample: T, name: str) -> T:
+    """Returns ``sample`` with ``__subflavors__["source"] == name``."""
+    if isinstance(sample, dict):
+        sub = sample.get("__subflavors__") or {}
+        if sub.get(SOURCE_KEY) != name:
+            sample["__subflavors__"] = {**sub, SOURCE_KEY: name}
+        return sample
+    sub = getattr(sample, "__subflavors__", None) or {}
+    if sub.get(SOURCE_KEY) != name:
+        sample.__subflavors__ = {**sub, SOURCE_KEY: name}
+    return sample
