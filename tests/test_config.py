@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from energon_ordering import OrderingConfig, OrderingConfigError, OrderingTypeError
@@ -65,7 +66,49 @@ def test_there_are_recipes():
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_loads_and_validates(recipe):
     cfg = OrderingConfig.from_yaml(recipe)
-    assert cfg.length_sort_enabled
-    if cfg.length_sort_mode == "batch":
+    assert OrderingConfig.from_dict(cfg.to_dict()) == cfg
+    if cfg.length_sort_enabled and cfg.length_sort_mode == "batch":
         # Recipes are written for the usual micro-batch sizes.
-        assert all(cfg.length_sort_pool_size % b == 0 for b in (1, 2, 4, 8))
+        assert all(cfg.length_sort_pool_size % b == 0 for b in (1, 2, 4))
+    if cfg.mixture_schedule is not None:
+        sched = cfg.mixture_schedule
+        total = cfg.total_steps or sched.total_steps
+        assert total is not None, "a recipe with a schedule states total_steps"
+        table = sched.weights_table(np.arange(0, total + 1, max(1, total // 500)))
+        assert np.allclose(table.sum(axis=1), 1.0) and (table >= 0).all()
+        assert sched.fingerprint
+
+
+def test_slm_recipe_is_the_worked_example():
+    cfg = OrderingConfig.from_yaml(Path(__file__).parent.parent / "recipes" / "slm_350m_20b.yaml")
+    sched = cfg.mixture_schedule
+    anneal = int(round(0.9 * cfg.total_steps))
+    assert sched.weights(anneal - 1) == pytest.approx(
+        {"web": 0.62, "code": 0.18, "books": 0.12, "curated": 0.08})
+    assert sched.weights(anneal + 199)["curated"] == pytest.approx(0.35)
+
+
+def test_recipe_may_point_to_a_schedule_file(tmp_path):
+    (tmp_path / "mix.yaml").write_text("sources:\n  a: {weight: 1}\n  b: {weight: 3}\n")
+    (tmp_path / "recipe.yaml").write_text("mixture_schedule: mix.yaml\nblend_policy: deterministic\n")
+    cfg = OrderingConfig.from_yaml(tmp_path / "recipe.yaml")
+    assert cfg.mixture_schedule.weights(0) == {"a": 0.25, "b": 0.75}
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(micro_batches_per_step=0), OrderingConfigError, r"micro_batches_per_step = 0"),
+        (dict(total_steps=0), OrderingConfigError, r"total_steps = 0 must be >= 1"),
+        (dict(blend_policy="greedy"), OrderingConfigError, r"blend_policy = 'greedy' is unknown"),
+        (dict(schedule_lag_compensation="yes"), OrderingTypeError, r"schedule_lag_compensation = 'yes'"),
+        (dict(mixture_schedule=42), OrderingTypeError, r"mixture_schedule = 42 must be"),
+        (dict(mixture_schedule={"phases": [{"until": 0.5, "weights": {"a": 1}}]}),
+         OrderingConfigError, r"total_steps is not set"),
+        (dict(mixture_schedule={"total_steps": 10, "sources": {"a": {"weight": 1}}}, total_steps=20),
+         OrderingConfigError, r"total_steps = 10 but the run has total_steps = 20"),
+    ],
+)
+def test_bad_schedule_settings(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        OrderingConfig(**kwargs)
