@@ -13,7 +13,7 @@ import yaml
 from energon_ordering.blend_policy import BLEND_POLICIES
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.pool_order import POOL_ORDERS
-from energon_ordering.schedules import MixtureSchedule
+from energon_ordering.schedules import MixtureSchedule, SeqLenWarmup
 
 __all__ = ["OrderingConfig"]
 
@@ -42,6 +42,11 @@ class OrderingConfig:
             :class:`~energon_ordering.scheduled_blend.ScheduledBlendDataset`).
         allow_schedule_change: Restore a data state saved under another schedule instead of
             raising (the blend's counters carry over).
+        seq_length_warmup: Sequence-length warmup applied at batch time: a
+            :class:`SeqLenWarmup` or a mapping ``{start, full, warmup_steps[, multiple_of, kind,
+            overflow]}`` (``overflow`` sets ``seq_length_overflow``). None: off.
+        seq_length_overflow: For a sample whose media tokens alone exceed the warmup cap:
+            ``"keep"`` (emit uncut, counted), ``"drop"`` (skip, counted) or ``"error"``.
     """
 
     length_sort_pool_size: int = 0
@@ -53,6 +58,8 @@ class OrderingConfig:
     blend_policy: str = "random"
     schedule_lag_compensation: bool = True
     allow_schedule_change: bool = False
+    seq_length_warmup: SeqLenWarmup | None = None
+    seq_length_overflow: str = "keep"
 
     def __post_init__(self) -> None:
         for name in ("length_sort_pool_size", "seed", "micro_batches_per_step", "total_steps"):
@@ -84,6 +91,31 @@ class OrderingConfig:
                 f"{list(BLEND_POLICIES)}."
             )
         object.__setattr__(self, "mixture_schedule", self._resolve_schedule(self.mixture_schedule))
+        warmup = self.seq_length_warmup
+        if isinstance(warmup, Mapping):
+            warmup = dict(warmup)
+            if "overflow" in warmup:
+                overflow = warmup.pop("overflow")
+                if self.seq_length_overflow not in ("keep", overflow):
+                    raise OrderingConfigError(
+                        f"OrderingConfig: seq_length_warmup.overflow = {overflow!r} contradicts "
+                        f"seq_length_overflow = {self.seq_length_overflow!r}; give it once."
+                    )
+                object.__setattr__(self, "seq_length_overflow", overflow)
+            warmup = SeqLenWarmup.from_dict(warmup)
+        if warmup is not None and not isinstance(warmup, SeqLenWarmup):
+            raise OrderingTypeError(
+                f"OrderingConfig.seq_length_warmup = {warmup!r} must be a SeqLenWarmup or a "
+                "mapping {start, full, warmup_steps[, multiple_of, kind, overflow]}."
+            )
+        object.__setattr__(self, "seq_length_warmup", warmup)
+        from energon_ordering.seq_warmup import OVERFLOW_POLICIES
+
+        if self.seq_length_overflow not in OVERFLOW_POLICIES:
+            raise OrderingConfigError(
+                f"OrderingConfig.seq_length_overflow = {self.seq_length_overflow!r} is unknown; "
+                f"use one of {list(OVERFLOW_POLICIES)}."
+            )
         if self.length_sort_pool_size < 0:
             raise OrderingConfigError(
                 f"OrderingConfig.length_sort_pool_size = {self.length_sort_pool_size} must be "
@@ -162,4 +194,6 @@ class OrderingConfig:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.mixture_schedule is not None:
             d["mixture_schedule"] = self.mixture_schedule.to_dict()
+        if self.seq_length_warmup is not None:
+            d["seq_length_warmup"] = self.seq_length_warmup.to_dict()
         return d

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["batch_cost", "padding_waste", "rank_overlap", "straggler_idle", "switch_lag"]
+__all__ = [
+    "batch_cost",
+    "padding_waste",
+    "rank_overlap",
+    "straggler_idle",
+    "switch_lag",
+    "warmup_counts",
+]
 
 #: Sequence length at which the quadratic (attention) term equals the linear one.
 ATTENTION_CROSSOVER_TOKENS = 4096
@@ -80,3 +87,24 @@ def switch_lag(realized: Sequence[float], target: Sequence[float]) -> float:
     if jump == 0:
         raise ValueError("switch_lag: the target does not change over the window.")
     return float(sum(t - r for r, t in zip(realized, target)) / jump)
+
+
+def warmup_counts(loader_state: object) -> dict[str, int]:
+    """Sums the sequence-length warmup counters (seen, truncated, truncated_tokens,
+    kept_over_cap, dropped) over every worker in a ``save_state_rank()`` result."""
+    import dataclasses
+
+    total: dict[str, int] = {}
+    stack = [loader_state]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("__class__") == "SeqLenWarmupDataset" and "_counts" in node:
+                for k, v in node["_counts"].items():
+                    total[k] = total.get(k, 0) + int(v)
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            stack.extend(getattr(node, f.name) for f in dataclasses.fields(node))
+    return total

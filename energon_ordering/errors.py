@@ -13,6 +13,7 @@ __all__ = [
     "OrderingTypeError",
     "NotRestorableError",
     "SampleLengthError",
+    "SeqLenOverflowError",
     "StateMismatchError",
 ]
 
@@ -39,3 +40,7 @@ class SampleLengthError(OrderingError, ValueError):
 
 class StateMismatchError(OrderingError, ValueError):
     """A saved state was written by a different configuration or version of the logic."""
+
+
+class SeqLenOverflowError(OrderingError, ValueError):
+    """A sample's uncuttable (media) tokens alone exceed the warmup's sequence-length cap."""

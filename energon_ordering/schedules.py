@@ -55,6 +55,7 @@ __all__ = [
     "MixtureSchedule",
     "Phase",
     "RepetitionWarning",
+    "SeqLenWarmup",
     "implied_epochs",
 ]
 
@@ -459,3 +460,95 @@ def implied_epochs(
                 stacklevel=2,
             )
     return out
+
+
+#: Sequence-length warmup kinds.
+WARMUP_KINDS = ("linear", "step")
+
+
+@dataclass(frozen=True)
+class SeqLenWarmup:
+    """Sequence-length warmup: the maximum sequence length as a pure function of the step.
+
+    ``max_seq_len(step)`` grows from ``start`` to ``full`` tokens over ``warmup_steps`` optimizer
+    steps, rounded down to a multiple of ``multiple_of`` (tensor cores want multiples of 8), and
+    is exactly ``full`` from ``warmup_steps`` on.
+
+    Kinds:
+        ``linear``: ``start + (full - start) * step / warmup_steps``, rounded down.
+        ``step``: discrete doubling stages, ``start * 2**k`` for ``k = floor(step * n /
+        warmup_steps)`` with ``n = ceil(log2(full / start))`` equal stages, capped at ``full``.
+
+    Args:
+        start: Length at step 0, in tokens (a multiple of ``multiple_of``).
+        full: Length from ``warmup_steps`` on, in tokens (a multiple of ``multiple_of``); in
+            Megatron-LM this is ``--seq-length``.
+        warmup_steps: Optimizer steps of the warmup (>= 1).
+        multiple_of: Lengths during the warmup are rounded down to a multiple of this.
+        kind: ``"linear"`` or ``"step"``.
+    """
+
+    start: int
+    full: int
+    warmup_steps: int
+    multiple_of: int = 8
+    kind: str = "linear"
+
+    def __post_init__(self) -> None:
+        for name in ("start", "full", "warmup_steps", "multiple_of"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise OrderingConfigError(
+                    f"SeqLenWarmup.{name} = {value!r} must be a positive int."
+                )
+        if self.start > self.full:
+            raise OrderingConfigError(
+                f"SeqLenWarmup: start = {self.start} > full = {self.full}; the warmup grows the "
+                "sequence length, so start must be <= full."
+            )
+        for name in ("start", "full"):
+            value = getattr(self, name)
+            if value % self.multiple_of:
+                lo = value // self.multiple_of * self.multiple_of
+                hint = f"{lo} or {lo + self.multiple_of}" if lo else f"{self.multiple_of}"
+                raise OrderingConfigError(
+                    f"SeqLenWarmup.{name} = {value} is not a multiple of multiple_of = "
+                    f"{self.multiple_of}; use {name} = {hint} (or another multiple_of)."
+                )
+        if self.kind not in WARMUP_KINDS:
+            raise OrderingConfigError(
+                f"SeqLenWarmup.kind = {self.kind!r} is unknown; use one of {list(WARMUP_KINDS)}."
+            )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SeqLenWarmup:
+        """Builds a warmup from ``{start, full, warmup_steps[, multiple_of, kind]}``."""
+        if not isinstance(d, Mapping):
+            raise OrderingTypeError(f"SeqLenWarmup.from_dict: expected a mapping, got {type(d).__name__}.")
+        known = {"start", "full", "warmup_steps", "multiple_of", "kind"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise OrderingConfigError(
+                f"SeqLenWarmup: unknown setting(s) {unknown}; known settings are {sorted(known)}."
+            )
+        missing = sorted({"start", "full", "warmup_steps"} - set(d))
+        if missing:
+            raise OrderingConfigError(f"SeqLenWarmup: missing setting(s) {missing}.")
+        return cls(**dict(d))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"start": self.start, "full": self.full, "warmup_steps": self.warmup_steps,
+                "multiple_of": self.multiple_of, "kind": self.kind}
+
+    def max_seq_len(self, step: int) -> int:
+        """Maximum sequence length at optimizer ``step`` (an int >= 0), in tokens."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise OrderingConfigError(f"SeqLenWarmup.max_seq_len: step = {step!r} must be an int >= 0.")
+        if step >= self.warmup_steps:
+            return self.full
+        if self.kind == "linear":
+            length = self.start + (self.full - self.start) * step // self.warmup_steps
+        else:
+            stages = max(1, math.ceil(math.log2(self.full / self.start)))
+            length = min(self.full, self.start * 2 ** (step * stages // self.warmup_steps))
+        return max(self.start, length // self.multiple_of * self.multiple_of)

@@ -16,6 +16,7 @@ import torch
 from megatron.energon import Batch, CaptioningSample, DefaultTaskEncoder, Sample, stateless
 
 from energon_ordering.task_encoder import OrderingTaskEncoder
+from energon_ordering.token_layout import TokenLayout
 
 __all__ = ["IMAGE_TOKEN_ID", "SyntheticBatch", "SyntheticTaskEncoder", "TokenizedSample"]
 
@@ -81,20 +82,27 @@ class SyntheticTaskEncoder(
         image_tokens: Placeholder tokens per image.
     """
 
+    ordering_token_layout = TokenLayout(media_token_id=IMAGE_TOKEN_ID)
+
     def __init__(self, image_tokens: int = 64, **kwargs: Any):
         super().__init__(**kwargs)
         self.image_tokens = image_tokens
 
+    def media_tokens(self, sample: CaptioningSample) -> int:
+        """Image placeholder tokens for ``sample`` (a pure function of the sample)."""
+        return self.image_tokens
+
     @stateless
     def encode_sample(self, sample: CaptioningSample) -> TokenizedSample:
         words = sample.caption.split()
-        ids = [IMAGE_TOKEN_ID] * self.image_tokens + [_VOCAB[w] for w in words]
+        n_media = self.media_tokens(sample)
+        ids = [IMAGE_TOKEN_ID] * n_media + [_VOCAB[w] for w in words]
         source = (sample.__subflavors__ or {}).get("source") or sample.__key__.rsplit("-", 1)[0]
         return TokenizedSample.derive_from(
             sample,
             tokens=torch.tensor(ids, dtype=torch.int32),
             total_len=len(ids),
-            num_media_tokens=self.image_tokens,
+            num_media_tokens=n_media,
             source=source,
             image=sample.image,
         )

@@ -18,7 +18,9 @@ from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.length_pool_sort import LengthPoolSortDataset
 from energon_ordering.sample_length import default_sample_length
 from energon_ordering.scheduled_blend import ScheduledBlendDataset
+from energon_ordering.seq_warmup import SeqLenWarmupDataset
 from energon_ordering.source_tag import SOURCE_KEY
+from energon_ordering.token_layout import TokenLayout
 
 __all__ = ["OrderingTaskEncoder"]
 
@@ -41,6 +43,7 @@ class OrderingTaskEncoder:
         per source: load -> repeat -> shuffle buffer     (only with a mixture schedule)
         -> ScheduledBlendDataset                         (only with a mixture schedule)
         -> encode_sample -> LengthPoolSortDataset        (only with length_sort_pool_size > 0)
+        -> SeqLenWarmupDataset                           (only with seq_length_warmup)
         -> batch -> encode_batch
 
     Validation pipelines are left untouched. With a mixture schedule, each metadataset ``blend:``
@@ -49,11 +52,19 @@ class OrderingTaskEncoder:
     shuffle buffer is applied per source, before the blend, so that a phase switch is not
     delayed by the buffer. Without a schedule Energon's own blend is used unchanged. The sort key is
     :meth:`ordering_sample_length` (override it if your samples carry neither ``total_len`` nor
-    ``tokens``). Packing and ``batch_group_criterion`` are not supported together with the pool.
+    ``tokens``). The warmup cuts samples as :attr:`ordering_token_layout` describes (media
+    tokens are never cut). The pool sorts by the UNCAPPED length: the cap is applied after the
+    pool, at batch time, so the warmup changes batch shapes but never which samples meet in a
+    micro-batch or in which order they come; a sample's rank in the pool does not move when its
+    cap changes. Packing and ``batch_group_criterion`` are not supported together with the pool
+    or the warmup.
     """
 
     #: The ordering configuration; the default turns every stage off.
     ordering: OrderingConfig = OrderingConfig()
+
+    #: How the sequence-length warmup cuts this encoder's samples (override per task encoder).
+    ordering_token_layout: TokenLayout = TokenLayout()
 
     _ordering_building_train: bool = False
 
@@ -72,19 +83,25 @@ class OrderingTaskEncoder:
 
     def build_train_datasets(self, *, batch_size: int | None, **kwargs: Any) -> SavableDataset:
         cfg = self._ordering_config()
+        stages = []
         if cfg.length_sort_enabled:
+            stages.append(f"length_sort_pool_size = {cfg.length_sort_pool_size}")
+        if cfg.seq_length_warmup is not None:
+            stages.append("seq_length_warmup")
+        if stages:
             if kwargs.get("packing_buffer_size") is not None:
                 raise OrderingConfigError(
-                    f"OrderingConfig.length_sort_pool_size = {cfg.length_sort_pool_size} cannot "
-                    f"be combined with packing (packing_buffer_size = "
-                    f"{kwargs['packing_buffer_size']}) yet; set one of them off."
+                    f"OrderingConfig.{' and '.join(stages)} cannot be combined with packing "
+                    f"(packing_buffer_size = {kwargs['packing_buffer_size']}) yet; set one of "
+                    "them off."
                 )
             if self._is_overridden(self.batch_group_criterion):  # type: ignore[attr-defined]
                 raise OrderingConfigError(
-                    f"OrderingConfig.length_sort_pool_size = {cfg.length_sort_pool_size} cannot "
-                    f"be combined with {type(self).__name__}.batch_group_criterion yet; remove "
-                    "the override or set length_sort_pool_size = 0."
+                    f"OrderingConfig.{' and '.join(stages)} cannot be combined with "
+                    f"{type(self).__name__}.batch_group_criterion yet; remove the override or "
+                    "turn the ordering stage off."
                 )
+        if cfg.length_sort_enabled:
             if cfg.length_sort_mode == "batch" and batch_size is None:
                 raise OrderingConfigError(
                     "OrderingConfig.length_sort_mode = 'batch' needs batching; pass batch_size "
@@ -180,6 +197,15 @@ class OrderingTaskEncoder:
                 batch_size=batch_size,
                 key_fn=self.ordering_sample_length,
                 seed=cfg.seed,
+            )
+        if self._ordering_building_train and cfg.seq_length_warmup is not None:
+            dataset = SeqLenWarmupDataset(
+                dataset,
+                warmup=cfg.seq_length_warmup,
+                worker_config=worker_config,
+                micro_batches_per_step=cfg.micro_batches_per_step,
+                overflow=cfg.seq_length_overflow,
+                layout=self.ordering_token_layout,
             )
         return super().build_batch(  # type: ignore[misc]
             dataset, batch_size=batch_size, worker_config=worker_config, **kwargs

@@ -8,7 +8,9 @@ One rank, micro-batch 4, one micro-batch per step, over a synthetic 3-source met
    ``deterministic`` and ``random`` policies over 20,000 samples of a 3-phase schedule with a ramp;
 2. phase-switch lag in steps for pool sizes 0 / 1,000 / 10,000 (batch mode), with and without
    lag compensation: mean, min and max over several switches that land at different offsets of
-   the pool's emission cycle.
+   the pool's emission cycle;
+3. sequence-length warmup: tokens per step during the warmup against the schedule's cap, and
+   the overhead of the warmup stage (samples/s with vs without it, interleaved runs).
 
 Usage:
     python tools/bench_schedule.py [--quick]
@@ -26,7 +28,7 @@ import numpy as np
 from energon_ordering import OrderingConfig
 from energon_ordering.diagnostics import switch_lag
 from energon_ordering.rank_simulation import build_train_loader, close_loader, record_batch
-from energon_ordering.schedules import MixtureSchedule
+from energon_ordering.schedules import MixtureSchedule, SeqLenWarmup
 from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
 
 BATCH = 4
@@ -91,7 +93,8 @@ def bench_fidelity(meta: Path, samples: int, window: int) -> list[dict]:
 
 def bench_lag(meta: Path, pool: int, compensate: bool, switches: int) -> dict:
     cycle = max(1, pool // BATCH)  # batches per pool
-    period = 3 * cycle + 37  # switches land at many offsets within the pool's cycle
+    # golden-ratio offset: successive switches land at well-spread offsets of the pool's cycle
+    period = 3 * cycle + int(0.618 * cycle) + 37
     phases = [{"until": period * (k + 1), "weights": LOW if k % 2 == 0 else HIGH}
               for k in range(switches + 1)]
     sched = MixtureSchedule.from_dict({"phases": phases})
@@ -113,6 +116,39 @@ def bench_lag(meta: Path, pool: int, compensate: bool, switches: int) -> dict:
     click.echo(f"  lag pool={pool} compensation={compensate}: mean {row['mean']:.1f} "
                f"[{row['min']:.1f}, {row['max']:.1f}]", err=True)
     return row
+
+
+def _warmup_run(meta: Path, warmup: SeqLenWarmup | None, steps: int):
+    cfg = OrderingConfig(seq_length_warmup=warmup, length_sort_pool_size=256,
+                         length_sort_mode="batch")
+    loader = build_train_loader(meta, ordering=cfg, batch_size=BATCH)
+    it = iter(loader)
+    t0 = time.perf_counter()
+    tokens = [sum(record_batch(next(it)).lengths) for _ in range(steps)]
+    rate = steps * BATCH / (time.perf_counter() - t0)
+    del it
+    close_loader(loader)
+    return np.array(tokens), rate
+
+
+def bench_warmup(meta: Path, steps: int, repeats: int) -> dict:
+    warmup = SeqLenWarmup(start=128, full=4096, warmup_steps=steps)
+    on_rates, off_rates = [], []
+    for _ in range(repeats):
+        tok_on, r_on = _warmup_run(meta, warmup, steps)
+        tok_off, r_off = _warmup_run(meta, None, steps)
+        on_rates.append(r_on)
+        off_rates.append(r_off)
+    buckets = []
+    size = max(1, steps // 8)
+    for lo in range(0, steps, size):
+        cap = warmup.max_seq_len(lo + size - 1)
+        buckets.append(dict(steps=f"{lo}-{lo + size - 1}", cap_end=cap,
+                            cap_tokens_per_step=BATCH * cap,
+                            tokens_per_step=float(tok_on[lo:lo + size].mean()),
+                            uncapped_tokens_per_step=float(tok_off[lo:lo + size].mean())))
+    on, off = float(np.median(on_rates)), float(np.median(off_rates))
+    return dict(buckets=buckets, samples_per_s_on=on, samples_per_s_off=off, ratio=on / off)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -144,9 +180,18 @@ def main(out: str, quick: bool) -> None:
         comp = "-" if r["pool"] == 0 else ("on" if r["compensation"] else "off")
         click.echo(f"| {r['pool']:,} | {comp} | {r['switches']} | {r['bound']:.0f} | "
                    f"{r['mean']:.1f} | {r['min']:.1f} | {r['max']:.1f} |")
+    warm = bench_warmup(meta, steps=200 if quick else 400, repeats=1 if quick else 3)
+    click.echo("\n## Sequence-length warmup 128 -> 4,096 tokens (micro-batch 4, one per step)\n")
+    click.echo("| steps | cap at end | cap x batch | tokens/step (warmup) | tokens/step (no warmup) |")
+    click.echo("|---|---:|---:|---:|---:|")
+    for b in warm["buckets"]:
+        click.echo(f"| {b['steps']} | {b['cap_end']:,} | {b['cap_tokens_per_step']:,} | "
+                   f"{b['tokens_per_step']:,.0f} | {b['uncapped_tokens_per_step']:,.0f} |")
+    click.echo(f"\nwarmup stage overhead: {warm['samples_per_s_on']:.0f} samples/s with, "
+               f"{warm['samples_per_s_off']:.0f} without -> ratio {warm['ratio']:.3f}")
     click.echo(f"\n(total {time.perf_counter() - t0:.0f} s; dataset {meta})")
     (out_dir / "schedule_results.json").write_text(
-        json.dumps(dict(fidelity=fidelity, lag=lags), indent=2))
+        json.dumps(dict(fidelity=fidelity, lag=lags, warmup=warm), indent=2))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,152 @@
+"""How to shorten a sample: which fields are per-token sequences and which positions are media.
+
+The sequence-length warmup cuts samples to ``max_seq_len(step)`` tokens. For a multimodal sample
+only TEXT tokens may be cut, from the end; media placeholder tokens (the positions an image's
+embeddings are scattered into) are never cut, or the model would get an image with missing
+patches. :class:`TokenLayout` is the small protocol that tells the cutter about the user's
+sample type; the default fits samples with ``tokens`` (+ optional ``labels``, ``loss_mask``,
+``attention_mask``, ``position_ids``) and ``total_len``.
+
+Media positions come from, in this order: a boolean per-token field ``media_mask_field`` on the
+sample, else ``tokens == media_token_id``, else there are none (everything is text).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from energon_ordering.errors import OrderingTypeError
+from energon_ordering.sample_length import sample_key
+
+__all__ = ["TokenLayout", "TruncationResult", "truncate_sample"]
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Describes the token sequences of an encoded sample.
+
+    Attributes:
+        token_field: The token-id sequence; its length is the sample's length.
+        sequence_fields: Per-token sequences cut together with the tokens (missing ones are
+            skipped; present ones must have the token sequence's length).
+        length_field: A field holding the length in tokens, updated after a cut (None: none).
+        media_token_id: Token id of media placeholders (None: use ``media_mask_field`` only).
+        media_mask_field: Boolean per-token field marking media positions, if the sample has it.
+    """
+
+    token_field: str = "tokens"
+    sequence_fields: tuple[str, ...] = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+    length_field: str | None = "total_len"
+    media_token_id: int | None = None
+    media_mask_field: str | None = "media_mask"
+
+
+@dataclass(frozen=True)
+class TruncationResult:
+    """What :func:`truncate_sample` did.
+
+    Attributes:
+        sample: The (possibly new) sample; the input sample if nothing was cut.
+        cut_tokens: Text tokens removed.
+        media_tokens: Media tokens in the sample.
+        overflow: The media tokens alone exceed ``max_len`` (nothing was cut).
+    """
+
+    sample: Any
+    cut_tokens: int
+    media_tokens: int
+    overflow: bool
+
+
+def _get(sample: Any, name: str) -> Any:
+    return sample.get(name) if isinstance(sample, dict) else getattr(sample, name, None)
+
+
+def _as_bool_array(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy().astype(bool)
+    return np.asarray(x, dtype=bool)
+
+
+def _select(seq: Any, keep: np.ndarray) -> Any:
+    if isinstance(seq, torch.Tensor):
+        return seq[torch.from_numpy(keep)]
+    if isinstance(seq, np.ndarray):
+        return seq[keep]
+    if isinstance(seq, (list, tuple)):
+        return type(seq)(v for v, k in zip(seq, keep) if k)
+    raise OrderingTypeError(f"cannot cut a {type(seq).__name__}; use a tensor, array or list.")
+
+
+def truncate_sample(sample: Any, max_len: int, layout: TokenLayout) -> TruncationResult:
+    """Cuts text tokens from the end of ``sample`` until it has at most ``max_len`` tokens.
+
+    Media tokens are never cut: the kept positions are every media position plus the first
+    ``max_len - n_media`` text positions, in their original order, applied to every sequence
+    field. If the media alone exceed ``max_len`` nothing is cut and ``overflow`` is set.
+    """
+    tokens = _get(sample, layout.token_field)
+    if tokens is None:
+        raise OrderingTypeError(
+            f"Sequence-length warmup: sample {sample_key(sample)!r} ({type(sample).__name__}) has no "
+            f"`{layout.token_field}`; set TokenLayout(token_field=...) on the task encoder "
+            "(`ordering_token_layout`)."
+        )
+    n = len(tokens)
+    if n <= max_len:
+        return TruncationResult(sample, 0, -1, False)
+    media = None
+    if layout.media_mask_field is not None:
+        mask = _get(sample, layout.media_mask_field)
+        if mask is not None:
+            media = _as_bool_array(mask)
+    if media is None and layout.media_token_id is not None:
+        ids = tokens.detach().cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
+        media = ids == layout.media_token_id
+    if media is None:
+        media = np.zeros(n, dtype=bool)
+    if len(media) != n:
+        raise OrderingTypeError(
+            f"Sequence-length warmup: sample {sample_key(sample)!r}: `{layout.media_mask_field}` has "
+            f"{len(media)} entries but `{layout.token_field}` has {n}."
+        )
+    n_media = int(media.sum())
+    if n_media > max_len:
+        return TruncationResult(sample, 0, n_media, True)
+    text_rank = np.cumsum(~media) - 1
+    keep = media | (text_rank < max_len - n_media)
+    changes: dict[str, Any] = {}
+    fields = list(layout.sequence_fields)
+    if layout.token_field not in fields:
+        fields.insert(0, layout.token_field)
+    if layout.media_mask_field is not None and _get(sample, layout.media_mask_field) is not None:
+        fields.append(layout.media_mask_field)
+    for name in fields:
+        seq = _get(sample, name)
+        if seq is None:
+            continue
+        if len(seq) != n:
+            raise OrderingTypeError(
+                f"Sequence-length warmup: sample {sample_key(sample)!r}: `{name}` has {len(seq)} "
+                f"entries but `{layout.token_field}` has {n}; list only per-token fields in "
+                "TokenLayout.sequence_fields."
+            )
+        changes[name] = _select(seq, keep)
+    new_len = int(keep.sum())
+    if layout.length_field is not None and _get(sample, layout.length_field) is not None:
+        changes[layout.length_field] = new_len
+    if isinstance(sample, dict):
+        out = {**sample, **changes}
+    elif dataclasses.is_dataclass(sample):
+        out = dataclasses.replace(sample, **changes)
+    else:
+        raise OrderingTypeError(
+            f"Sequence-length warmup: cannot rebuild a {type(sample).__name__}; use a dataclass "
+            "(Energon Sample) or a dict sample."
+        )
+    return TruncationResult(out, n - new_len, n_media, False)
