@@ -8,12 +8,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from energon_ordering.blend_policy import BLEND_POLICIES
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.pool_order import POOL_ORDERS
 from energon_ordering.schedules import MixtureSchedule, SeqLenWarmup
+from energon_ordering.token_layout import OVERFLOW_POLICIES
+from energon_ordering.yaml_file import load_yaml
 
 __all__ = ["OrderingConfig"]
 
@@ -109,8 +109,6 @@ class OrderingConfig:
                 "mapping {start, full, warmup_steps[, multiple_of, kind, overflow]}."
             )
         object.__setattr__(self, "seq_length_warmup", warmup)
-        from energon_ordering.seq_warmup import OVERFLOW_POLICIES
-
         if self.seq_length_overflow not in OVERFLOW_POLICIES:
             raise OrderingConfigError(
                 f"OrderingConfig.seq_length_overflow = {self.seq_length_overflow!r} is unknown; "
@@ -172,13 +170,7 @@ class OrderingConfig:
     def from_yaml(cls, path: str | Path) -> OrderingConfig:
         """Loads a recipe file (a YAML mapping of settings, see ``recipes/``)."""
         path = Path(path)
-        if not path.is_file():
-            raise OrderingConfigError(f"OrderingConfig.from_yaml: no file at {str(path)!r}.")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise OrderingConfigError(f"OrderingConfig.from_yaml: {path} is not valid YAML: {e}") from e
-        data = data if data is not None else {}
+        data = load_yaml(path, "OrderingConfig.from_yaml")
         if isinstance(data, Mapping) and isinstance(data.get("mixture_schedule"), str):
             schedule_path = Path(data["mixture_schedule"])
             if not schedule_path.is_absolute():

@@ -17,11 +17,11 @@ from energon_ordering.errors import (
     OrderingConfigError,
     OrderingTypeError,
     SampleLengthError,
-    StateMismatchError,
 )
 from energon_ordering.pool_order import ORDER_VERSION, POOL_ORDERS, pool_seed
 from energon_ordering.restorability import explain_not_restorable
 from energon_ordering.sample_length import default_sample_length, sample_key
+from energon_ordering.state_stamp import check_stamp
 
 __all__ = ["LengthPoolSortDataset"]
 
@@ -189,23 +189,13 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
             yield from self._drain()
 
     def restore_state(self, state: FlexState) -> None:
-        saved = state.get("_stamp") if state is not None else None
-        expected = self._expected_stamp()
-        if saved != expected:
-            diffs = (
-                ", ".join(
-                    f"{k}: saved {saved.get(k)!r} != configured {expected[k]!r}"
-                    for k in expected
-                    if saved.get(k) != expected[k]
-                )
-                if isinstance(saved, dict)
-                else f"saved stamp {saved!r}"
-            )
-            raise StateMismatchError(
-                f"LengthPoolSortDataset: cannot restore a state written by a different pool "
-                f"configuration ({diffs}). Restore with the configuration the checkpoint was "
-                "written with, or start the data stream fresh."
-            )
+        check_stamp(
+            "LengthPoolSortDataset",
+            state,
+            self._expected_stamp(),
+            "Restore with the pool configuration the checkpoint was written with, or start the "
+            "data stream fresh.",
+        )
         super().restore_state(state)
 
     def config(self) -> dict[str, Any]:

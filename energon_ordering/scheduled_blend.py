@@ -18,6 +18,7 @@ from energon_ordering.blend_policy import BLEND_POLICIES, deterministic_choice
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, StateMismatchError
 from energon_ordering.schedules import MixtureSchedule
 from energon_ordering.source_tag import tag_source
+from energon_ordering.state_stamp import stamp_differences
 
 __all__ = ["ScheduledBlendDataset"]
 
@@ -217,27 +218,20 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         return tag_source(sample, self.source_names[restore_key[1]])
 
     def restore_state(self, state: FlexState) -> None:
-        saved = state.get("_stamp") if state is not None else None
         expected = self._expected_stamp()
-        if saved != expected:
-            if not isinstance(saved, dict) or saved.get("sources") != expected["sources"]:
-                raise StateMismatchError(
-                    f"ScheduledBlendDataset: the saved state was written for sources "
-                    f"{None if not isinstance(saved, dict) else saved.get('sources')!r}, this "
-                    f"blend has {expected['sources']!r}; restore with the same sources."
-                )
-            diffs = ", ".join(
-                f"{k}: saved {saved.get(k)!r} != configured {expected[k]!r}"
-                for k in expected
-                if saved.get(k) != expected[k]
+        saved = state.get("_stamp") if state is not None else None
+        if isinstance(saved, dict) and saved.get("sources") == expected["sources"]:
+            # Same sources: only the mixture differs, which the override may let through.
+            if self.allow_schedule_change:
+                saved = expected
+        diff = stamp_differences(saved, expected)
+        if diff is not None:
+            raise StateMismatchError(
+                f"ScheduledBlendDataset: cannot restore a state written under a different "
+                f"mixture ({diff}). Restore with the original schedule, or set "
+                "allow_schedule_change=True (OrderingConfig.allow_schedule_change) to continue the "
+                "counters under the new one (same sources only)."
             )
-            if not self.allow_schedule_change:
-                raise StateMismatchError(
-                    f"ScheduledBlendDataset: cannot restore a state written under a different "
-                    f"mixture ({diffs}). Restore with the original schedule, or set "
-                    "allow_schedule_change=True (OrderingConfig.allow_schedule_change) to continue "
-                    "the counters under the new one."
-                )
         super().restore_state(state)
         self._stamp = expected
 

@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import yaml
 
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
+from energon_ordering.yaml_file import load_yaml
 
 __all__ = [
     "Knots",
@@ -203,15 +203,9 @@ class MixtureSchedule:
     @classmethod
     def from_yaml(cls, path: str | Path, *, total_steps: int | None = None) -> MixtureSchedule:
         """Loads a schedule YAML file (see the module docstring)."""
-        path = Path(path)
-        if not path.is_file():
-            raise OrderingConfigError(f"MixtureSchedule.from_yaml: no file at {str(path)!r}.")
+        data = load_yaml(path, "MixtureSchedule.from_yaml")
         try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise OrderingConfigError(f"MixtureSchedule.from_yaml: {path} is not valid YAML: {e}") from e
-        try:
-            return cls.from_dict(data if data is not None else {}, total_steps=total_steps)
+            return cls.from_dict(data, total_steps=total_steps)
         except (OrderingConfigError, OrderingTypeError) as e:
             raise type(e)(f"{path}: {e}") from e
 

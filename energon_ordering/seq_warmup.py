@@ -15,11 +15,11 @@ from energon_ordering.errors import (
     OrderingConfigError,
     OrderingTypeError,
     SeqLenOverflowError,
-    StateMismatchError,
 )
 from energon_ordering.sample_length import sample_key
 from energon_ordering.schedules import SeqLenWarmup
-from energon_ordering.token_layout import TokenLayout, truncate_sample
+from energon_ordering.state_stamp import check_stamp
+from energon_ordering.token_layout import OVERFLOW_POLICIES, TokenLayout, truncate_sample
 
 __all__ = ["OVERFLOW_POLICIES", "SeqLenWarmupDataset"]
 
@@ -27,8 +27,6 @@ logger = logging.getLogger(__name__)
 
 T_sample = TypeVar("T_sample")
 
-#: What to do with a sample whose media tokens alone exceed the cap.
-OVERFLOW_POLICIES = ("keep", "drop", "error")
 
 #: Version of the stage's saved-state layout and logic.
 STATE_VERSION = 1
@@ -197,18 +195,12 @@ class SeqLenWarmupDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_samp
         return add_sample_restore_key(out, step, src=self)
 
     def restore_state(self, state: FlexState) -> None:
-        saved = state.get("_stamp") if state is not None else None
-        expected = self._expected_stamp()
-        if saved != expected:
-            diffs = (
-                ", ".join(f"{k}: saved {saved.get(k)!r} != configured {expected[k]!r}"
-                          for k in expected if saved.get(k) != expected[k])
-                if isinstance(saved, dict) else f"saved stamp {saved!r}"
-            )
-            raise StateMismatchError(
-                f"SeqLenWarmupDataset: cannot restore a state written by a different warmup "
-                f"configuration ({diffs}). Restore with the original seq_length_warmup settings."
-            )
+        check_stamp(
+            "SeqLenWarmupDataset",
+            state,
+            self._expected_stamp(),
+            "Restore with the original seq_length_warmup settings.",
+        )
         super().restore_state(state)
 
     def counts(self) -> dict[str, int]:

@@ -23,7 +23,11 @@ import torch
 from energon_ordering.errors import OrderingTypeError
 from energon_ordering.sample_length import sample_key
 
-__all__ = ["TokenLayout", "TruncationResult", "truncate_sample"]
+__all__ = ["OVERFLOW_POLICIES", "TokenLayout", "TruncationResult", "truncate_sample"]
+
+#: What to do with a sample whose media tokens alone exceed the cap: emit it uncut (``keep``),
+#: skip it (``drop``) or raise (``error``).
+OVERFLOW_POLICIES = ("keep", "drop", "error")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from energon_ordering import (
     StateMismatchError,
 )
 from energon_ordering.rank_simulation import build_train_loader, close_loader
-from energon_ordering.synthetic_task import SyntheticTaskEncoder, TokenizedSample
+from energon_ordering.synthetic_task import SyntheticTaskEncoder
 
 
 def _encoded(path, wc):

@@ -15,6 +15,7 @@ from megatron.energon.wrappers.map_dataset import MapDataset
 
 from energon_ordering import LengthPoolSortDataset, OrderingConfig
 from energon_ordering.rank_simulation import build_train_loader, close_loader, record_batch
+from resume_helpers import resume, run_with_cuts
 
 # (mode, pool_size, batch_size): both modes at pool sizes 1, 7 and 64; batch mode needs
 # pool_size to be a multiple of batch_size.
@@ -30,51 +31,20 @@ TOTAL = 40
 CUTS = (0, 3, 14, 27)
 
 
-def _run_with_cuts(path, ordering, *, num_workers, batch_size, total, cuts, **loader_kw):
-    """Uninterrupted run of `total` batches; returns the records and the state at each cut."""
-    loader = build_train_loader(
+def _make(path, ordering, num_workers, batch_size, **loader_kw):
+    return lambda: build_train_loader(
         path, ordering=ordering, num_workers=num_workers, batch_size=batch_size, **loader_kw
     )
-    records, states = [], {}
-    it = None
-    for step in range(total):
-        if step in cuts:
-            states[step] = pickle.loads(pickle.dumps(loader.save_state_rank()))
-        if it is None:
-            # Energon's save_state_rank() hangs if called between iter() and the first next()
-            # with worker processes, so the iterator is created after the cut-0 save.
-            it = iter(loader)
-        records.append(record_batch(next(it)))
-    del it
-    close_loader(loader)
-    return records, states
-
-
-def _resume(path, ordering, state, *, num_workers, batch_size, steps, **loader_kw):
-    loader = build_train_loader(
-        path, ordering=ordering, num_workers=num_workers, batch_size=batch_size, **loader_kw
-    )
-    loader.restore_state_rank(state)
-    it = iter(loader)
-    records = [record_batch(next(it)) for _ in range(steps)]
-    del it
-    close_loader(loader)
-    return records
 
 
 @pytest.mark.parametrize("num_workers", [0, 1, 2])
 @pytest.mark.parametrize("mode,pool_size,batch_size", POOL_CASES)
 def test_exact_resume_at_every_cut(small_dataset, num_workers, mode, pool_size, batch_size):
     ordering = OrderingConfig(length_sort_pool_size=pool_size, length_sort_mode=mode, seed=3)
-    full, states = _run_with_cuts(
-        small_dataset, ordering, num_workers=num_workers, batch_size=batch_size,
-        total=TOTAL, cuts=CUTS,
-    )
+    make = _make(small_dataset, ordering, num_workers, batch_size)
+    full, states = run_with_cuts(make, TOTAL, CUTS)
     for cut, state in states.items():
-        resumed = _resume(
-            small_dataset, ordering, state, num_workers=num_workers, batch_size=batch_size,
-            steps=TOTAL - cut,
-        )
+        resumed = resume(make, state, TOTAL - cut)
         for step, (want, got) in enumerate(zip(full[cut:], resumed), start=cut):
             assert got == want, f"cut {cut}: first mismatch at batch {step}: {got} != {want}"
 
@@ -87,13 +57,12 @@ def test_exact_resume_from_mid_pool_worker_snapshots(small_dataset, mode, pool_s
     ordering = OrderingConfig(length_sort_pool_size=pool_size, length_sort_mode=mode, seed=1)
     snap = dict(checkpoint_every_sec=0, checkpoint_every_min_n_samples=1)
     cuts = (9, 22, 35)
-    full, states = _run_with_cuts(small_dataset, ordering, num_workers=2, batch_size=4,
-                                  total=TOTAL, cuts=cuts, **snap)
+    make = _make(small_dataset, ordering, 2, 4, **snap)
+    full, states = run_with_cuts(make, TOTAL, cuts)
     for cut in cuts:
         offsets = [ws.offset for ws in states[cut].worker_states]
         assert max(offsets) <= 1, f"expected fresh snapshots, got replay offsets {offsets}"
-        resumed = _resume(small_dataset, ordering, states[cut], num_workers=2, batch_size=4,
-                          steps=TOTAL - cut, **snap)
+        resumed = resume(make, states[cut], TOTAL - cut)
         assert resumed == full[cut:], f"cut {cut}"
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pickle
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from energon_ordering.rank_simulation import build_train_loader, close_loader, r
 from energon_ordering.scheduled_blend import ScheduledBlendDataset
 from energon_ordering.schedules import MixtureSchedule
 from energon_ordering.synthetic_task import SyntheticTaskEncoder
+from resume_helpers import resume, run_with_cuts
 
 SOURCES = ("web", "code", "curated")
 
@@ -106,20 +106,12 @@ def test_random_policy_tracks_the_schedule_within_binomial_noise(realized):
 
 
 def _cut_and_resume(meta, cfg, *, num_workers, total, cuts):
-    loader = build_train_loader(meta, ordering=cfg, num_workers=num_workers, batch_size=4)
-    full, states, it = [], {}, None
-    for step in range(total):
-        if step in cuts:
-            states[step] = pickle.loads(pickle.dumps(loader.save_state_rank()))
-        if it is None:
-            it = iter(loader)
-        full.append(record_batch(next(it)))
-    del it
-    close_loader(loader)
+    def make():
+        return build_train_loader(meta, ordering=cfg, num_workers=num_workers, batch_size=4)
+
+    full, states = run_with_cuts(make, total, cuts)
     for cut, state in states.items():
-        loader = build_train_loader(meta, ordering=cfg, num_workers=num_workers, batch_size=4)
-        loader.restore_state_rank(state)
-        resumed = _take(loader, total - cut)
+        resumed = resume(make, state, total - cut)
         for i, (a, b) in enumerate(zip(full[cut:], resumed)):
             assert a == b, f"cut {cut}: first mismatch at batch {cut + i}"
     return full

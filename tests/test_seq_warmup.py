@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import pickle
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from energon_ordering.schedules import SeqLenWarmup
 from energon_ordering.seq_warmup import SeqLenWarmupDataset
 from energon_ordering.synthetic_task import IMAGE_TOKEN_ID, SyntheticTaskEncoder, TokenizedSample
 from energon_ordering.token_layout import TokenLayout, truncate_sample
+from resume_helpers import resume, run_with_cuts
 
 # ---- the schedule ---------------------------------------------------------------------------
 
@@ -187,21 +187,13 @@ def test_lengths_follow_the_warmup_and_order_is_unchanged(small_dataset):
 def test_exact_resume_inside_and_after_the_warmup(small_dataset, num_workers):
     cfg = _cfg()
     total, cuts = 64, (0, 9, 30, 47, 50)  # warmup ends at micro-batch 48
-    loader = build_train_loader(small_dataset, ordering=cfg, num_workers=num_workers)
-    full, states, it = [], {}, None
-    for b in range(total):
-        if b in cuts:
-            states[b] = pickle.loads(pickle.dumps(loader.save_state_rank()))
-        if it is None:
-            it = iter(loader)
-        full.append(next(it))
-    del it
-    close_loader(loader)
+
+    def make():
+        return build_train_loader(small_dataset, ordering=cfg, num_workers=num_workers)
+
+    full, states = run_with_cuts(make, total, cuts, record=lambda b: b)
     for cut, state in states.items():
-        resumed_loader = build_train_loader(small_dataset, ordering=cfg, num_workers=num_workers)
-        resumed_loader.restore_state_rank(state)
-        resumed = _batches(resumed_loader, total - cut)
-        close_loader(resumed_loader)
+        resumed = resume(make, state, total - cut, record=lambda b: b)
         for b, (want, got) in enumerate(zip(full[cut:], resumed), start=cut):
             assert got.keys == want.keys, f"cut {cut}: keys differ at batch {b}"
             assert torch.equal(got.tokens, want.tokens), f"cut {cut}: tokens differ at batch {b}"

@@ -29,7 +29,7 @@ import click
 
 from energon_ordering import OrderingConfig
 from energon_ordering.diagnostics import padding_waste, straggler_idle
-from energon_ordering.rank_simulation import build_train_loader, close_loader, record_batch, run_ranks
+from energon_ordering.rank_simulation import build_train_loader, close_loader, run_ranks
 from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
 
 BATCH = 4
