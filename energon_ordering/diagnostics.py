@@ -14,7 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
+    "autocorrelation",
     "batch_cost",
+    "detect_sawtooth",
+    "histogram_dispersion",
+    "source_histograms",
     "padding_waste",
     "rank_overlap",
     "straggler_idle",
@@ -108,3 +112,80 @@ def warmup_counts(loader_state: object) -> dict[str, int]:
         elif dataclasses.is_dataclass(node) and not isinstance(node, type):
             stack.extend(getattr(node, f.name) for f in dataclasses.fields(node))
     return total
+
+
+def source_histograms(batch_sources: Sequence[Sequence[str]], sources: Sequence[str]):
+    """Per-batch source counts: array ``[n_batches, len(sources)]``."""
+    import numpy as np
+
+    index = {s: i for i, s in enumerate(sources)}
+    out = np.zeros((len(batch_sources), len(sources)))
+    for b, names in enumerate(batch_sources):
+        for name in names:
+            if name not in index:
+                raise ValueError(f"source_histograms: batch {b} has source {name!r}, not in {list(sources)}.")
+            out[b, index[name]] += 1
+    return out
+
+
+def histogram_dispersion(batch_sources: Sequence[Sequence[str]], sources: Sequence[str]) -> float:
+    """How much the per-batch source histogram swings, relative to independent draws.
+
+    For each source, the variance of its per-batch count divided by the binomial variance
+    ``B p (1 - p)`` that independent draws with its overall share p would give; averaged over
+    the sources with 0 < p < 1. About 1 for a well-mixed stream (or less, for a low-discrepancy
+    blend); well above 1 when batches are clustered by source (the shuffle is not mixing).
+    """
+    import numpy as np
+
+    hist = source_histograms(batch_sources, sources)
+    sizes = hist.sum(axis=1)
+    if len(hist) < 2 or sizes.min() <= 0:
+        raise ValueError("histogram_dispersion: need at least two non-empty batches.")
+    p = hist.sum(axis=0) / sizes.sum()
+    ratios = [
+        hist[:, i].var() / (sizes.mean() * p[i] * (1 - p[i]))
+        for i in range(len(sources))
+        if 0 < p[i] < 1
+    ]
+    return float(np.mean(ratios)) if ratios else 0.0
+
+
+def autocorrelation(series: Sequence[float], lag: int) -> float:
+    """Pearson autocorrelation of ``series`` at ``lag`` (0 for a constant series)."""
+    import numpy as np
+
+    x = np.asarray(series, dtype=np.float64)
+    if not 0 < lag < len(x) - 1:
+        raise ValueError(f"autocorrelation: lag {lag} must lie in (0, {len(x) - 1}).")
+    a, b = x[:-lag], x[lag:]
+    if a.std() == 0 or b.std() == 0:
+        return 0.0
+    return float(np.corrcoef(a, b)[0, 1])
+
+
+def detect_sawtooth(
+    batch_sources: Sequence[Sequence[str]],
+    sources: Sequence[str],
+    period_batches: int,
+    *,
+    threshold: float = 0.3,
+) -> tuple[bool, dict[str, float]]:
+    """Flags a stream whose per-source share repeats with the shard-length period.
+
+    Shards read in blocks make each source's per-batch share a periodic wave (a sawtooth in the
+    per-source loss); a well-shuffled stream has no autocorrelation at any lag. Computes each
+    source's share autocorrelation at ``period_batches`` (the shard length in micro-batches,
+    or one full cycle of shards) and flags the stream if any exceeds ``threshold`` and the
+    noise level ``3 / sqrt(n_batches)``.
+
+    Returns:
+        ``(flagged, {source: autocorrelation at the period})``.
+    """
+    import numpy as np
+
+    hist = source_histograms(batch_sources, sources)
+    shares = hist / np.maximum(hist.sum(axis=1, keepdims=True), 1)
+    ac = {s: autocorrelation(shares[:, i], period_batches) for i, s in enumerate(sources)}
+    noise = 3 / np.sqrt(len(batch_sources))
+    return any(v > max(threshold, noise) for v in ac.values()), ac

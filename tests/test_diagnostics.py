@@ -57,3 +57,43 @@ def test_switch_lag_of_a_delayed_step_is_the_delay():
     assert switch_lag(smeared, target) == pytest.approx(4.5)
     with pytest.raises(ValueError, match="does not change"):
         switch_lag([0.1, 0.1], [0.1, 0.1])
+
+
+def _stream(order, batch=4):
+    return [order[i:i + batch] for i in range(0, len(order) - batch + 1, batch)]
+
+
+def test_shard_by_shard_stream_is_flagged_and_shuffled_is_not():
+    import random
+
+    from energon_ordering.diagnostics import detect_sawtooth, histogram_dispersion
+
+    sources = ["web", "code", "books"]
+    shard = 40  # samples per shard; shards of the three sources read one after the other
+    unshuffled = [s for _ in range(20) for s in sources for _ in range(shard)]
+    shuffled = unshuffled[:]
+    random.Random(0).shuffle(shuffled)
+    cycle = 3 * shard // 4  # one cycle of three shards, in micro-batches of 4
+    flagged, ac = detect_sawtooth(_stream(unshuffled), sources, cycle)
+    assert flagged and min(ac.values()) > 0.9
+    flagged, ac = detect_sawtooth(_stream(shuffled), sources, cycle)
+    assert not flagged and max(abs(v) for v in ac.values()) < 0.2
+    assert histogram_dispersion(_stream(unshuffled), sources) > 3
+    assert 0.7 < histogram_dispersion(_stream(shuffled), sources) < 1.3
+
+
+def test_low_discrepancy_blend_has_low_dispersion():
+    from energon_ordering.diagnostics import histogram_dispersion
+
+    round_robin = ["a", "b", "a", "b"] * 100
+    assert histogram_dispersion(_stream(round_robin), ["a", "b"]) == 0.0
+
+
+def test_histogram_errors():
+    from energon_ordering.diagnostics import autocorrelation, source_histograms
+
+    with pytest.raises(ValueError, match=r"source 'x', not in"):
+        source_histograms([["x"]], ["a"])
+    with pytest.raises(ValueError, match="lag 5"):
+        autocorrelation([1, 2, 3], 5)
+    assert autocorrelation([1, 1, 1, 1], 1) == 0.0
