@@ -170,6 +170,7 @@ def detect_sawtooth(
     period_batches: int,
     *,
     threshold: float = 0.3,
+    min_dispersion: float = 1.5,
 ) -> tuple[bool, dict[str, float]]:
     """Flags a stream whose per-source share repeats with the shard-length period.
 
@@ -177,7 +178,9 @@ def detect_sawtooth(
     per-source loss); a well-shuffled stream has no autocorrelation at any lag. Computes each
     source's share autocorrelation at ``period_batches`` (the shard length in micro-batches,
     or one full cycle of shards) and flags the stream if any exceeds ``threshold`` and the
-    noise level ``3 / sqrt(n_batches)``.
+    noise level ``3 / sqrt(n_batches)`` AND the histogram swings more than independent draws
+    would (:func:`histogram_dispersion` above ``min_dispersion``): a low-discrepancy blend is
+    periodic too, but its batches vary less than random ones, which does no harm.
 
     Returns:
         ``(flagged, {source: autocorrelation at the period})``.
@@ -188,4 +191,5 @@ def detect_sawtooth(
     shares = hist / np.maximum(hist.sum(axis=1, keepdims=True), 1)
     ac = {s: autocorrelation(shares[:, i], period_batches) for i, s in enumerate(sources)}
     noise = 3 / np.sqrt(len(batch_sources))
-    return any(v > max(threshold, noise) for v in ac.values()), ac
+    periodic = any(v > max(threshold, noise) for v in ac.values())
+    return periodic and histogram_dispersion(batch_sources, sources) > min_dispersion, ac

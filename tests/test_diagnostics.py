@@ -97,3 +97,11 @@ def test_histogram_errors():
     with pytest.raises(ValueError, match="lag 5"):
         autocorrelation([1, 2, 3], 5)
     assert autocorrelation([1, 1, 1, 1], 1) == 0.0
+
+
+def test_periodic_low_discrepancy_blend_is_not_a_sawtooth():
+    from energon_ordering.diagnostics import detect_sawtooth
+
+    pattern = ["a", "a", "b", "a", "c"] * 200  # periodic but smoother than random draws
+    flagged, ac = detect_sawtooth(_stream(pattern), ["a", "b", "c"], 5)
+    assert max(ac.values()) > 0.9 and not flagged

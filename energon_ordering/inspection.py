@@ -1,0 +1,196 @@
+"""Run an ordering configuration on simulated ranks and measure it (used by the CLI).
+
+Everything here runs real Energon pipelines (``rank_simulation``) and reduces the recorded
+batches with the pure functions of :mod:`energon_ordering.diagnostics`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from energon_ordering.config import OrderingConfig
+from energon_ordering.diagnostics import (
+    detect_sawtooth,
+    histogram_dispersion,
+    padding_waste,
+    rank_overlap,
+    straggler_idle,
+)
+from energon_ordering.errors import OrderingConfigError
+from energon_ordering.rank_simulation import BatchRecord, build_train_loader, close_loader, record_batch
+
+__all__ = [
+    "Measurement",
+    "ResumeCheck",
+    "check_resume",
+    "measure",
+    "run_ranks_with_progress",
+    "shard_length",
+    "source_sizes_from_metadataset",
+]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Diagnostics of one simulated run (``records[rank][step]``)."""
+
+    straggler_idle: float
+    padding_waste: float
+    tokens_per_step: float
+    histogram_dispersion: float
+    overlapping_keys: int
+    sawtooth: bool
+    sawtooth_autocorrelation: dict[str, float]
+    sources: tuple[str, ...]
+
+
+def run_ranks_with_progress(
+    path: str | Path,
+    ordering: OrderingConfig,
+    *,
+    ranks: int,
+    steps: int,
+    num_workers: int,
+    batch_size: int,
+    progress: Callable[[Iterable[int]], Iterable[int]] = lambda it: it,
+) -> list[list[BatchRecord]]:
+    """``records[rank][step]`` from one real pipeline per rank (ranks run one after another)."""
+    out = []
+    for rank in progress(range(ranks)):
+        loader = build_train_loader(path, ordering=ordering, rank=rank, world_size=ranks,
+                                    num_workers=num_workers, batch_size=batch_size)
+        it = iter(loader)
+        out.append([record_batch(next(it)) for _ in range(steps)])
+        del it
+        close_loader(loader)
+    return out
+
+
+def measure(records: list[list[BatchRecord]], period_batches: int) -> Measurement:
+    """Computes the diagnostics table of a run."""
+    steps = min(len(r) for r in records)
+    step_lengths = [[records[r][s].lengths for r in range(len(records))] for s in range(steps)]
+    sources = tuple(sorted({s for rank in records for b in rank for s in b.sources}))
+    all_batches = [b for rank in records for b in rank[:steps]]
+    per_rank_sources = [[b.sources for b in rank[:steps]] for rank in records]
+    if sources and steps > 4:
+        period = max(1, min(period_batches, steps // 4))
+        flags = [detect_sawtooth(rs, sources, period) for rs in per_rank_sources]
+        sawtooth = any(f for f, _ in flags)
+        ac = {s: float(np.mean([a[s] for _, a in flags])) for s in sources}
+        dispersion = float(np.mean([histogram_dispersion(rs, sources) for rs in per_rank_sources]))
+    else:
+        sawtooth, ac, dispersion = False, {}, float("nan")
+    return Measurement(
+        straggler_idle=straggler_idle(step_lengths),
+        padding_waste=padding_waste([b.lengths for b in all_batches]),
+        tokens_per_step=float(np.mean([sum(sum(x) for x in st) for st in step_lengths])),
+        histogram_dispersion=dispersion,
+        overlapping_keys=len(rank_overlap([[k for b in rank for k in b.keys] for rank in records])),
+        sawtooth=sawtooth,
+        sawtooth_autocorrelation=ac,
+        sources=sources,
+    )
+
+
+@dataclass(frozen=True)
+class ResumeCheck:
+    """Outcome of :func:`check_resume`: ``mismatch`` is None when the streams agree."""
+
+    cut: int
+    steps: int
+    mismatch: int | None
+    expected: BatchRecord | None
+    got: BatchRecord | None
+
+
+def check_resume(
+    path: str | Path,
+    ordering: OrderingConfig,
+    *,
+    cut: int,
+    steps: int,
+    num_workers: int,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> ResumeCheck:
+    """Runs ``steps`` micro-batches uninterrupted and again cut at ``cut`` then restored from
+    ``save_state_rank()`` in a fresh loader; compares the sample keys batch by batch."""
+    if not 0 <= cut < steps:
+        raise OrderingConfigError(f"check_resume: cut = {cut} must lie in [0, steps = {steps}).")
+
+    def make():
+        return build_train_loader(path, ordering=ordering, rank=rank, world_size=world_size,
+                                  num_workers=num_workers, batch_size=batch_size)
+
+    import pickle
+
+    loader = make()
+    full, state, it = [], None, None
+    for step in range(steps):
+        if step == cut:
+            state = pickle.loads(pickle.dumps(loader.save_state_rank()))
+        if it is None:
+            it = iter(loader)  # after the cut-0 save (Energon hangs saving between iter and next)
+        full.append(record_batch(next(it)))
+    del it
+    close_loader(loader)
+    loader = make()
+    loader.restore_state_rank(state)
+    it = iter(loader)
+    try:
+        for step in range(cut, steps):
+            got = record_batch(next(it))
+            if got.keys != full[step].keys:
+                return ResumeCheck(cut, steps, step, full[step], got)
+    finally:
+        del it
+        close_loader(loader)
+    return ResumeCheck(cut, steps, None, None, None)
+
+
+def _loaded(path: str | Path) -> list[Any]:
+    from megatron.energon import WorkerConfig
+    from megatron.energon.metadataset import load_dataset
+
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    return load_dataset(path).get_datasets(
+        training=True, split_part="train", worker_config=wc, max_samples_per_sequence=None,
+        shuffle_over_epochs_multiplier=1,
+    ).datasets
+
+
+def source_sizes_from_metadataset(path: str | Path) -> dict[str, int]:
+    """Samples per source of a metadataset (sources named as the task encoder names them)."""
+    from energon_ordering.task_encoder import _source_name
+
+    sizes: dict[str, int] = {}
+    for d in _loaded(path):
+        name = _source_name(d)
+        sizes[name] = sizes.get(name, 0) + len(d.dataset)
+    return sizes
+
+
+def shard_length(path: str | Path) -> int:
+    """Mean samples per shard over the prepared datasets of ``path`` (a metadataset or one
+    dataset folder), from Energon's ``.nv-meta/.info.json``; 0 if unknown."""
+    roots = [Path(str(getattr(d.dataset, "path", ""))) for d in _loaded(path)]
+    counts: list[int] = []
+    for root in roots:
+        info = root / ".nv-meta" / ".info.json"
+        if info.is_file():
+            data = json.loads(info.read_text())
+            counts.extend(int(c) for c in (data.get("shard_counts") or {}).values())
+    return int(round(float(np.mean(counts)))) if counts else 0
+
+
+def measurement_dict(m: Measurement) -> dict[str, Any]:
+    return dataclasses.asdict(m)
