@@ -1,0 +1,226 @@
+"""Megatron-LM command-line flags for energon_ordering, and their mapping to OrderingConfig.
+
+``add_energon_ordering_args(parser)`` adds an argparse group "energon ordering" that works as,
+or inside, Megatron-LM's ``extra_args_provider``. No flag collides with Megatron-LM's own
+(``megatron/training/arguments.py``, ``examples/multimodal/multimodal_args.py``): the full
+target length of the warmup is Megatron's ``--seq-length``, the seed defaults to ``--seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from energon_ordering.config import OrderingConfig
+from energon_ordering.errors import OrderingConfigError, OrderingError
+from energon_ordering.pool_order import POOL_ORDERS
+from energon_ordering.schedules import SeqLenWarmup
+from energon_ordering.token_layout import OVERFLOW_POLICIES
+from energon_ordering.blend_policy import BLEND_POLICIES
+from energon_ordering.yaml_file import load_yaml
+
+__all__ = ["add_energon_ordering_args", "micro_batches_per_step", "ordering_config_from_args"]
+
+#: The flags this module adds (checked against Megatron-LM's in the tests).
+FLAGS = (
+    "--length-sort-pool-size",
+    "--length-sort-mode",
+    "--data-mixture-schedule",
+    "--data-blend-policy",
+    "--seq-length-warmup-steps",
+    "--seq-length-warmup-start",
+    "--seq-length-warmup-multiple-of",
+    "--seq-length-warmup-overflow",
+    "--ordering-seed",
+    "--allow-dataloader-restart",
+)
+
+
+def add_energon_ordering_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the "energon ordering" flags to ``parser`` and returns it.
+
+    Use directly as Megatron-LM's ``extra_args_provider``, or call it from your own provider.
+    Defaults of None mean "take it from the recipe (--data-mixture-schedule) or Megatron".
+    """
+    g = parser.add_argument_group(title="energon ordering")
+    g.add_argument("--length-sort-pool-size", type=int, default=None,
+                   help="Samples per length pool per loader worker; 0 turns the pool off "
+                        "(same flag name as the reference implementation).")
+    g.add_argument("--length-sort-mode", choices=sorted(POOL_ORDERS), default=None,
+                   help="sample: permute sorted samples (reference); batch: permute sorted "
+                        "micro-batch chunks (near padding-free).")
+    g.add_argument("--data-mixture-schedule", type=str, default=None,
+                   help="A recipe YAML (OrderingConfig settings) or a bare schedule YAML "
+                        "(sources: / phases:); weights become a function of the step.")
+    g.add_argument("--data-blend-policy", choices=list(BLEND_POLICIES), default=None,
+                   help="How the scheduled blend draws sources.")
+    g.add_argument("--seq-length-warmup-steps", type=int, default=None,
+                   help="Sequence-length warmup over this many steps (0 = off); grows to "
+                        "--seq-length.")
+    g.add_argument("--seq-length-warmup-start", type=int, default=None,
+                   help="Sequence length at step 0 of the warmup, in tokens.")
+    g.add_argument("--seq-length-warmup-multiple-of", type=int, default=None,
+                   help="Warmup lengths are rounded down to a multiple of this (default 8).")
+    g.add_argument("--seq-length-warmup-overflow", choices=list(OVERFLOW_POLICIES), default=None,
+                   help="A sample whose media tokens alone exceed the cap: keep, drop or error.")
+    g.add_argument("--ordering-seed", type=int, default=None,
+                   help="Seed of the ordering (identical on all ranks); default --seed.")
+    g.add_argument("--allow-dataloader-restart", action="store_true", default=False,
+                   help="If a dataloader state that should be restored is missing or "
+                        "unreadable, warn loudly and restart the data stream instead of failing.")
+    return parser
+
+
+def _get(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default)
+
+
+def _err(flag: str, value: Any, msg: str) -> OrderingConfigError:
+    return OrderingConfigError(f"{flag} = {value!r}: {msg}")
+
+
+def _data_parallel_size(args: Any) -> int:
+    dp = _get(args, "data_parallel_size")
+    if dp:
+        return int(dp)
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return parallel_state.get_data_parallel_world_size()
+    except ImportError:
+        pass
+    world = _get(args, "world_size", 1) or 1
+    model = (_get(args, "tensor_model_parallel_size", 1) or 1) * (
+        _get(args, "pipeline_model_parallel_size", 1) or 1) * (
+        _get(args, "context_parallel_size", 1) or 1)
+    return max(1, int(world) // int(model))
+
+
+def micro_batches_per_step(args: Any) -> int:
+    """``global_batch_size / (micro_batch_size * data_parallel_size)``, validated."""
+    mbs = _get(args, "micro_batch_size")
+    gbs = _get(args, "global_batch_size")
+    if not mbs or mbs < 1:
+        raise _err("--micro-batch-size", mbs, "must be an int >= 1.")
+    dp = _data_parallel_size(args)
+    if gbs is None:
+        return 1
+    if gbs % (mbs * dp):
+        raise _err("--global-batch-size", gbs,
+                   f"must be a multiple of --micro-batch-size ({mbs}) x data-parallel size ({dp}).")
+    return gbs // (mbs * dp)
+
+
+def _total_steps(args: Any) -> int | None:
+    iters = _get(args, "train_iters")
+    if iters:
+        return int(iters)
+    samples = _get(args, "train_samples")
+    gbs = _get(args, "global_batch_size")
+    if samples and gbs:
+        return int(samples) // int(gbs)
+    return None
+
+
+def ordering_config_from_args(args: Any) -> OrderingConfig:
+    """Builds the OrderingConfig from Megatron-LM args plus the "energon ordering" flags.
+
+    Megatron's own args are used where they exist: ``--seq-length`` (warmup target),
+    ``--seed`` (default ordering seed), ``--micro-batch-size``, ``--global-batch-size`` and the
+    data-parallel size (micro-batches per step), ``--train-iters`` or ``--train-samples`` (total
+    steps). Settings come from the recipe given with ``--data-mixture-schedule`` first, explicit
+    flags override them.
+
+    Raises:
+        OrderingConfigError: A bad value; the message names the flag.
+    """
+    base: dict[str, Any] = {}
+    schedule_path = _get(args, "data_mixture_schedule")
+    if schedule_path:
+        try:
+            data = load_yaml(schedule_path, "--data-mixture-schedule")
+        except OrderingError as e:
+            raise OrderingConfigError(f"--data-mixture-schedule = {schedule_path!r}: {e}") from e
+        if not isinstance(data, dict):
+            raise _err("--data-mixture-schedule", schedule_path, "must hold a YAML mapping.")
+        if "sources" in data or "phases" in data:
+            base["mixture_schedule"] = data  # a bare schedule file
+        else:
+            if isinstance(data.get("mixture_schedule"), str) and not Path(data["mixture_schedule"]).is_absolute():
+                data = {**data, "mixture_schedule": str(Path(schedule_path).parent / data["mixture_schedule"])}
+            base.update(data)
+
+    def flag(name: str, key: str) -> None:
+        value = _get(args, name)
+        if value is not None:
+            base[key] = value
+
+    flag("length_sort_pool_size", "length_sort_pool_size")
+    flag("length_sort_mode", "length_sort_mode")
+    flag("data_blend_policy", "blend_policy")
+    seed = _get(args, "ordering_seed")
+    if seed is None and "seed" not in base:
+        seed = _get(args, "seed")
+    if seed is not None:
+        base["seed"] = seed
+
+    pool = base.get("length_sort_pool_size", 0)
+    if not isinstance(pool, int) or pool < 0:
+        raise _err("--length-sort-pool-size", pool, "must be an int >= 0 (0 = off).")
+    mbs = _get(args, "micro_batch_size")
+    if pool and base.get("length_sort_mode") == "batch" and mbs and pool % mbs:
+        raise _err("--length-sort-pool-size", pool,
+                   f"must be a multiple of --micro-batch-size ({mbs}) with --length-sort-mode "
+                   f"batch; use {max(1, pool // mbs) * mbs}.")
+    base["micro_batches_per_step"] = micro_batches_per_step(args)
+    total = _total_steps(args)
+    if total is not None:
+        sched = base.get("mixture_schedule")
+        own_total = sched.get("total_steps") if isinstance(sched, dict) else None
+        if base.get("total_steps") not in (None, total) or own_total not in (None, total):
+            raise _err("--train-iters", total,
+                       f"the recipe {schedule_path!r} was written for total_steps = "
+                       f"{base.get('total_steps') or own_total}; make them agree.")
+        base["total_steps"] = total
+
+    steps = _get(args, "seq_length_warmup_steps")
+    if steps is not None and steps < 0:
+        raise _err("--seq-length-warmup-steps", steps, "must be >= 0 (0 = off).")
+    if steps:
+        start = _get(args, "seq_length_warmup_start")
+        if start is None:
+            raise _err("--seq-length-warmup-start", None,
+                       "is required with --seq-length-warmup-steps (the length at step 0).")
+        full = _get(args, "seq_length")
+        if not full:
+            raise _err("--seq-length", full, "is the warmup's full length and must be set.")
+        multiple = _get(args, "seq_length_warmup_multiple_of")
+        multiple = 8 if multiple is None else multiple
+        if multiple < 1:
+            raise _err("--seq-length-warmup-multiple-of", multiple, "must be an int >= 1.")
+        if start < 1 or start > full:
+            raise _err("--seq-length-warmup-start", start,
+                       f"must lie in [1, --seq-length = {full}] (the warmup grows to --seq-length).")
+        if start % multiple:
+            raise _err("--seq-length-warmup-start", start,
+                       f"is not a multiple of --seq-length-warmup-multiple-of = {multiple}; use "
+                       f"{max(multiple, start // multiple * multiple)}.")
+        if full % multiple:
+            raise _err("--seq-length", full,
+                       f"is not a multiple of --seq-length-warmup-multiple-of = {multiple}; "
+                       "lower the multiple (e.g. 1) or change --seq-length.")
+        base["seq_length_warmup"] = SeqLenWarmup(start=start, full=full, warmup_steps=steps,
+                                                 multiple_of=multiple)
+    elif steps == 0:
+        base.pop("seq_length_warmup", None)
+    overflow = _get(args, "seq_length_warmup_overflow")
+    if overflow is not None:
+        base["seq_length_overflow"] = overflow
+        if isinstance(base.get("seq_length_warmup"), dict):
+            base["seq_length_warmup"] = {k: v for k, v in base["seq_length_warmup"].items() if k != "overflow"}
+    try:
+        return OrderingConfig.from_dict(base)
+    except OrderingError as e:
+        raise OrderingConfigError(f"--data-mixture-schedule / energon ordering flags: {e}") from e
