@@ -295,7 +295,11 @@ def demo(out: str, recipe: str | None, ranks: int, steps: int, batch_size: int, 
     ok, line = _resume_line(str(meta), cfg, cut=steps // 2, steps=steps, num_workers=0,
                             batch_size=batch_size)
     click.echo("\n" + line)
-    click.echo(f"wrote {extra['png']}")
+    from energon_ordering.plots import plot_plan
+
+    plan_png = plot_plan(out_dir / "plan.png", total_steps=cfg.total_steps or steps,
+                         schedule=cfg.mixture_schedule, warmup=cfg.seq_length_warmup)
+    click.echo(f"wrote {extra['png']} and {plan_png}")
     (out_dir / "results.json").write_text(json.dumps(
         {name: dataclasses.asdict(m) for name, m in results.items()} | {"resume_identical": ok},
         indent=2))

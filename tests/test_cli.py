@@ -142,6 +142,7 @@ def test_demo_end_to_end_small(runner, tmp_path):
     assert on["overlapping_keys"] == off["overlapping_keys"] == 0
     assert results["resume_identical"] is True
     _png_ok(tmp_path / "inspect.png")
+    _png_ok(tmp_path / "plan.png")
 
 
 def test_demo_bad_recipe(runner, tmp_path):
