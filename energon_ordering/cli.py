@@ -64,6 +64,44 @@ def _parse_sizes(text: str) -> dict[str, int]:
     return sizes
 
 
+def _task_encoder_factory(spec: str | None, tokens_per_media: int):
+    """``MODULE:CLASS`` of a task encoder with the OrderingTaskEncoder mixin, or the estimator."""
+    import functools
+    import importlib
+
+    from energon_ordering.length_estimate import LengthEstimateTaskEncoder
+    from energon_ordering.task_encoder import OrderingTaskEncoder
+
+    if spec is None:
+        return functools.partial(LengthEstimateTaskEncoder, tokens_per_media)
+    module, _, name = spec.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise click.BadParameter(f"{spec!r}: cannot import it ({e}); give MODULE:CLASS.",
+                                 param_hint="--task-encoder") from e
+    if not (isinstance(cls, type) and issubclass(cls, OrderingTaskEncoder)):
+        raise click.BadParameter(
+            f"{spec!r} is not a task encoder class with the OrderingTaskEncoder mixin; define "
+            "class MyTE(OrderingTaskEncoder, YourTaskEncoder).", param_hint="--task-encoder")
+    return cls
+
+
+TASK_ENCODER_OPTIONS = [
+    click.option("--task-encoder", default=None, metavar="MODULE:CLASS",
+                 help="Your task encoder (with the OrderingTaskEncoder mixin) for exact lengths "
+                      "[default: estimate lengths from text tokens and media count]."),
+    click.option("--tokens-per-media", type=click.IntRange(min=0), default=256,
+                 help="Tokens per image/video for the length estimate."),
+]
+
+
+def _with_task_encoder(fn):
+    for opt in reversed(TASK_ENCODER_OPTIONS):
+        fn = opt(fn)
+    return fn
+
+
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [[str(c) for c in r] for r in [headers, *rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
@@ -168,7 +206,8 @@ def _measure_table(results: dict[str, Any]) -> str:
 
 
 def _inspect(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, num_workers: int,
-             batch_size: int, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+             batch_size: int, out: Path, task_encoder_factory: Any = None,
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
     from energon_ordering.inspection import measure, run_ranks_with_progress, shard_length
     from energon_ordering.plots import plot_run
 
@@ -181,7 +220,8 @@ def _inspect(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, num_work
         for name, c in configs.items():
             records[name] = run_ranks_with_progress(
                 path, c, ranks=ranks, steps=steps, num_workers=num_workers, batch_size=batch_size,
-                progress=_progress(f"{name}: {ranks} ranks x {steps} micro-batches"))
+                progress=_progress(f"{name}: {ranks} ranks x {steps} micro-batches"),
+                task_encoder_factory=task_encoder_factory)
             results[name] = measure(records[name], period)
     out.mkdir(parents=True, exist_ok=True)
     png = plot_run(out / "inspect.png", runs=records, micro_batches_per_step=cfg.micro_batches_per_step,
@@ -197,12 +237,14 @@ def _inspect(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, num_work
 @click.option("--num-workers", type=click.IntRange(min=0), default=0, help="Loader workers per rank.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, help="Micro-batch size.")
 @click.option("--out", type=click.Path(file_okay=False), default=".", help="Folder for inspect.png.")
+@_with_task_encoder
 def inspect(metadataset: str, recipe: str, ranks: int, steps: int, num_workers: int,
-            batch_size: int, out: str) -> None:
+            batch_size: int, out: str, task_encoder: str | None, tokens_per_media: int) -> None:
     """On your prepared dataset: sync, padding, mix and overlap diagnostics, pool off vs on."""
     cfg = _load_recipe(recipe)
+    factory = _task_encoder_factory(task_encoder, tokens_per_media)
     results, extra = _inspect(metadataset, cfg, ranks=ranks, steps=steps, num_workers=num_workers,
-                              batch_size=batch_size, out=Path(out))
+                              batch_size=batch_size, out=Path(out), task_encoder_factory=factory)
     click.echo(_measure_table(results))
     click.echo(f"(sawtooth: share autocorrelation at {extra['period']} micro-batches = one shard)")
     click.echo(f"wrote {extra['png']}")
@@ -212,12 +254,12 @@ def inspect(metadataset: str, recipe: str, ranks: int, steps: int, num_workers: 
 
 
 def _resume_line(path: str, cfg: OrderingConfig, *, cut: int, steps: int, num_workers: int,
-                 batch_size: int) -> tuple[bool, str]:
+                 batch_size: int, task_encoder_factory: Any = None) -> tuple[bool, str]:
     from energon_ordering.inspection import check_resume
 
     with _user_errors():
         res = check_resume(path, cfg, cut=cut, steps=steps, num_workers=num_workers,
-                           batch_size=batch_size)
+                           batch_size=batch_size, task_encoder_factory=task_encoder_factory)
     if res.mismatch is None:
         return True, (f"resume check: cut at micro-batch {cut}, restored from save_state_rank(): "
                       f"the next {steps - cut} micro-batches are identical")
@@ -233,14 +275,16 @@ def _resume_line(path: str, cfg: OrderingConfig, *, cut: int, steps: int, num_wo
               help="Micro-batches to compare in all [default: cut + 50].")
 @click.option("--num-workers", type=click.IntRange(min=0), default=0, help="Loader workers.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, help="Micro-batch size.")
+@_with_task_encoder
 def check_resume_cmd(metadataset: str, recipe: str, cut: int, steps: int | None, num_workers: int,
-                     batch_size: int) -> None:
+                     batch_size: int, task_encoder: str | None, tokens_per_media: int) -> None:
     """Run uninterrupted and cut-then-restored; exit 1 at the first differing micro-batch."""
     steps = cut + 50 if steps is None else steps
     if cut >= steps:
         raise click.BadParameter(f"cut {cut} must be below --steps {steps}", param_hint="--cut")
     ok, line = _resume_line(metadataset, _load_recipe(recipe), cut=cut, steps=steps,
-                            num_workers=num_workers, batch_size=batch_size)
+                            num_workers=num_workers, batch_size=batch_size,
+                            task_encoder_factory=_task_encoder_factory(task_encoder, tokens_per_media))
     click.echo(line)
     if not ok:
         sys.exit(1)
@@ -281,8 +325,11 @@ def demo(out: str, recipe: str | None, ranks: int, steps: int, batch_size: int, 
         with _user_errors():
             make_synthetic_dataset(meta.parent, specs, shard_size=100)
     click.echo(f"recipe {recipe}: {ranks} ranks x {steps} micro-batches of {batch_size}\n")
+    from energon_ordering.synthetic_task import SyntheticTaskEncoder
+
     results, extra = _inspect(str(meta), cfg, ranks=ranks, steps=steps, num_workers=0,
-                              batch_size=batch_size, out=out_dir)
+                              batch_size=batch_size, out=out_dir,
+                              task_encoder_factory=SyntheticTaskEncoder)
     click.echo(_measure_table(results))
     if cfg.mixture_schedule is not None:
         total = cfg.total_steps or cfg.mixture_schedule.total_steps or steps
@@ -293,7 +340,7 @@ def demo(out: str, recipe: str | None, ranks: int, steps: int, batch_size: int, 
         for w in warns:
             click.echo(f"warning: {w}")
     ok, line = _resume_line(str(meta), cfg, cut=steps // 2, steps=steps, num_workers=0,
-                            batch_size=batch_size)
+                            batch_size=batch_size, task_encoder_factory=SyntheticTaskEncoder)
     click.echo("\n" + line)
     from energon_ordering.plots import plot_plan
 

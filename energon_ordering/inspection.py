@@ -60,12 +60,14 @@ def run_ranks_with_progress(
     num_workers: int,
     batch_size: int,
     progress: Callable[[Iterable[int]], Iterable[int]] = lambda it: it,
+    task_encoder_factory: Callable[[], Any] | None = None,
 ) -> list[list[BatchRecord]]:
     """``records[rank][step]`` from one real pipeline per rank (ranks run one after another)."""
     out = []
     for rank in progress(range(ranks)):
         loader = build_train_loader(path, ordering=ordering, rank=rank, world_size=ranks,
-                                    num_workers=num_workers, batch_size=batch_size)
+                                    num_workers=num_workers, batch_size=batch_size,
+                                    task_encoder_factory=task_encoder_factory)
         it = iter(loader)
         out.append([record_batch(next(it)) for _ in range(steps)])
         del it
@@ -121,6 +123,7 @@ def check_resume(
     batch_size: int,
     rank: int = 0,
     world_size: int = 1,
+    task_encoder_factory: Callable[[], Any] | None = None,
 ) -> ResumeCheck:
     """Runs ``steps`` micro-batches uninterrupted and again cut at ``cut`` then restored from
     ``save_state_rank()`` in a fresh loader; compares the sample keys batch by batch."""
@@ -129,7 +132,8 @@ def check_resume(
 
     def make():
         return build_train_loader(path, ordering=ordering, rank=rank, world_size=world_size,
-                                  num_workers=num_workers, batch_size=batch_size)
+                                  num_workers=num_workers, batch_size=batch_size,
+                                  task_encoder_factory=task_encoder_factory)
 
     import pickle
 

@@ -203,14 +203,10 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
         if start < 1 or start > full:
             raise _err("--seq-length-warmup-start", start,
                        f"must lie in [1, --seq-length = {full}] (the warmup grows to --seq-length).")
-        if start % multiple:
+        if start < multiple:
             raise _err("--seq-length-warmup-start", start,
-                       f"is not a multiple of --seq-length-warmup-multiple-of = {multiple}; use "
-                       f"{max(multiple, start // multiple * multiple)}.")
-        if full % multiple:
-            raise _err("--seq-length", full,
-                       f"is not a multiple of --seq-length-warmup-multiple-of = {multiple}; "
-                       "lower the multiple (e.g. 1) or change --seq-length.")
+                       f"must be >= --seq-length-warmup-multiple-of = {multiple} (lengths are "
+                       "rounded down to that multiple).")
         base["seq_length_warmup"] = SeqLenWarmup(start=start, full=full, warmup_steps=steps,
                                                  multiple_of=multiple)
     elif steps == 0:

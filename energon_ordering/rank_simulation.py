@@ -31,12 +31,28 @@ class BatchRecord:
 
 
 def record_batch(batch: Any) -> BatchRecord:
-    """Reads keys, lengths and sources of a batch (``SyntheticBatch`` or any batch with
-    ``__key__`` and per-sample ``lengths``/``sources`` lists)."""
-    keys = tuple(getattr(batch, "keys", None) or batch.__key__)
-    lengths = tuple(int(x) for x in getattr(batch, "lengths", ()))
-    sources = tuple(getattr(batch, "sources", ()))
-    return BatchRecord(keys, lengths, sources)
+    """Reads keys, lengths and sources of a batch.
+
+    Keys: ``batch.keys`` or Energon's ``batch.__key__``. Lengths: ``batch.lengths``, else a
+    per-sample ``batch.total_len`` list (Energon's default batching of a ``total_len`` field).
+    Sources: ``batch.sources``, else the ``source`` subflavor of each sample.
+    """
+    keys = getattr(batch, "keys", None)
+    if keys is None or callable(keys):
+        keys = batch.__key__
+    lengths = getattr(batch, "lengths", None)
+    if lengths is None:
+        lengths = getattr(batch, "total_len", None)
+    lengths = lengths.tolist() if hasattr(lengths, "tolist") else lengths
+    sources = getattr(batch, "sources", None)
+    if sources is None:
+        subflavors = getattr(batch, "__subflavors__", None) or []
+        sources = [(s or {}).get("source", "-") for s in subflavors] if subflavors else []
+    return BatchRecord(
+        tuple(keys),
+        tuple(int(x) for x in (lengths or ())),
+        tuple(sources),
+    )
 
 
 def build_train_loader(

@@ -81,6 +81,8 @@ def _weight_value(where: str, value: Any) -> float:
 
 
 def _step_value(where: str, value: Any) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)  # JSON objects have string keys
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise _err(where, f"knot step {value!r} must be an int >= 0.")
     return int(value)
@@ -466,7 +468,7 @@ class SeqLenWarmup:
 
     ``max_seq_len(step)`` grows from ``start`` to ``full`` tokens over ``warmup_steps`` optimizer
     steps, rounded down to a multiple of ``multiple_of`` (tensor cores want multiples of 8), and
-    is exactly ``full`` from ``warmup_steps`` on.
+    is exactly ``full`` from ``warmup_steps`` on (``full`` need not be a multiple).
 
     Kinds:
         ``linear``: ``start + (full - start) * step / warmup_steps``, rounded down.
@@ -474,9 +476,8 @@ class SeqLenWarmup:
         warmup_steps)`` with ``n = ceil(log2(full / start))`` equal stages, capped at ``full``.
 
     Args:
-        start: Length at step 0, in tokens (a multiple of ``multiple_of``).
-        full: Length from ``warmup_steps`` on, in tokens (a multiple of ``multiple_of``); in
-            Megatron-LM this is ``--seq-length``.
+        start: Length at step 0, in tokens (>= ``multiple_of``; rounded down to a multiple).
+        full: Length from ``warmup_steps`` on, in tokens; in Megatron-LM ``--seq-length``.
         warmup_steps: Optimizer steps of the warmup (>= 1).
         multiple_of: Lengths during the warmup are rounded down to a multiple of this.
         kind: ``"linear"`` or ``"step"``.
@@ -500,15 +501,12 @@ class SeqLenWarmup:
                 f"SeqLenWarmup: start = {self.start} > full = {self.full}; the warmup grows the "
                 "sequence length, so start must be <= full."
             )
-        for name in ("start", "full"):
-            value = getattr(self, name)
-            if value % self.multiple_of:
-                lo = value // self.multiple_of * self.multiple_of
-                hint = f"{lo} or {lo + self.multiple_of}" if lo else f"{self.multiple_of}"
-                raise OrderingConfigError(
-                    f"SeqLenWarmup.{name} = {value} is not a multiple of multiple_of = "
-                    f"{self.multiple_of}; use {name} = {hint} (or another multiple_of)."
-                )
+        if self.multiple_of > self.start:
+            raise OrderingConfigError(
+                f"SeqLenWarmup: multiple_of = {self.multiple_of} > start = {self.start}; lengths "
+                f"are rounded down to a multiple of multiple_of, so start must be at least "
+                f"{self.multiple_of} (or use a smaller multiple_of)."
+            )
         if self.kind not in WARMUP_KINDS:
             raise OrderingConfigError(
                 f"SeqLenWarmup.kind = {self.kind!r} is unknown; use one of {list(WARMUP_KINDS)}."
@@ -545,4 +543,4 @@ class SeqLenWarmup:
         else:
             stages = max(1, math.ceil(math.log2(self.full / self.start)))
             length = min(self.full, self.start * 2 ** (step * stages // self.warmup_steps))
-        return max(self.start, length // self.multiple_of * self.multiple_of)
+        return length // self.multiple_of * self.multiple_of

@@ -9,6 +9,10 @@ sample type; the default fits samples with ``tokens`` (+ optional ``labels``, ``
 
 Media positions come from, in this order: a boolean per-token field ``media_mask_field`` on the
 sample, else ``tokens == media_token_id``, else there are none (everything is text).
+
+Length-only samples (no token sequence, e.g. for measuring an order): ``token_field=None``; the
+cut then lowers ``length_field`` to the cap, and ``media_count_field`` names the media tokens
+that may not be cut.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ class TokenLayout:
     """Describes the token sequences of an encoded sample.
 
     Attributes:
-        token_field: The token-id sequence; its length is the sample's length.
+        token_field: The token-id sequence; its length is the sample's length. None for
+            length-only samples (see the module docstring).
         sequence_fields: Per-token sequences cut together with the tokens (missing ones are
             skipped; present ones must have the token sequence's length).
         length_field: A field holding the length in tokens, updated after a cut (None: none).
@@ -43,11 +48,12 @@ class TokenLayout:
         media_mask_field: Boolean per-token field marking media positions, if the sample has it.
     """
 
-    token_field: str = "tokens"
+    token_field: str | None = "tokens"
     sequence_fields: tuple[str, ...] = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
     length_field: str | None = "total_len"
     media_token_id: int | None = None
     media_mask_field: str | None = "media_mask"
+    media_count_field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,8 @@ def truncate_sample(sample: Any, max_len: int, layout: TokenLayout) -> Truncatio
     ``max_len - n_media`` text positions, in their original order, applied to every sequence
     field. If the media alone exceed ``max_len`` nothing is cut and ``overflow`` is set.
     """
+    if layout.token_field is None:
+        return _truncate_length_only(sample, max_len, layout)
     tokens = _get(sample, layout.token_field)
     if tokens is None:
         raise OrderingTypeError(
@@ -144,13 +152,30 @@ def truncate_sample(sample: Any, max_len: int, layout: TokenLayout) -> Truncatio
     new_len = int(keep.sum())
     if layout.length_field is not None and _get(sample, layout.length_field) is not None:
         changes[layout.length_field] = new_len
+    return TruncationResult(_rebuild(sample, changes), n - new_len, n_media, False)
+
+
+def _rebuild(sample: Any, changes: dict[str, Any]) -> Any:
     if isinstance(sample, dict):
-        out = {**sample, **changes}
-    elif dataclasses.is_dataclass(sample):
-        out = dataclasses.replace(sample, **changes)
-    else:
+        return {**sample, **changes}
+    if dataclasses.is_dataclass(sample):
+        return dataclasses.replace(sample, **changes)
+    raise OrderingTypeError(
+        f"Sequence-length warmup: cannot rebuild a {type(sample).__name__}; use a dataclass "
+        "(Energon Sample) or a dict sample."
+    )
+
+
+def _truncate_length_only(sample: Any, max_len: int, layout: TokenLayout) -> TruncationResult:
+    if layout.length_field is None or _get(sample, layout.length_field) is None:
         raise OrderingTypeError(
-            f"Sequence-length warmup: cannot rebuild a {type(sample).__name__}; use a dataclass "
-            "(Energon Sample) or a dict sample."
+            f"Sequence-length warmup: sample {sample_key(sample)!r} has no length field "
+            f"`{layout.length_field}` (TokenLayout with token_field=None cuts the length only)."
         )
-    return TruncationResult(out, n - new_len, n_media, False)
+    n = int(_get(sample, layout.length_field))
+    if n <= max_len:
+        return TruncationResult(sample, 0, -1, False)
+    n_media = int(_get(sample, layout.media_count_field) or 0) if layout.media_count_field else 0
+    if n_media > max_len:
+        return TruncationResult(sample, 0, n_media, True)
+    return TruncationResult(_rebuild(sample, {layout.length_field: max_len}), n - max_len, n_media, False)

@@ -103,6 +103,19 @@ def test_inspect(runner, three_sources, recipe, tmp_path):
     _png_ok(tmp_path / "inspect.png")
 
 
+def test_inspect_with_your_own_task_encoder(runner, three_sources, recipe, tmp_path):
+    res = runner.invoke(main, ["inspect", str(three_sources), "--recipe", str(recipe), "--ranks", "2",
+                               "--steps", "20", "--out", str(tmp_path), "--task-encoder",
+                               "energon_ordering.synthetic_task:SyntheticTaskEncoder"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(main, ["inspect", str(three_sources), "--recipe", str(recipe),
+                               "--task-encoder", "energon_ordering.synthetic:SourceSpec"])
+    assert res.exit_code == 2 and "OrderingTaskEncoder mixin" in res.output
+    res = runner.invoke(main, ["inspect", str(three_sources), "--recipe", str(recipe),
+                               "--task-encoder", "no_such_module:X"])
+    assert res.exit_code == 2 and "cannot import it" in res.output
+
+
 def test_inspect_errors(runner, three_sources, recipe, tmp_path):
     res = runner.invoke(main, ["inspect", str(three_sources), "--recipe", str(recipe), "--ranks", "0"])
     assert res.exit_code == 2 and "--ranks" in res.output

@@ -159,6 +159,12 @@ def test_bad_definitions(d, match):
         MixtureSchedule.from_dict(d)
 
 
+def test_knot_steps_from_json_may_be_strings():
+    s = MixtureSchedule.from_dict({"sources": {"a": {"weight": {"step": {"0": 1, "10": 3}}},
+                                               "b": {"weight": 1}}})
+    assert s.weights(10) == {"a": 0.75, "b": 0.25}
+
+
 def test_crossing_ramps_are_valid():
     # a ramps down while b ramps up: the sum never reaches 0
     s = MixtureSchedule.from_dict({"sources": {"a": {"weight": {"linear": {0: 1, 10: 0}}},

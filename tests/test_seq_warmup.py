@@ -44,6 +44,9 @@ def test_step_warmup_doubles_in_equal_stages():
 def test_multiple_of():
     w = SeqLenWarmup(64, 4096, 100, multiple_of=64)
     assert all(w.max_seq_len(s) % 64 == 0 for s in range(101))
+    # start and full need not be multiples: lengths round down, full is reached exactly
+    w = SeqLenWarmup(100, 1000, 10)
+    assert w.max_seq_len(0) == 96 and w.max_seq_len(9) == 904 and w.max_seq_len(10) == 1000
 
 
 @pytest.mark.parametrize(
@@ -52,8 +55,7 @@ def test_multiple_of():
         (dict(start=4096, full=2048, warmup_steps=10), r"start = 4096 > full = 2048"),
         (dict(start=0, full=2048, warmup_steps=10), r"start = 0 must be a positive int"),
         (dict(start=512, full=2048, warmup_steps=0), r"warmup_steps = 0"),
-        (dict(start=500, full=2048, warmup_steps=10), r"start = 500 is not a multiple of multiple_of = 8; use start = 496 or 504"),
-        (dict(start=512, full=2050, warmup_steps=10), r"full = 2050 is not a multiple"),
+        (dict(start=4, full=2048, warmup_steps=10), r"multiple_of = 8 > start = 4.*at least 8"),
         (dict(start=512, full=2048, warmup_steps=10, kind="cosine"), r"kind = 'cosine' is unknown"),
         (dict(start=512.0, full=2048, warmup_steps=10), r"start = 512.0 must be a positive int"),
     ],
@@ -124,6 +126,16 @@ def test_labels_masks_and_lists_are_cut_together():
     assert out.loss_mask.tolist() == [0, 1, 1]
     assert out.media_mask == [True, True, False]
     assert out.total_len == 3
+
+
+def test_length_only_samples():
+    layout = TokenLayout(token_field=None, sequence_fields=(), length_field="total_len",
+                         media_count_field="media")
+    out = truncate_sample({"__key__": "l", "total_len": 900, "media": 256}, 512, layout)
+    assert out.sample["total_len"] == 512 and out.cut_tokens == 388
+    assert truncate_sample({"__key__": "l", "total_len": 900, "media": 600}, 512, layout).overflow
+    with pytest.raises(OrderingTypeError, match="no length field"):
+        truncate_sample({"__key__": "m"}, 5, layout)
 
 
 def test_dict_samples_and_layout_errors():

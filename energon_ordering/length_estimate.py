@@ -1,0 +1,102 @@
+"""A task encoder for measuring the order of ANY Energon dataset without the user's model code.
+
+``inspect`` and ``check-resume`` must run on a user's own prepared data, whatever its sample type
+(captioning, VQA, interleaved, ...). :class:`LengthEstimateTaskEncoder` turns every sample into a
+:class:`LengthSample` holding only its key, source and an estimated length in tokens: the
+whitespace tokens of every text field plus ``tokens_per_media`` per image/video tensor. It is
+``@stateless``, so the length pool can restore its samples. Pass your own task encoder (with the
+``OrderingTaskEncoder`` mixin) instead to measure exact lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from megatron.energon import Batch, DefaultTaskEncoder, Sample, stateless
+
+from energon_ordering.source_tag import sample_source
+from energon_ordering.task_encoder import OrderingTaskEncoder
+from energon_ordering.token_layout import TokenLayout
+
+__all__ = ["LengthBatch", "LengthEstimateTaskEncoder", "LengthSample", "estimate_tokens"]
+
+
+@dataclasses.dataclass
+class LengthSample(Sample):
+    """Key, source and estimated length (tokens) of a sample, and how many are media tokens."""
+
+    total_len: int
+    media_tokens: int
+    source: str
+
+
+@dataclasses.dataclass
+class LengthBatch(Batch):
+    """Per-sample keys, sources and lengths of a micro-batch."""
+
+    keys: list[str]
+    sources: list[str]
+    lengths: list[int]
+
+
+def estimate_tokens(value: Any, tokens_per_media: int) -> int:
+    """Whitespace tokens of text plus ``tokens_per_media`` per image/video, recursively."""
+    if isinstance(value, str):
+        return len(value.split())
+    if isinstance(value, torch.Tensor):
+        return tokens_per_media if value.ndim >= 3 else 0
+    if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
+        return tokens_per_media
+    if isinstance(value, dict):
+        return sum(estimate_tokens(v, tokens_per_media) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(estimate_tokens(v, tokens_per_media) for v in value)
+    return 0
+
+
+class LengthEstimateTaskEncoder(OrderingTaskEncoder, DefaultTaskEncoder):
+    """Encodes any sample to a :class:`LengthSample` (see the module docstring).
+
+    Args:
+        tokens_per_media: Tokens an image (or video) stands for in the model's sequence.
+    """
+
+    #: The warmup lowers ``total_len`` (there are no token sequences); media are never cut.
+    ordering_token_layout = TokenLayout(token_field=None, sequence_fields=(),
+                                        length_field="total_len", media_count_field="media_tokens")
+
+    def __init__(self, tokens_per_media: int = 256, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.tokens_per_media = tokens_per_media
+
+    @stateless
+    def encode_sample(self, sample: Any) -> LengthSample:
+        fields = (
+            {f.name: getattr(sample, f.name) for f in dataclasses.fields(sample)}
+            if dataclasses.is_dataclass(sample)
+            else dict(sample)
+        )
+        values = [v for k, v in fields.items() if not k.startswith("__")]
+        length = sum(estimate_tokens(v, self.tokens_per_media) for v in values)
+        text = sum(estimate_tokens(v, 0) for v in values)
+        key = fields.get("__key__")
+        return LengthSample(
+            __key__=key,
+            __restore_key__=fields.get("__restore_key__", ()),
+            __subflavors__=fields.get("__subflavors__"),
+            __sources__=fields.get("__sources__"),
+            total_len=max(1, length),
+            media_tokens=length - text,
+            source=sample_source(sample) or "-",
+        )
+
+    @stateless
+    def batch(self, samples: list[LengthSample]) -> LengthBatch:
+        return LengthBatch.from_samples(
+            samples,
+            keys=[s.__key__ for s in samples],
+            sources=[s.source for s in samples],
+            lengths=[s.total_len for s in samples],
+        )
