@@ -133,6 +133,13 @@ class OrderingTaskEncoder:
         schedule = cfg.mixture_schedule
         assert schedule is not None
         names = [_source_name(d) for d in datasets]
+        epochized = [n for n, d in zip(names, datasets) if d.repetitions not in (None, 1)]
+        if epochized:
+            raise OrderingConfigError(
+                f"OrderingConfig.mixture_schedule replaces the metadataset's blend, but the "
+                f"entries {epochized} use `blend_epochized` repetitions, which a step schedule "
+                "cannot honour; use `blend:` with weights (they are replaced by the schedule)."
+            )
         if len(set(names)) != len(names):
             raise OrderingConfigError(
                 f"OrderingConfig.mixture_schedule: metadataset entries share source names "

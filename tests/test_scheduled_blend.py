@@ -257,3 +257,15 @@ def test_pool_delays_switches_and_lag_compensation_centres_them(three_sources):
     assert 5 < late.mean() < 11, late
     assert (np.abs(compensated) <= 11).all(), compensated
     assert abs(compensated.mean()) < 2.0, compensated
+
+
+def test_epochized_metadataset_is_refused_with_a_schedule(three_sources, tmp_path):
+    root = Path(three_sources).parent
+    meta = tmp_path / "epochized.yaml"
+    meta.write_text(
+        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n"
+        "    blend_epochized:\n"
+        + "".join(f"      - repetitions: 2\n        path: {root / s}\n" for s in SOURCES)
+    )
+    with pytest.raises(OrderingConfigError, match=r"entries \['web', 'code', 'curated'\] use `blend_epochized`"):
+        build_train_loader(meta, ordering=OrderingConfig(mixture_schedule=PHASED))
