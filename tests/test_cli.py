@@ -163,3 +163,36 @@ def test_demo_bad_recipe(runner, tmp_path):
     bad.write_text("seq_length_warmup: {start: 100, full: 50, warmup_steps: 3}\n")
     res = runner.invoke(main, ["demo", "--out", str(tmp_path), "--recipe", str(bad)])
     assert res.exit_code == 1 and "start = 100 > full = 50" in res.output
+
+
+def _make_flaky():
+    """A task encoder that is NOT deterministic: it skips samples by a process-wide counter, so a
+    restored run skips different samples than the uninterrupted one (what check-resume catches)."""
+    from megatron.energon import SkipSample, stateless
+
+    from energon_ordering.synthetic_task import SyntheticTaskEncoder
+
+    class _Flaky(SyntheticTaskEncoder):
+        calls = 0
+
+        @stateless
+        def encode_sample(self, sample):
+            type(self).calls += 1
+            if type(self).calls % 7 == 0:
+                raise SkipSample()
+            return super().encode_sample(sample)
+
+    return _Flaky
+
+
+Flaky = _make_flaky()
+
+
+def test_check_resume_reports_the_first_mismatch(runner, three_sources, tmp_path):
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("seed: 3\n")
+    res = runner.invoke(main, ["check-resume", str(three_sources), "--recipe", str(plain), "--cut", "5",
+                               "--steps", "30", "--task-encoder", "test_cli:Flaky"])
+    assert res.exit_code == 1, res.output
+    assert "resume check FAILED: first mismatch at micro-batch" in res.output
+    assert "expected [" in res.output and "got [" in res.output
