@@ -6,10 +6,11 @@ from typing import Any
 
 from energon_ordering.errors import SampleLengthError
 
-__all__ = ["default_sample_length", "sample_key"]
+__all__ = ["default_sample_length", "sample_field", "sample_key"]
 
 
-def _field(sample: Any, name: str) -> Any:
+def sample_field(sample: Any, name: str) -> Any:
+    """A field of an Energon ``Sample`` dataclass (or any object) or a dict sample; None if absent."""
     if isinstance(sample, dict):
         return sample.get(name)
     return getattr(sample, name, None)
@@ -17,7 +18,7 @@ def _field(sample: Any, name: str) -> Any:
 
 def sample_key(sample: Any) -> str | None:
     """The sample's ``__key__`` (dataclass attribute or dict entry), or None."""
-    return _field(sample, "__key__")
+    return sample_field(sample, "__key__")
 
 
 def default_sample_length(sample: Any) -> int:
@@ -28,10 +29,10 @@ def default_sample_length(sample: Any) -> int:
     Raises:
         SampleLengthError: The sample has neither field; the message names the sample key.
     """
-    total_len = _field(sample, "total_len")
+    total_len = sample_field(sample, "total_len")
     if total_len is not None:
         return total_len
-    tokens = _field(sample, "tokens")
+    tokens = sample_field(sample, "tokens")
     if tokens is not None:
         return len(tokens)
     raise SampleLengthError(

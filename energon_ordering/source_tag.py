@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+from energon_ordering.sample_length import sample_field
+
 __all__ = ["SOURCE_KEY", "sample_source", "tag_source"]
 
 T = TypeVar("T")
@@ -19,18 +21,17 @@ SOURCE_KEY = "source"
 
 def sample_source(sample: Any) -> str | None:
     """The source name of a sample, or None if it has none."""
-    sub = sample.get("__subflavors__") if isinstance(sample, dict) else getattr(sample, "__subflavors__", None)
+    sub = sample_field(sample, "__subflavors__")
     return None if not sub else sub.get(SOURCE_KEY)
 
 
 def tag_source(sample: T, name: str) -> T:
     """Returns ``sample`` with ``__subflavors__["source"] == name``."""
-    if isinstance(sample, dict):
-        sub = sample.get("__subflavors__") or {}
-        if sub.get(SOURCE_KEY) != name:
-            sample["__subflavors__"] = {**sub, SOURCE_KEY: name}
+    sub = sample_field(sample, "__subflavors__") or {}
+    if sub.get(SOURCE_KEY) == name:
         return sample
-    sub = getattr(sample, "__subflavors__", None) or {}
-    if sub.get(SOURCE_KEY) != name:
+    if isinstance(sample, dict):
+        sample["__subflavors__"] = {**sub, SOURCE_KEY: name}
+    else:
         sample.__subflavors__ = {**sub, SOURCE_KEY: name}
     return sample

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from energon_ordering.errors import OrderingTypeError
-from energon_ordering.sample_length import sample_key
+from energon_ordering.sample_length import sample_field, sample_key
 
 __all__ = ["OVERFLOW_POLICIES", "TokenLayout", "TruncationResult", "truncate_sample"]
 
@@ -73,10 +73,6 @@ class TruncationResult:
     overflow: bool
 
 
-def _get(sample: Any, name: str) -> Any:
-    return sample.get(name) if isinstance(sample, dict) else getattr(sample, name, None)
-
-
 def _as_bool_array(x: Any) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.detach().cpu().numpy().astype(bool)
@@ -102,7 +98,7 @@ def truncate_sample(sample: Any, max_len: int, layout: TokenLayout) -> Truncatio
     """
     if layout.token_field is None:
         return _truncate_length_only(sample, max_len, layout)
-    tokens = _get(sample, layout.token_field)
+    tokens = sample_field(sample, layout.token_field)
     if tokens is None:
         raise OrderingTypeError(
             f"Sequence-length warmup: sample {sample_key(sample)!r} ({type(sample).__name__}) has no "
@@ -114,7 +110,7 @@ def truncate_sample(sample: Any, max_len: int, layout: TokenLayout) -> Truncatio
         return TruncationResult(sample, 0, -1, False)
     media = None
     if layout.media_mask_field is not None:
-        mask = _get(sample, layout.media_mask_field)
+        mask = sample_field(sample, layout.media_mask_field)
         if mask is not None:
             media = _as_bool_array(mask)
     if media is None and layout.media_token_id is not None:
@@ -136,10 +132,10 @@ def truncate_sample(sample: Any, max_len: int, layout: TokenLayout) -> Truncatio
     fields = list(layout.sequence_fields)
     if layout.token_field not in fields:
         fields.insert(0, layout.token_field)
-    if layout.media_mask_field is not None and _get(sample, layout.media_mask_field) is not None:
+    if layout.media_mask_field is not None and sample_field(sample, layout.media_mask_field) is not None:
         fields.append(layout.media_mask_field)
     for name in fields:
-        seq = _get(sample, name)
+        seq = sample_field(sample, name)
         if seq is None:
             continue
         if len(seq) != n:
@@ -150,7 +146,7 @@ def truncate_sample(sample: Any, max_len: int, layout: TokenLayout) -> Truncatio
             )
         changes[name] = _select(seq, keep)
     new_len = int(keep.sum())
-    if layout.length_field is not None and _get(sample, layout.length_field) is not None:
+    if layout.length_field is not None and sample_field(sample, layout.length_field) is not None:
         changes[layout.length_field] = new_len
     return TruncationResult(_rebuild(sample, changes), n - new_len, n_media, False)
 
@@ -167,15 +163,15 @@ def _rebuild(sample: Any, changes: dict[str, Any]) -> Any:
 
 
 def _truncate_length_only(sample: Any, max_len: int, layout: TokenLayout) -> TruncationResult:
-    if layout.length_field is None or _get(sample, layout.length_field) is None:
+    if layout.length_field is None or sample_field(sample, layout.length_field) is None:
         raise OrderingTypeError(
             f"Sequence-length warmup: sample {sample_key(sample)!r} has no length field "
             f"`{layout.length_field}` (TokenLayout with token_field=None cuts the length only)."
         )
-    n = int(_get(sample, layout.length_field))
+    n = int(sample_field(sample, layout.length_field))
     if n <= max_len:
         return TruncationResult(sample, 0, -1, False)
-    n_media = int(_get(sample, layout.media_count_field) or 0) if layout.media_count_field else 0
+    n_media = int(sample_field(sample, layout.media_count_field) or 0) if layout.media_count_field else 0
     if n_media > max_len:
         return TruncationResult(sample, 0, n_media, True)
     return TruncationResult(_rebuild(sample, {layout.length_field: max_len}), n - max_len, n_media, False)
