@@ -199,12 +199,13 @@ def _restore(loader: Any, *, args: Any, dp_rank: int) -> None:
     state = _load_state(dataloader_state_path(save_dir, iteration, dp_rank), args=args, dp_rank=dp_rank)
     if state is None:
         return
-    expected = iteration * micro_batches_per_step(args)
+    per_step = micro_batches_per_step(args)
+    expected = iteration * per_step
     consumed = consumed_micro_batches(state)
     if consumed != expected:
         raise DataloaderRestoreError(
             f"The dataloader state for data-parallel rank {dp_rank} was saved after {consumed} "
-            f"micro-batches, but iteration {iteration} x {micro_batches_per_step(args)} "
+            f"micro-batches, but iteration {iteration} x {per_step} "
             f"micro-batches per step = {expected}: it belongs to another checkpoint or another "
             "batch configuration. Use the state saved with this checkpoint."
         )

@@ -72,16 +72,12 @@ def add_energon_ordering_args(parser: argparse.ArgumentParser) -> argparse.Argum
     return parser
 
 
-def _get(args: Any, name: str, default: Any = None) -> Any:
-    return getattr(args, name, default)
-
-
 def _err(flag: str, value: Any, msg: str) -> OrderingConfigError:
     return OrderingConfigError(f"{flag} = {value!r}: {msg}")
 
 
 def _data_parallel_size(args: Any) -> int:
-    dp = _get(args, "data_parallel_size")
+    dp = getattr(args, "data_parallel_size", None)
     if dp:
         return int(dp)
     try:
@@ -91,17 +87,17 @@ def _data_parallel_size(args: Any) -> int:
             return parallel_state.get_data_parallel_world_size()
     except ImportError:
         pass
-    world = _get(args, "world_size", 1) or 1
-    model = (_get(args, "tensor_model_parallel_size", 1) or 1) * (
-        _get(args, "pipeline_model_parallel_size", 1) or 1) * (
-        _get(args, "context_parallel_size", 1) or 1)
+    world = getattr(args, "world_size", 1) or 1
+    model = (getattr(args, "tensor_model_parallel_size", 1) or 1) * (
+        getattr(args, "pipeline_model_parallel_size", 1) or 1) * (
+        getattr(args, "context_parallel_size", 1) or 1)
     return max(1, int(world) // int(model))
 
 
 def micro_batches_per_step(args: Any) -> int:
     """``global_batch_size / (micro_batch_size * data_parallel_size)``, validated."""
-    mbs = _get(args, "micro_batch_size")
-    gbs = _get(args, "global_batch_size")
+    mbs = getattr(args, "micro_batch_size", None)
+    gbs = getattr(args, "global_batch_size", None)
     if not mbs or mbs < 1:
         raise _err("--micro-batch-size", mbs, "must be an int >= 1.")
     dp = _data_parallel_size(args)
@@ -114,11 +110,11 @@ def micro_batches_per_step(args: Any) -> int:
 
 
 def _total_steps(args: Any) -> int | None:
-    iters = _get(args, "train_iters")
+    iters = getattr(args, "train_iters", None)
     if iters:
         return int(iters)
-    samples = _get(args, "train_samples")
-    gbs = _get(args, "global_batch_size")
+    samples = getattr(args, "train_samples", None)
+    gbs = getattr(args, "global_batch_size", None)
     if samples and gbs:
         return int(samples) // int(gbs)
     return None
@@ -137,7 +133,7 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
         OrderingConfigError: A bad value; the message names the flag.
     """
     base: dict[str, Any] = {}
-    schedule_path = _get(args, "data_mixture_schedule")
+    schedule_path = getattr(args, "data_mixture_schedule", None)
     if schedule_path:
         try:
             data = load_yaml(schedule_path, "--data-mixture-schedule")
@@ -153,23 +149,23 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
             base.update(data)
 
     def flag(name: str, key: str) -> None:
-        value = _get(args, name)
+        value = getattr(args, name, None)
         if value is not None:
             base[key] = value
 
     flag("length_sort_pool_size", "length_sort_pool_size")
     flag("length_sort_mode", "length_sort_mode")
     flag("data_blend_policy", "blend_policy")
-    seed = _get(args, "ordering_seed")
+    seed = getattr(args, "ordering_seed", None)
     if seed is None and "seed" not in base:
-        seed = _get(args, "seed")
+        seed = getattr(args, "seed", None)
     if seed is not None:
         base["seed"] = seed
 
     pool = base.get("length_sort_pool_size", 0)
     if not isinstance(pool, int) or pool < 0:
         raise _err("--length-sort-pool-size", pool, "must be an int >= 0 (0 = off).")
-    mbs = _get(args, "micro_batch_size")
+    mbs = getattr(args, "micro_batch_size", None)
     if pool and base.get("length_sort_mode") == "batch" and mbs and pool % mbs:
         raise _err("--length-sort-pool-size", pool,
                    f"must be a multiple of --micro-batch-size ({mbs}) with --length-sort-mode "
@@ -185,18 +181,18 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
                        f"{base.get('total_steps') or own_total}; make them agree.")
         base["total_steps"] = total
 
-    steps = _get(args, "seq_length_warmup_steps")
+    steps = getattr(args, "seq_length_warmup_steps", None)
     if steps is not None and steps < 0:
         raise _err("--seq-length-warmup-steps", steps, "must be >= 0 (0 = off).")
     if steps:
-        start = _get(args, "seq_length_warmup_start")
+        start = getattr(args, "seq_length_warmup_start", None)
         if start is None:
             raise _err("--seq-length-warmup-start", None,
                        "is required with --seq-length-warmup-steps (the length at step 0).")
-        full = _get(args, "seq_length")
+        full = getattr(args, "seq_length", None)
         if not full:
             raise _err("--seq-length", full, "is the warmup's full length and must be set.")
-        multiple = _get(args, "seq_length_warmup_multiple_of")
+        multiple = getattr(args, "seq_length_warmup_multiple_of", None)
         multiple = 8 if multiple is None else multiple
         if multiple < 1:
             raise _err("--seq-length-warmup-multiple-of", multiple, "must be an int >= 1.")
@@ -211,7 +207,7 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
                                                  multiple_of=multiple)
     elif steps == 0:
         base.pop("seq_length_warmup", None)
-    overflow = _get(args, "seq_length_warmup_overflow")
+    overflow = getattr(args, "seq_length_warmup_overflow", None)
     if overflow is not None:
         base["seq_length_overflow"] = overflow
         if isinstance(base.get("seq_length_warmup"), dict):
