@@ -208,8 +208,9 @@ def _measure_table(results: dict[str, Any]) -> str:
 def _inspect(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, num_workers: int,
              batch_size: int, out: Path, task_encoder_factory: Any = None,
              ) -> tuple[dict[str, Any], dict[str, Any]]:
-    from energon_ordering.inspection import measure, run_ranks_with_progress, shard_length
+    from energon_ordering.inspection import measure, shard_length
     from energon_ordering.plots import plot_run
+    from energon_ordering.rank_simulation import run_ranks
 
     configs = {"pool off": OrderingConfig.from_dict({**cfg.to_dict(), "length_sort_pool_size": 0})}
     if cfg.length_sort_enabled:
@@ -218,10 +219,10 @@ def _inspect(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, num_work
     records, results = {}, {}
     with _user_errors():
         for name, c in configs.items():
-            records[name] = run_ranks_with_progress(
-                path, c, ranks=ranks, steps=steps, num_workers=num_workers, batch_size=batch_size,
-                progress=_progress(f"{name}: {ranks} ranks x {steps} micro-batches"),
-                task_encoder_factory=task_encoder_factory)
+            records[name] = run_ranks(
+                path, ordering=c, world_size=ranks, steps=steps, num_workers=num_workers,
+                batch_size=batch_size, task_encoder_factory=task_encoder_factory,
+                progress=_progress(f"{name}: {ranks} ranks x {steps} micro-batches"))
             results[name] = measure(records[name], period)
     out.mkdir(parents=True, exist_ok=True)
     png = plot_run(out / "inspect.png", runs=records, micro_batches_per_step=cfg.micro_batches_per_step,

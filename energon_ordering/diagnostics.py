@@ -35,26 +35,33 @@ def batch_cost(lengths: Sequence[float]) -> float:
     return float(sum(L + L * L / ATTENTION_CROSSOVER_TOKENS for L in lengths))
 
 
-def straggler_idle(step_lengths: Sequence[Sequence[Sequence[float]]]) -> float:
-    """Mean over steps of ``1 - mean_r(cost_r) / max_r(cost_r)``.
+def step_idle(step_lengths: Sequence[Sequence[Sequence[float]]]) -> list[float]:
+    """Per step, ``1 - mean_r(cost_r) / max_r(cost_r)`` over the data-parallel ranks.
 
     Args:
         step_lengths: ``step_lengths[step][rank]`` is the list of sample lengths of that rank's
             micro-batch at that step.
+    """
+    out = []
+    for step, ranks in enumerate(step_lengths):
+        if not ranks:
+            raise ValueError(f"straggler_idle: step {step} has no ranks.")
+        costs = [batch_cost(b) for b in ranks]
+        peak = max(costs)
+        out.append(0.0 if peak == 0 else 1.0 - (sum(costs) / len(costs)) / peak)
+    return out
+
+
+def straggler_idle(step_lengths: Sequence[Sequence[Sequence[float]]]) -> float:
+    """Mean over steps of :func:`step_idle`: the fraction of GPU time ranks spend waiting.
 
     Returns:
         Idle fraction in [0, 1); 0 when every rank's batch costs the same.
     """
     if not step_lengths:
         raise ValueError("straggler_idle: no steps given.")
-    total = 0.0
-    for step, ranks in enumerate(step_lengths):
-        if not ranks:
-            raise ValueError(f"straggler_idle: step {step} has no ranks.")
-        costs = [batch_cost(b) for b in ranks]
-        peak = max(costs)
-        total += 0.0 if peak == 0 else 1.0 - (sum(costs) / len(costs)) / peak
-    return total / len(step_lengths)
+    idle = step_idle(step_lengths)
+    return sum(idle) / len(idle)
 
 
 def padding_waste(batches: Sequence[Sequence[float]]) -> float:

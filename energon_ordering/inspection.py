@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,14 +24,19 @@ from energon_ordering.diagnostics import (
     straggler_idle,
 )
 from energon_ordering.errors import OrderingConfigError
-from energon_ordering.rank_simulation import BatchRecord, build_train_loader, close_loader, record_batch
+from energon_ordering.rank_simulation import (
+    BatchRecord,
+    build_train_loader,
+    lengths_by_step,
+    resume,
+    run_with_cuts,
+)
 
 __all__ = [
     "Measurement",
     "ResumeCheck",
     "check_resume",
     "measure",
-    "run_ranks_with_progress",
     "shard_length",
     "source_sizes_from_metadataset",
 ]
@@ -51,34 +56,10 @@ class Measurement:
     sources: tuple[str, ...]
 
 
-def run_ranks_with_progress(
-    path: str | Path,
-    ordering: OrderingConfig,
-    *,
-    ranks: int,
-    steps: int,
-    num_workers: int,
-    batch_size: int,
-    progress: Callable[[Iterable[int]], Iterable[int]] = lambda it: it,
-    task_encoder_factory: Callable[[], Any] | None = None,
-) -> list[list[BatchRecord]]:
-    """``records[rank][step]`` from one real pipeline per rank (ranks run one after another)."""
-    out = []
-    for rank in progress(range(ranks)):
-        loader = build_train_loader(path, ordering=ordering, rank=rank, world_size=ranks,
-                                    num_workers=num_workers, batch_size=batch_size,
-                                    task_encoder_factory=task_encoder_factory)
-        it = iter(loader)
-        out.append([record_batch(next(it)) for _ in range(steps)])
-        del it
-        close_loader(loader)
-    return out
-
-
 def measure(records: list[list[BatchRecord]], period_batches: int) -> Measurement:
     """Computes the diagnostics table of a run."""
-    steps = min(len(r) for r in records)
-    step_lengths = [[records[r][s].lengths for r in range(len(records))] for s in range(steps)]
+    step_lengths = lengths_by_step(records)
+    steps = len(step_lengths)
     sources = tuple(sorted({s for rank in records for b in rank for s in b.sources}))
     all_batches = [b for rank in records for b in rank[:steps]]
     per_rank_sources = [[b.sources for b in rank[:steps]] for rank in records]
@@ -135,29 +116,11 @@ def check_resume(
                                   num_workers=num_workers, batch_size=batch_size,
                                   task_encoder_factory=task_encoder_factory)
 
-    import pickle
-
-    loader = make()
-    full, state, it = [], None, None
-    for step in range(steps):
-        if step == cut:
-            state = pickle.loads(pickle.dumps(loader.save_state_rank()))
-        if it is None:
-            it = iter(loader)  # after the cut-0 save (Energon hangs saving between iter and next)
-        full.append(record_batch(next(it)))
-    del it
-    close_loader(loader)
-    loader = make()
-    loader.restore_state_rank(state)
-    it = iter(loader)
-    try:
-        for step in range(cut, steps):
-            got = record_batch(next(it))
-            if got.keys != full[step].keys:
-                return ResumeCheck(cut, steps, step, full[step], got)
-    finally:
-        del it
-        close_loader(loader)
+    full, states = run_with_cuts(make, steps, [cut])
+    resumed = resume(make, states[cut], steps - cut)
+    for step, got in enumerate(resumed, start=cut):
+        if got.keys != full[step].keys:
+            return ResumeCheck(cut, steps, step, full[step], got)
     return ResumeCheck(cut, steps, None, None, None)
 
 

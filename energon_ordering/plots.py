@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from energon_ordering.diagnostics import batch_cost
-from energon_ordering.rank_simulation import BatchRecord
+from energon_ordering.diagnostics import step_idle
+from energon_ordering.rank_simulation import BatchRecord, lengths_by_step
 from energon_ordering.schedules import MixtureSchedule, SeqLenWarmup
 
 __all__ = ["plot_plan", "plot_run"]
@@ -60,15 +60,6 @@ def plot_plan(
     return path
 
 
-def _step_idle(records: list[list[BatchRecord]]) -> np.ndarray:
-    steps = min(len(r) for r in records)
-    out = []
-    for s in range(steps):
-        costs = [batch_cost(records[r][s].lengths) for r in range(len(records))]
-        out.append(0.0 if max(costs) == 0 else 1 - np.mean(costs) / max(costs))
-    return np.array(out)
-
-
 def plot_run(
     path: str | Path,
     *,
@@ -82,7 +73,7 @@ def plot_run(
     plt = _plt()
     fig, axes = plt.subplots(3, 1, figsize=(9, 9.5))
     for name, records in runs.items():
-        idle = _step_idle(records)
+        idle = np.array(step_idle(lengths_by_step(records)))
         axes[0].plot(np.arange(len(idle)), 100 * idle, label=f"{name} (mean {100 * idle.mean():.1f}%)", lw=0.8)
     axes[0].set_ylabel("straggler idle (%)")
     axes[0].set_xlabel("micro-batch")

@@ -8,7 +8,9 @@ training processes would build them. Used by the tests, the benchmarks and the d
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator
+import itertools
+import pickle
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,16 @@ from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
 from energon_ordering.config import OrderingConfig
 
-__all__ = ["BatchRecord", "build_train_loader", "close_loader", "record_batch", "run_ranks"]
+__all__ = [
+    "BatchRecord",
+    "build_train_loader",
+    "close_loader",
+    "lengths_by_step",
+    "record_batch",
+    "resume",
+    "run_ranks",
+    "run_with_cuts",
+]
 
 
 @dataclass(frozen=True)
@@ -137,13 +148,6 @@ def close_loader(loader: Any) -> None:
         gc.collect()
 
 
-def _take(loader: Any, steps: int | None) -> Iterator[BatchRecord]:
-    for i, batch in enumerate(loader):
-        if steps is not None and i >= steps:
-            break
-        yield record_batch(batch)
-
-
 def run_ranks(
     path: str | Path,
     *,
@@ -151,19 +155,21 @@ def run_ranks(
     world_size: int,
     steps: int | None,
     num_workers: int = 0,
+    progress: Callable[[Iterable[int]], Iterable[int]] = lambda ranks: ranks,
     **kwargs: Any,
 ) -> list[list[BatchRecord]]:
     """Runs ``world_size`` rank pipelines for ``steps`` micro-batches each.
 
     Ranks are run one after the other (their pipelines are independent by construction, as in
     a real job), so memory stays that of one rank. ``steps=None`` runs one finite epoch
-    (pass ``repeat=False``).
+    (pass ``repeat=False``). ``progress`` wraps the iteration over ranks (e.g. a progress bar);
+    ``kwargs`` go to :func:`build_train_loader`.
 
     Returns:
         ``records[rank][step]``.
     """
     records: list[list[BatchRecord]] = []
-    for rank in range(world_size):
+    for rank in progress(range(world_size)):
         loader = build_train_loader(
             path,
             ordering=ordering,
@@ -172,6 +178,52 @@ def run_ranks(
             num_workers=num_workers,
             **kwargs,
         )
-        records.append(list(_take(loader, steps)))
+        records.append([record_batch(b) for b in itertools.islice(loader, steps)])
         close_loader(loader)
+    return records
+
+
+def lengths_by_step(records: list[list[BatchRecord]]) -> list[list[tuple[int, ...]]]:
+    """``records[rank][step]`` -> ``lengths[step][rank]`` over the steps every rank ran."""
+    steps = min(len(r) for r in records)
+    return [[rank[s].lengths for rank in records] for s in range(steps)]
+
+
+def run_with_cuts(
+    make_loader: Callable[[], Any],
+    total: int,
+    cuts: Iterable[int],
+    record: Callable[[Any], Any] = record_batch,
+) -> tuple[list[Any], dict[int, Any]]:
+    """Uninterrupted run of ``total`` micro-batches; returns their records and, for every cut,
+    the (pickled and reloaded) ``save_state_rank()`` taken before micro-batch ``cut``."""
+    cuts = set(cuts)
+    loader = make_loader()
+    records, states, it = [], {}, None
+    for step in range(total):
+        if step in cuts:
+            states[step] = pickle.loads(pickle.dumps(loader.save_state_rank()))
+        if it is None:
+            # Energon's save_state_rank() hangs if called between iter() and the first next()
+            # with worker processes, so the iterator is created after the cut-0 save.
+            it = iter(loader)
+        records.append(record(next(it)))
+    del it
+    close_loader(loader)
+    return records, states
+
+
+def resume(
+    make_loader: Callable[[], Any],
+    state: Any,
+    steps: int,
+    record: Callable[[Any], Any] = record_batch,
+) -> list[Any]:
+    """A fresh loader restored from ``state``, run for ``steps`` micro-batches."""
+    loader = make_loader()
+    loader.restore_state_rank(state)
+    it = iter(loader)
+    records = [record(next(it)) for _ in range(steps)]
+    del it
+    close_loader(loader)
     return records

@@ -6,14 +6,14 @@ import pytest
 
 from energon_ordering import OrderingConfig
 from energon_ordering.diagnostics import padding_waste, straggler_idle
-from energon_ordering.rank_simulation import build_train_loader, close_loader, record_batch, run_ranks
+from energon_ordering.rank_simulation import build_train_loader, close_loader, lengths_by_step, record_batch, run_ranks
 
 WORLD = 8
 STEPS = 96
 
 
 def _idle(records):
-    steps = list(zip(*[[b.lengths for b in rank] for rank in records]))
+    steps = lengths_by_step(records)
     assert len(steps) == STEPS
     return straggler_idle(steps)
 

@@ -23,6 +23,13 @@ def test_straggler_idle_known_values():
     assert straggler_idle([step]) == pytest.approx(1 / 3)
 
 
+def test_step_idle_per_step():
+    from energon_ordering.diagnostics import step_idle
+
+    assert step_idle([[[10], [10]], [[4096], []], [[100], [100, 100, 100]]]) == pytest.approx(
+        [0.0, 0.5, 1 / 3])
+
+
 def test_straggler_idle_rejects_empty_input():
     with pytest.raises(ValueError, match="no steps"):
         straggler_idle([])

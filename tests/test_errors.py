@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 
 import pytest
 from megatron.energon import CaptioningSample, DefaultTaskEncoder, WorkerConfig, get_train_dataset, stateless
@@ -17,7 +16,7 @@ from energon_ordering import (
     SampleLengthError,
     StateMismatchError,
 )
-from energon_ordering.rank_simulation import build_train_loader, close_loader
+from energon_ordering.rank_simulation import build_train_loader, close_loader, run_with_cuts
 from energon_ordering.synthetic_task import SyntheticTaskEncoder
 
 
@@ -184,14 +183,9 @@ def test_ordering_must_be_an_ordering_config(small_dataset):
 )
 def test_restoring_with_another_pool_configuration_raises(small_dataset, num_workers, changed, match):
     saved_cfg = dict(length_sort_pool_size=64, length_sort_mode="batch", seed=0)
-    loader = build_train_loader(small_dataset, ordering=OrderingConfig(**saved_cfg),
-                                num_workers=num_workers)
-    it = iter(loader)
-    for _ in range(3):
-        next(it)
-    state = pickle.loads(pickle.dumps(loader.save_state_rank()))
-    del it
-    close_loader(loader)
+    _, states = run_with_cuts(lambda: build_train_loader(
+        small_dataset, ordering=OrderingConfig(**saved_cfg), num_workers=num_workers), 4, [3])
+    state = states[3]
 
     other = build_train_loader(small_dataset, ordering=OrderingConfig(**{**saved_cfg, **changed}),
                                num_workers=num_workers)

@@ -14,8 +14,8 @@ from megatron.energon.wrappers.batch_dataset import BatchDataset
 from megatron.energon.wrappers.map_dataset import MapDataset
 
 from energon_ordering import LengthPoolSortDataset, OrderingConfig
-from energon_ordering.rank_simulation import build_train_loader, close_loader, record_batch
-from resume_helpers import resume, run_with_cuts
+from energon_ordering.rank_simulation import build_train_loader, close_loader, record_batch, resume, run_with_cuts
+
 
 # (mode, pool_size, batch_size): both modes at pool sizes 1, 7 and 64; batch mode needs
 # pool_size to be a multiple of batch_size.

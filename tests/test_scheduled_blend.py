@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +12,11 @@ from megatron.energon.wrappers.shuffle_buffer_dataset import ShuffleBufferDatase
 
 from energon_ordering import OrderingConfig, OrderingConfigError, StateMismatchError
 from energon_ordering.diagnostics import rank_overlap, switch_lag
-from energon_ordering.rank_simulation import build_train_loader, close_loader, record_batch
+from energon_ordering.rank_simulation import build_train_loader, close_loader, record_batch, resume, run_with_cuts
 from energon_ordering.scheduled_blend import ScheduledBlendDataset
 from energon_ordering.schedules import MixtureSchedule
 from energon_ordering.synthetic_task import SyntheticTaskEncoder
-from resume_helpers import resume, run_with_cuts
+
 
 SOURCES = ("web", "code", "curated")
 
@@ -198,13 +197,8 @@ def test_schedule_and_metadataset_must_name_the_same_sources(three_sources):
 
 def test_restore_under_another_schedule_raises_unless_allowed(three_sources):
     cfg = OrderingConfig(mixture_schedule=PHASED)
-    loader = build_train_loader(three_sources, ordering=cfg)
-    it = iter(loader)
-    for _ in range(5):
-        next(it)
-    state = pickle.loads(pickle.dumps(loader.save_state_rank()))
-    del it
-    close_loader(loader)
+    _, states = run_with_cuts(lambda: build_train_loader(three_sources, ordering=cfg), 6, [5])
+    state = states[5]
     other = {**PHASED, "phases": [PHASED["phases"][0], PHASED["phases"][2]]}
     fp_old = MixtureSchedule.from_dict(PHASED).fingerprint
     fp_new = MixtureSchedule.from_dict(other).fingerprint
@@ -269,3 +263,12 @@ def test_epochized_metadataset_is_refused_with_a_schedule(three_sources, tmp_pat
     )
     with pytest.raises(OrderingConfigError, match=r"entries \['web', 'code', 'curated'\] use `blend_epochized`"):
         build_train_loader(meta, ordering=OrderingConfig(mixture_schedule=PHASED))
+
+
+def test_finite_sources_are_each_read_once_then_the_blend_ends(three_sources):
+    cfg = OrderingConfig(mixture_schedule=PHASED, blend_policy="deterministic")
+    loader = build_train_loader(three_sources, ordering=cfg, repeat=False, shuffle_buffer_size=None)
+    keys = [k for batch in loader for k in record_batch(batch).keys]
+    close_loader(loader)
+    assert len(keys) == len(set(keys)) == 2000 + 2000 + 500  # exhausted sources drop out
+    assert {k.rsplit("-", 1)[0] for k in keys} == set(SOURCES)

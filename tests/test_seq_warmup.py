@@ -12,12 +12,12 @@ from megatron.energon import WorkerConfig, get_train_dataset, get_val_dataset
 from energon_ordering import OrderingConfig, OrderingConfigError, OrderingTypeError, StateMismatchError
 from energon_ordering.diagnostics import warmup_counts
 from energon_ordering.errors import SeqLenOverflowError
-from energon_ordering.rank_simulation import build_train_loader, close_loader
+from energon_ordering.rank_simulation import build_train_loader, close_loader, resume, run_with_cuts
 from energon_ordering.schedules import SeqLenWarmup
 from energon_ordering.seq_warmup import SeqLenWarmupDataset
 from energon_ordering.synthetic_task import IMAGE_TOKEN_ID, SyntheticTaskEncoder, TokenizedSample
 from energon_ordering.token_layout import TokenLayout, truncate_sample
-from resume_helpers import resume, run_with_cuts
+
 
 # ---- the schedule ---------------------------------------------------------------------------
 

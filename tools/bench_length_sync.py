@@ -29,7 +29,7 @@ import click
 
 from energon_ordering import OrderingConfig
 from energon_ordering.diagnostics import padding_waste, straggler_idle
-from energon_ordering.rank_simulation import build_train_loader, close_loader, run_ranks
+from energon_ordering.rank_simulation import build_train_loader, close_loader, lengths_by_step, run_ranks
 from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
 
 BATCH = 4
@@ -41,11 +41,6 @@ def _dataset(out: Path, num_samples: int) -> Path:
         click.echo(f"writing {num_samples} trimodal samples to {path} (energon prepare) ...")
         make_synthetic_dataset(path, [SourceSpec("web", num_samples, "trimodal")], shard_size=256)
     return path / "web"
-
-
-def _steps_matrix(records) -> list:
-    n = min(len(r) for r in records)
-    return [[records[r][s].lengths for r in range(len(records))] for s in range(n)]
 
 
 def _global_sort_limit(records, world: int) -> tuple[float, float]:
@@ -66,7 +61,7 @@ def bench_sync(
     for nw in workers:
         base = run_ranks(path, ordering=OrderingConfig(), world_size=world, num_workers=nw,
                          steps=base_steps, batch_size=BATCH)
-        steps = _steps_matrix(base)
+        steps = lengths_by_step(base)
         limit = _global_sort_limit(base, world)
         rows.append(dict(workers=nw, pool=0, mode="off", steps=len(steps),
                          idle=straggler_idle(steps),
@@ -84,7 +79,7 @@ def bench_sync(
                     world_size=world, num_workers=nw, steps=steps_for(pool, nw),
                     batch_size=BATCH,
                 )
-                st = _steps_matrix(rec)
+                st = lengths_by_step(rec)
                 rows.append(dict(workers=nw, pool=pool, mode=mode, steps=len(st),
                                  idle=straggler_idle(st),
                                  padding=padding_waste([b for s in st for b in s]),
