@@ -143,8 +143,8 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         self.micro_batches_per_step = int(micro_batches_per_step)
         self.lag_batches = float(lag_batches)
         self.allow_schedule_change = bool(allow_schedule_change)
-        self._cached_step = -1
-        self._cached_weights = np.zeros(len(self.source_names))
+        self._cached_key: tuple[int, tuple[bool, ...]] | None = None
+        self._cached_weights: np.ndarray | None = None
         self.reset_state_own()
 
     def _expected_stamp(self) -> dict[str, Any]:
@@ -171,10 +171,16 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         batch_index = self.worker_config.active_worker_batch_index
         return int((batch_index + self.lag_batches) // self.micro_batches_per_step)
 
-    def _weights(self, step: int) -> np.ndarray:
-        if step != self._cached_step:
-            self._cached_weights = self.schedule.weights_table([step])[0]
-            self._cached_step = step
+    def _weights(self, step: int) -> np.ndarray | None:
+        """The draw weights at ``step``: the schedule's, 0 for exhausted sources, renormalised;
+        None if no source with weight > 0 is left. Computed once per (step, exhausted set)."""
+        key = (step, tuple(self._exhausted))
+        if key != self._cached_key:
+            weights = self.schedule.weights_table([step])[0]
+            weights[list(self._exhausted)] = 0.0
+            total = weights.sum()
+            self._cached_weights = weights / total if total > 0 else None
+            self._cached_key = key
         return self._cached_weights
 
     def _choose(self, weights: np.ndarray) -> int:
@@ -191,12 +197,9 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
             if it is None:
                 self._exhausted[i] = True
         while True:
-            weights = self._weights(self.current_step()).copy()
-            weights[[i for i, it in enumerate(iters) if it is None]] = 0.0
-            total = weights.sum()
-            if total <= 0:
+            weights = self._weights(self.current_step())
+            if weights is None:
                 break  # every source that may still be drawn is exhausted
-            weights /= total
             idx = self._choose(weights)
             try:
                 sample = next(iters[idx])  # type: ignore[arg-type]
