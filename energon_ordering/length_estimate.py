@@ -20,7 +20,13 @@ from energon_ordering.source_tag import sample_source
 from energon_ordering.task_encoder import OrderingTaskEncoder
 from energon_ordering.token_layout import TokenLayout
 
-__all__ = ["LengthBatch", "LengthEstimateTaskEncoder", "LengthSample", "estimate_tokens"]
+__all__ = [
+    "LengthBatch",
+    "LengthEstimateTaskEncoder",
+    "LengthSample",
+    "count_text_and_media",
+    "estimate_tokens",
+]
 
 
 @dataclasses.dataclass
@@ -41,19 +47,26 @@ class LengthBatch(Batch):
     lengths: list[int]
 
 
+def count_text_and_media(value: Any) -> tuple[int, int]:
+    """(whitespace tokens of text, number of images/videos) in ``value``, recursively."""
+    if isinstance(value, str):
+        return len(value.split()), 0
+    if isinstance(value, torch.Tensor):
+        return 0, int(value.ndim >= 3)
+    if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
+        return 0, 1
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        counts = [count_text_and_media(v) for v in value]
+        return sum(t for t, _ in counts), sum(m for _, m in counts)
+    return 0, 0
+
+
 def estimate_tokens(value: Any, tokens_per_media: int) -> int:
     """Whitespace tokens of text plus ``tokens_per_media`` per image/video, recursively."""
-    if isinstance(value, str):
-        return len(value.split())
-    if isinstance(value, torch.Tensor):
-        return tokens_per_media if value.ndim >= 3 else 0
-    if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
-        return tokens_per_media
-    if isinstance(value, dict):
-        return sum(estimate_tokens(v, tokens_per_media) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(estimate_tokens(v, tokens_per_media) for v in value)
-    return 0
+    text, media = count_text_and_media(value)
+    return text + media * tokens_per_media
 
 
 class LengthEstimateTaskEncoder(OrderingTaskEncoder, DefaultTaskEncoder):
@@ -78,9 +91,9 @@ class LengthEstimateTaskEncoder(OrderingTaskEncoder, DefaultTaskEncoder):
             if dataclasses.is_dataclass(sample)
             else dict(sample)
         )
-        values = [v for k, v in fields.items() if not k.startswith("__")]
-        length = sum(estimate_tokens(v, self.tokens_per_media) for v in values)
-        text = sum(estimate_tokens(v, 0) for v in values)
+        text, media = count_text_and_media([v for k, v in fields.items() if not k.startswith("__")])
+        media_tokens = media * self.tokens_per_media
+        length = text + media_tokens
         key = fields.get("__key__")
         return LengthSample(
             __key__=key,
@@ -88,7 +101,7 @@ class LengthEstimateTaskEncoder(OrderingTaskEncoder, DefaultTaskEncoder):
             __subflavors__=fields.get("__subflavors__"),
             __sources__=fields.get("__sources__"),
             total_len=max(1, length),
-            media_tokens=length - text,
+            media_tokens=media_tokens,
             source=sample_source(sample) or "-",
         )
 
