@@ -15,7 +15,11 @@ from energon_ordering.schedules import MixtureSchedule, SeqLenWarmup
 from energon_ordering.token_layout import OVERFLOW_POLICIES
 from energon_ordering.yaml_file import load_yaml
 
-__all__ = ["OrderingConfig"]
+__all__ = ["PLACEMENTS", "OrderingConfig"]
+
+#: Where the length pool can sit: after ``encode_sample`` (pooling encoded samples) or before
+#: decoding (pooling restore keys and lengths only).
+PLACEMENTS = ("post-encode", "pre-encode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +31,13 @@ class OrderingConfig:
         length_sort_mode: ``"sample"`` (reference: permute sorted samples) or ``"batch"``
             (permute sorted micro-batch-sized chunks; near padding-free). See
             :mod:`energon_ordering.pool_order`.
+        length_sort_placement: Where the length pool sits. ``"post-encode"`` (default, the
+            reference behaviour): after ``encode_sample``, pooling encoded samples. ``"pre-encode"``:
+            before decoding, as the lean :class:`~energon_ordering.key_pool_sort.KeyPoolSortDataset`
+            holding only (restore key, length) per sample, with loading, decoding and encoding after
+            the pool; lengths come from the dataset's length index (``energon-ordering index``) or
+            the task encoder's ``ordering_raw_sample_length``. ``placement`` is accepted as the
+            short spelling in :meth:`from_dict` and recipes.
         seed: Ordering seed, identical on every data-parallel rank.
         mixture_schedule: Per-source weights as a function of the step: a
             :class:`MixtureSchedule`, an inline definition (dict) or the path of a schedule
@@ -51,6 +62,7 @@ class OrderingConfig:
 
     length_sort_pool_size: int = 0
     length_sort_mode: str = "sample"
+    length_sort_placement: str = "post-encode"
     seed: int = 0
     mixture_schedule: MixtureSchedule | None = None
     total_steps: int | None = None
@@ -119,6 +131,17 @@ class OrderingConfig:
                 f"OrderingConfig.length_sort_pool_size = {self.length_sort_pool_size} must be "
                 ">= 0 (0 turns the length pool off)."
             )
+        if self.length_sort_placement not in PLACEMENTS:
+            raise OrderingConfigError(
+                f"OrderingConfig.length_sort_placement = {self.length_sort_placement!r} is "
+                f"unknown; use one of {list(PLACEMENTS)}."
+            )
+        if self.length_sort_placement != "post-encode" and not self.length_sort_enabled:
+            raise OrderingConfigError(
+                f"OrderingConfig.length_sort_placement = {self.length_sort_placement!r} places a "
+                "length pool, but length_sort_pool_size = 0 turns it off; set "
+                "length_sort_pool_size > 0 (e.g. 10000) or drop the placement."
+            )
         if self.length_sort_mode not in POOL_ORDERS:
             raise OrderingConfigError(
                 f"OrderingConfig.length_sort_mode = {self.length_sort_mode!r} is unknown; use "
@@ -157,6 +180,15 @@ class OrderingConfig:
                 f"OrderingConfig.from_dict: expected a mapping of settings, got "
                 f"{type(d).__name__}."
             )
+        if "placement" in d:
+            d = dict(d)
+            placement = d.pop("placement")
+            if d.get("length_sort_placement", placement) != placement:
+                raise OrderingConfigError(
+                    f"OrderingConfig: placement = {placement!r} contradicts "
+                    f"length_sort_placement = {d['length_sort_placement']!r}; give it once."
+                )
+            d["length_sort_placement"] = placement
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

@@ -11,6 +11,7 @@ __all__ = [
     "OrderingError",
     "OrderingConfigError",
     "OrderingTypeError",
+    "LengthIndexError",
     "NotRestorableError",
     "SampleLengthError",
     "SeqLenOverflowError",
@@ -44,3 +45,8 @@ class StateMismatchError(OrderingError, ValueError):
 
 class SeqLenOverflowError(OrderingError, ValueError):
     """A sample's uncuttable (media) tokens alone exceed the warmup's sequence-length cap."""
+
+
+class LengthIndexError(OrderingError, ValueError):
+    """A dataset's length index is missing, stale (built for another ``index.uuid``) or
+    lacks a sample."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -13,14 +11,10 @@ from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.base import BaseWrapperDataset
 from megatron.energon.wrappers.buffer import SavableSampleBuffer
 
-from energon_ordering.errors import (
-    OrderingConfigError,
-    OrderingTypeError,
-    SampleLengthError,
-)
-from energon_ordering.pool_order import ORDER_VERSION, POOL_ORDERS, pool_seed
+from energon_ordering.errors import OrderingTypeError
+from energon_ordering.pool_settings import PoolSettings, checked_length
 from energon_ordering.restorability import explain_not_restorable
-from energon_ordering.sample_length import default_sample_length, sample_key
+from energon_ordering.sample_length import default_sample_length
 from energon_ordering.state_stamp import check_stamp
 
 __all__ = ["LengthPoolSortDataset"]
@@ -92,27 +86,7 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
                 else ``len(sample.tokens)``.
             seed: Ordering seed; must be the same on every data-parallel rank.
         """
-        _check_int("pool_size", pool_size, minimum=1)
-        if mode not in POOL_ORDERS:
-            raise OrderingConfigError(
-                f"LengthPoolSortDataset: mode = {mode!r} is unknown; use one of "
-                f"{sorted(POOL_ORDERS)}."
-            )
-        if batch_size is not None:
-            _check_int("batch_size", batch_size, minimum=1)
-        if mode == "batch":
-            if batch_size is None:
-                raise OrderingConfigError(
-                    "LengthPoolSortDataset: mode = 'batch' needs batch_size (the micro-batch "
-                    "size, in samples); pass batch_size=<micro-batch size>."
-                )
-            if pool_size % batch_size != 0:
-                raise OrderingConfigError(
-                    f"LengthPoolSortDataset: pool_size = {pool_size} is not a multiple of "
-                    f"batch_size = {batch_size} (mode='batch'); use pool_size = "
-                    f"{max(1, pool_size // batch_size) * batch_size}."
-                )
-        _check_int("seed", seed)
+        settings = PoolSettings("LengthPoolSortDataset", pool_size, mode, batch_size, seed)
         if key_fn is not None and not callable(key_fn):
             raise OrderingTypeError(
                 f"LengthPoolSortDataset: key_fn = {key_fn!r} is not callable; pass a function "
@@ -123,22 +97,16 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
             raise problem
 
         super().__init__(dataset, worker_config=worker_config)
-        self.pool_size = int(pool_size)
-        self.mode = mode
-        self.batch_size = None if batch_size is None else int(batch_size)
+        self.settings = settings
+        self.pool_size = settings.pool_size
+        self.mode = settings.mode
+        self.batch_size = settings.batch_size
         self.key_fn = default_sample_length if key_fn is None else key_fn
-        self.seed = int(seed)
+        self.seed = settings.seed
         self.reset_state_own()
 
     def _expected_stamp(self) -> dict[str, Any]:
-        return {
-            "state_version": STATE_VERSION,
-            "order_version": ORDER_VERSION,
-            "pool_size": self.pool_size,
-            "mode": self.mode,
-            "batch_size": self.batch_size if self.mode == "batch" else None,
-            "seed": self.seed,
-        }
+        return self.settings.stamp(STATE_VERSION)
 
     def reset_state_own(self) -> None:
         self._stamp = self._expected_stamp()
@@ -149,24 +117,11 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
     def len_worker(self, worker_idx: int | None = None) -> int:
         return self.dataset.len_worker(worker_idx)
 
-    def _length(self, sample: T_sample) -> float:
-        length = self.key_fn(sample)
-        if (
-            isinstance(length, bool)
-            or not isinstance(length, numbers.Real)
-            or not math.isfinite(length)
-        ):
-            raise SampleLengthError(
-                f"LengthPoolSortDataset: key_fn returned {length!r} for sample "
-                f"{sample_key(sample)!r}; it must return a finite number (the length in tokens)."
-            )
-        return length
-
     def _seal_pool(self) -> None:
         """Moves the collected samples into the emission buffer, in this pool's order."""
-        lengths = [self._length(s) for s in self._collecting.buffer]
-        seed = pool_seed(self.seed, self._pool_index, self.worker_config.rank_worker_id())
-        order = POOL_ORDERS[self.mode](lengths, seed, self.batch_size)
+        lengths = [checked_length(type(self).__name__, self.key_fn, s)
+                   for s in self._collecting.buffer]
+        order = self.settings.order(lengths, self._pool_index, self.worker_config.rank_worker_id())
         samples, restore_keys = self._collecting.flush()
         self._emitting.extend([samples[i] for i in order], [restore_keys[i] for i in order])
         self._pool_index += 1
@@ -216,13 +171,3 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
             f"batch_size={self.batch_size}, seed={self.seed}, dataset={self.dataset})"
         )
 
-
-def _check_int(name: str, value: Any, *, minimum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise OrderingTypeError(
-            f"LengthPoolSortDataset: {name} = {value!r} ({type(value).__name__}) must be an int."
-        )
-    if minimum is not None and value < minimum:
-        raise OrderingConfigError(
-            f"LengthPoolSortDataset: {name} = {value!r} must be >= {minimum}."
-        )

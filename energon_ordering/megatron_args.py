@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from energon_ordering.config import OrderingConfig
+from energon_ordering.config import PLACEMENTS, OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingError
 from energon_ordering.pool_order import POOL_ORDERS
 from energon_ordering.schedules import SeqLenWarmup
@@ -26,6 +26,7 @@ __all__ = ["add_energon_ordering_args", "micro_batches_per_step", "ordering_conf
 FLAGS = (
     "--length-sort-pool-size",
     "--length-sort-mode",
+    "--length-sort-placement",
     "--data-mixture-schedule",
     "--data-blend-policy",
     "--seq-length-warmup-steps",
@@ -50,6 +51,10 @@ def add_energon_ordering_args(parser: argparse.ArgumentParser) -> argparse.Argum
     g.add_argument("--length-sort-mode", choices=sorted(POOL_ORDERS), default=None,
                    help="sample: permute sorted samples (reference); batch: permute sorted "
                         "micro-batch chunks (near padding-free).")
+    g.add_argument("--length-sort-placement", choices=list(PLACEMENTS), default=None,
+                   help="post-encode: pool encoded samples (default); pre-encode: pool restore "
+                        "keys and lengths before decoding (lean: ~100 B per pooled sample; "
+                        "needs a length index, see `energon-ordering index`).")
     g.add_argument("--data-mixture-schedule", type=str, default=None,
                    help="A recipe YAML (OrderingConfig settings) or a bare schedule YAML "
                         "(sources: / phases:); weights become a function of the step.")
@@ -155,6 +160,9 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
 
     flag("length_sort_pool_size", "length_sort_pool_size")
     flag("length_sort_mode", "length_sort_mode")
+    if getattr(args, "length_sort_placement", None) is not None:
+        base.pop("placement", None)  # the flag overrides the recipe's short spelling
+    flag("length_sort_placement", "length_sort_placement")
     flag("data_blend_policy", "blend_policy")
     seed = getattr(args, "ordering_seed", None)
     if seed is None and "seed" not in base:

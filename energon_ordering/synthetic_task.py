@@ -92,6 +92,10 @@ class SyntheticTaskEncoder(
         """Image placeholder tokens for ``sample`` (a pure function of the sample)."""
         return self.image_tokens
 
+    def ordering_raw_sample_length(self, raw: dict[str, Any]) -> int:
+        """Exact ``total_len`` from the raw files, without decoding the image."""
+        return self.image_tokens + len(raw["txt"].split())
+
     @stateless
     def encode_sample(self, sample: CaptioningSample) -> TokenizedSample:
         words = sample.caption.split()

@@ -9,12 +9,16 @@ from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers import (
     EpochizeDataset,
     LogSampleDataset,
+    MapDataset,
     RepeatDataset,
     ShuffleBufferDataset,
 )
 
 from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
+from energon_ordering.deferred_load import Defer, DeferredLength, Materialize, split_loader
+from energon_ordering.key_pool_sort import KeyPoolSortDataset
+from energon_ordering.length_index import LengthIndex, index_path
 from energon_ordering.length_pool_sort import LengthPoolSortDataset
 from energon_ordering.sample_length import default_sample_length
 from energon_ordering.scheduled_blend import ScheduledBlendDataset
@@ -67,10 +71,34 @@ class OrderingTaskEncoder:
     ordering_token_layout: TokenLayout = TokenLayout()
 
     _ordering_building_train: bool = False
+    #: While a pre-encode pipeline is built: per source, its load functions and length source.
+    _ordering_deferred: list[tuple[list[Any], Any]] | None = None
+    _ordering_batch_size: int | None = None
 
     def ordering_sample_length(self, sample: Any) -> float:
         """Length of an encoded sample in tokens; the key the pool sorts by."""
         return default_sample_length(sample)
+
+    def ordering_raw_sample_length(self, raw: dict[str, Any]) -> float:
+        """Length in tokens of a RAW sample, for ``length_sort_placement = "pre-encode"``
+        without a length index: ``raw`` maps file extensions to still-compressed bytes
+        (``{"__key__": ..., "jpg": b"...", "txt": b"..."}``). Override it with a cheap estimate
+        (e.g. text tokens + images x tokens per image) or build a length index instead."""
+        raise NotImplementedError
+
+    def _ordering_has_raw_length(self) -> bool:
+        return (
+            type(self).ordering_raw_sample_length
+            is not OrderingTaskEncoder.ordering_raw_sample_length
+        )
+
+    def _ordering_pre_encode(self) -> bool:
+        cfg = self._ordering_config()
+        return (
+            self._ordering_building_train
+            and cfg.length_sort_enabled
+            and cfg.length_sort_placement == "pre-encode"
+        )
 
     def _ordering_config(self) -> OrderingConfig:
         cfg = self.ordering
@@ -108,12 +136,75 @@ class OrderingTaskEncoder:
                     "to get_train_dataset or use length_sort_mode = 'sample'."
                 )
         self._ordering_building_train = True
+        self._ordering_deferred = []
+        self._ordering_batch_size = batch_size
         try:
             if cfg.mixture_schedule is not None:
                 return self._build_scheduled_train(cfg, batch_size=batch_size, **kwargs)
             return super().build_train_datasets(batch_size=batch_size, **kwargs)  # type: ignore[misc]
         finally:
             self._ordering_building_train = False
+            self._ordering_deferred = None
+
+    def _load_dataset(
+        self, dataset: Any, worker_rotation_offset: int, worker_config: WorkerConfig
+    ) -> SavableDataset:
+        """Energon's source loading; with the pre-encode pool, loading is split off and
+        deferred until after the pool (see :mod:`energon_ordering.deferred_load`)."""
+        loaded = super()._load_dataset(  # type: ignore[misc]
+            dataset, worker_rotation_offset, worker_config=worker_config
+        )
+        if not self._ordering_pre_encode():
+            return loaded
+        assert self._ordering_deferred is not None
+        raw, load_fns = split_loader(loaded)
+        source_index = len(self._ordering_deferred)
+        self._ordering_deferred.append((load_fns, self._ordering_length_source(dataset.dataset)))
+        return MapDataset(
+            raw,
+            Defer(source_index),
+            worker_config=worker_config,
+            stateless_map_fn=True,
+            map_fn_config=dict(defer=source_index),
+        )
+
+    def _ordering_length_source(self, factory: Any) -> Any:
+        """The length index of a source's dataset, else ``ordering_raw_sample_length``."""
+        path = getattr(factory, "path", None)
+        has_index = path is not None and index_path(path).exists()
+        if has_index or not self._ordering_has_raw_length():
+            if path is None:
+                raise OrderingConfigError(
+                    f"OrderingConfig.length_sort_placement = 'pre-encode': source {factory!r} "
+                    f"has no dataset path for a length index; override "
+                    f"{type(self).__name__}.ordering_raw_sample_length instead."
+                )
+            return LengthIndex.open(path)  # raises if missing, stale or of another version
+        return self.ordering_raw_sample_length
+
+    def build_encode_sample(
+        self, dataset: SavableDataset, *, worker_config: WorkerConfig
+    ) -> SavableDataset:
+        if self._ordering_pre_encode():
+            cfg = self._ordering_config()
+            assert self._ordering_deferred is not None
+            dataset = KeyPoolSortDataset(
+                dataset,
+                pool_size=cfg.length_sort_pool_size,
+                worker_config=worker_config,
+                key_fn=DeferredLength([length for _, length in self._ordering_deferred]),
+                mode=cfg.length_sort_mode,
+                batch_size=self._ordering_batch_size,
+                seed=cfg.seed,
+            )
+            dataset = MapDataset(
+                dataset,
+                Materialize([fns for fns, _ in self._ordering_deferred]),
+                worker_config=worker_config,
+                stateless_map_fn=True,
+                map_fn_config=dict(materialize=len(self._ordering_deferred)),
+            )
+        return super().build_encode_sample(dataset, worker_config=worker_config)  # type: ignore[misc]
 
     def _build_scheduled_train(
         self,
@@ -195,7 +286,9 @@ class OrderingTaskEncoder:
         **kwargs: Any,
     ) -> SavableDataset:
         cfg = self._ordering_config()
-        if self._ordering_building_train and cfg.length_sort_enabled:
+        if self._ordering_building_train and cfg.length_sort_placement == "post-encode" and (
+            cfg.length_sort_enabled
+        ):
             dataset = LengthPoolSortDataset(
                 dataset,
                 pool_size=cfg.length_sort_pool_size,

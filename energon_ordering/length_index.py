@@ -1,0 +1,243 @@
+"""The length index: {sample key -> length in tokens} stored next to a prepared dataset.
+
+A pool placed before encoding (``length_sort_placement = "pre-encode"``) must know each sample's
+length without decoding it. The index is built once per prepared dataset (``energon-ordering
+index DATASET`` or ``tools/build_length_index.py``) by running the user's task encoder, or a
+length function on the raw sample, over every sample; the pool then looks lengths up by key.
+
+Storage: ``<dataset>/.nv-meta/energon_ordering_lengths.sqlite`` (sqlite, like Energon's own
+``index.sqlite``), with a ``meta`` table holding the index version, the dataset's
+``index.uuid`` at build time and what computed the lengths. ``energon prepare`` writes a new
+``index.uuid`` whenever it re-indexes the data, so a stale length index is detected and refused.
+Lookups open the file read-only, lazily, once per process (loader workers fork).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from energon_ordering.errors import LengthIndexError
+
+__all__ = [
+    "INDEX_FILE",
+    "INDEX_VERSION",
+    "LengthIndex",
+    "dataset_uuid",
+    "index_path",
+    "local_dataset_path",
+    "write_length_index",
+]
+
+#: File name of the index, inside the dataset's ``.nv-meta`` folder.
+INDEX_FILE = "energon_ordering_lengths.sqlite"
+#: Version of the index layout; an index of another version is refused.
+INDEX_VERSION = 1
+
+
+def local_dataset_path(path: Any) -> Path:
+    """A prepared dataset's folder as a local path (Energon ``EPath`` or path-like)."""
+    if hasattr(path, "is_local"):
+        if not path.is_local():
+            raise LengthIndexError(
+                f"length index: dataset {path} is not on a local file system; the length index "
+                "is a local sqlite file. Use length_sort_placement = 'post-encode' for it."
+            )
+        return Path(path.local_path())
+    return Path(path)
+
+
+def index_path(dataset: Any) -> Path:
+    """Where the length index of a prepared dataset lives."""
+    return local_dataset_path(dataset) / ".nv-meta" / INDEX_FILE
+
+
+def dataset_uuid(dataset: Any) -> str:
+    """The ``.nv-meta/index.uuid`` that ``energon prepare`` wrote for the dataset."""
+    uuid_file = local_dataset_path(dataset) / ".nv-meta" / "index.uuid"
+    try:
+        return uuid_file.read_text().strip()
+    except FileNotFoundError:
+        raise LengthIndexError(
+            f"length index: {uuid_file} does not exist; {local_dataset_path(dataset)} is not a "
+            "dataset prepared by Energon >= 7 (run `energon prepare` on it first)."
+        ) from None
+
+
+def _check_length(key: str, length: Any) -> float:
+    if isinstance(length, bool) or not isinstance(length, numbers.Real) or not (
+        math.isfinite(length) and length >= 0
+    ):
+        raise LengthIndexError(
+            f"length index: the length of sample {key!r} is {length!r}; it must be a finite "
+            "number >= 0 (tokens)."
+        )
+    return float(length)
+
+
+@dataclass(frozen=True)
+class IndexSummary:
+    """What a build wrote: the file, the dataset uuid, the number of samples and their total."""
+
+    path: Path
+    uuid: str
+    samples: int
+    total_tokens: float
+
+
+def write_length_index(
+    dataset: Any, lengths: Iterable[tuple[str, float]], *, computed_by: str
+) -> IndexSummary:
+    """Writes the length index of ``dataset`` from ``(sample key, length)`` pairs.
+
+    The file is written under a temporary name and renamed, so a crash never leaves a partial
+    index behind. A key seen twice is an error (the pool could not tell the two apart).
+
+    Args:
+        dataset: The prepared dataset folder.
+        lengths: ``(sample __key__, length in tokens)`` for every sample.
+        computed_by: What computed the lengths (stored, shown in errors).
+    """
+    uuid = dataset_uuid(dataset)
+    target = index_path(dataset)
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    con = sqlite3.connect(tmp)
+    try:
+        con.execute("CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        con.execute(
+            "CREATE TABLE lengths (sample_key TEXT PRIMARY KEY, length REAL NOT NULL) WITHOUT ROWID"
+        )
+        count, total = 0, 0.0
+        batch: list[tuple[str, float]] = []
+        for key, length in lengths:
+            batch.append((key, _check_length(key, length)))
+            if len(batch) >= 10_000:
+                count, total = _insert(con, batch, count, total)
+                batch = []
+        count, total = _insert(con, batch, count, total)
+        con.executemany(
+            "INSERT INTO meta VALUES (?, ?)",
+            [
+                ("index_version", str(INDEX_VERSION)),
+                ("dataset_uuid", uuid),
+                ("computed_by", computed_by),
+                ("samples", str(count)),
+            ],
+        )
+        con.commit()
+    except BaseException:
+        con.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    con.close()
+    tmp.replace(target)
+    return IndexSummary(target, uuid, count, total)
+
+
+def _insert(
+    con: sqlite3.Connection, batch: list[tuple[str, float]], count: int, total: float
+) -> tuple[int, float]:
+    try:
+        con.executemany("INSERT INTO lengths VALUES (?, ?)", batch)
+    except sqlite3.IntegrityError:
+        seen: set[str] = set()
+        for key, _ in batch:
+            if key in seen or con.execute(
+                "SELECT 1 FROM lengths WHERE sample_key = ?", (key,)
+            ).fetchone():
+                raise LengthIndexError(
+                    f"length index: sample key {key!r} occurs twice in the dataset; keys must be "
+                    "unique for the pool to look lengths up. Rename the samples (webdataset "
+                    "__key__) or use length_sort_placement = 'post-encode'."
+                ) from None
+            seen.add(key)
+        raise
+    return count + len(batch), total + sum(length for _, length in batch)
+
+
+class LengthIndex:
+    """Read access to a dataset's length index, checked against the dataset when opened.
+
+    Picklable: the sqlite connection is opened lazily in the process that looks lengths up.
+
+    Raises:
+        LengthIndexError: On :meth:`open`, if the index is missing, of another version, or was
+            built for another ``index.uuid`` (stale); on :meth:`length`, for an unknown key.
+    """
+
+    def __init__(self, dataset: Any, path: Path, uuid: str, samples: int, computed_by: str):
+        self.dataset = str(dataset)
+        self.path = path
+        self.uuid = uuid
+        self.samples = samples
+        self.computed_by = computed_by
+        self._con: sqlite3.Connection | None = None
+        self._pid: int | None = None
+
+    @classmethod
+    def open(cls, dataset: Any) -> LengthIndex:
+        """Opens and checks the length index of the prepared dataset ``dataset``."""
+        path = index_path(dataset)
+        rebuild = f"Build it with `energon-ordering index {local_dataset_path(dataset)}`."
+        if not path.exists():
+            raise LengthIndexError(
+                f"length index: {path} does not exist, so the lengths of {dataset} are not known "
+                f"before encoding. {rebuild} (add --task-encoder MODULE:CLASS for your encoder)."
+            )
+        try:
+            con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+            meta = dict(con.execute("SELECT name, value FROM meta").fetchall())
+            con.close()
+        except sqlite3.Error as e:
+            raise LengthIndexError(f"length index: {path} is unreadable ({e}). {rebuild}") from e
+        version = meta.get("index_version")
+        if version != str(INDEX_VERSION):
+            raise LengthIndexError(
+                f"length index: {path} has index_version = {version!r}, this package reads "
+                f"version {INDEX_VERSION}. {rebuild}"
+            )
+        uuid = dataset_uuid(dataset)
+        if meta.get("dataset_uuid") != uuid:
+            raise LengthIndexError(
+                f"length index: {path} is stale: it was built for dataset index.uuid = "
+                f"{meta.get('dataset_uuid')!r}, but {dataset} now has index.uuid = {uuid!r} "
+                f"(the data was prepared again). {rebuild}"
+            )
+        return cls(dataset, path, uuid, int(meta.get("samples", 0)), meta.get("computed_by", "?"))
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._con is None or self._pid != os.getpid():
+            self._con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True,
+                                        check_same_thread=False)
+            self._pid = os.getpid()
+        return self._con
+
+    def length(self, key: str) -> float:
+        """The length of sample ``key``, in tokens."""
+        row = self._connection().execute(
+            "SELECT length FROM lengths WHERE sample_key = ?", (key,)
+        ).fetchone()
+        if row is None:
+            raise LengthIndexError(
+                f"length index: sample {key!r} of {self.dataset} is not in {self.path} "
+                f"({self.samples} samples, computed by {self.computed_by}); was it built for "
+                f"another split? Rebuild it with `energon-ordering index {self.dataset} "
+                "--split-part <the training split>`."
+            )
+        return row[0]
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_con": None, "_pid": None}
+
+    def __repr__(self) -> str:
+        return f"LengthIndex({self.path}, samples={self.samples}, uuid={self.uuid!r})"

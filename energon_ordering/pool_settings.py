@@ -1,0 +1,102 @@
+"""PoolSettings: the validated settings that decide a length pool's order, shared by both pools.
+
+The encoded pool (:class:`~energon_ordering.length_pool_sort.LengthPoolSortDataset`) and the
+lean key pool (:class:`~energon_ordering.key_pool_sort.KeyPoolSortDataset`) emit the same order
+for the same lengths: both seal a pool with :meth:`PoolSettings.order` and stamp their saved
+state with :meth:`PoolSettings.stamp`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from energon_ordering.errors import OrderingConfigError, OrderingTypeError, SampleLengthError
+from energon_ordering.pool_order import ORDER_VERSION, POOL_ORDERS, pool_seed
+from energon_ordering.sample_length import sample_key
+
+__all__ = ["PoolSettings", "check_int", "checked_length"]
+
+
+def check_int(owner: str, name: str, value: Any, *, minimum: int | None = None) -> None:
+    """Raises unless ``value`` is an int (not a bool) and ``>= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise OrderingTypeError(
+            f"{owner}: {name} = {value!r} ({type(value).__name__}) must be an int."
+        )
+    if minimum is not None and value < minimum:
+        raise OrderingConfigError(f"{owner}: {name} = {value!r} must be >= {minimum}.")
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """Pool size, mode, micro-batch size and seed of a length pool, validated.
+
+    Args:
+        owner: The wrapper's name, for error messages.
+        pool_size: Samples per pool, per loader worker (>= 1).
+        mode: ``"sample"`` or ``"batch"`` (see :mod:`energon_ordering.pool_order`).
+        batch_size: Micro-batch size; required for ``mode="batch"``, where ``pool_size`` must be
+            a multiple of it.
+        seed: Ordering seed; the same on every data-parallel rank.
+    """
+
+    owner: str
+    pool_size: int
+    mode: str
+    batch_size: int | None
+    seed: int
+
+    def __post_init__(self) -> None:
+        owner = self.owner
+        check_int(owner, "pool_size", self.pool_size, minimum=1)
+        if self.mode not in POOL_ORDERS:
+            raise OrderingConfigError(
+                f"{owner}: mode = {self.mode!r} is unknown; use one of {sorted(POOL_ORDERS)}."
+            )
+        if self.batch_size is not None:
+            check_int(owner, "batch_size", self.batch_size, minimum=1)
+        if self.mode == "batch":
+            if self.batch_size is None:
+                raise OrderingConfigError(
+                    f"{owner}: mode = 'batch' needs batch_size (the micro-batch size, in "
+                    "samples); pass batch_size=<micro-batch size>."
+                )
+            if self.pool_size % self.batch_size != 0:
+                raise OrderingConfigError(
+                    f"{owner}: pool_size = {self.pool_size} is not a multiple of batch_size = "
+                    f"{self.batch_size} (mode='batch'); use pool_size = "
+                    f"{max(1, self.pool_size // self.batch_size) * self.batch_size}."
+                )
+        check_int(owner, "seed", self.seed)
+
+    def order(self, lengths: Sequence[float], pool_index: int, worker_slot: int) -> list[int]:
+        """Emission order (arrival indices) of one pool; never depends on the rank."""
+        seed = pool_seed(self.seed, pool_index, worker_slot)
+        return POOL_ORDERS[self.mode](lengths, seed, self.batch_size)
+
+    def stamp(self, state_version: int, **extra: Any) -> dict[str, Any]:
+        """What wrote a pool's saved state: versions and every setting that decides order."""
+        return {
+            "state_version": state_version,
+            "order_version": ORDER_VERSION,
+            "pool_size": self.pool_size,
+            "mode": self.mode,
+            "batch_size": self.batch_size if self.mode == "batch" else None,
+            "seed": self.seed,
+            **extra,
+        }
+
+
+def checked_length(owner: str, key_fn: Callable[[Any], float], sample: Any) -> float:
+    """``key_fn(sample)``, raising :class:`SampleLengthError` unless it is a finite number."""
+    length = key_fn(sample)
+    if isinstance(length, bool) or not isinstance(length, numbers.Real) or not math.isfinite(length):
+        raise SampleLengthError(
+            f"{owner}: key_fn returned {length!r} for sample {sample_key(sample)!r}; it must "
+            "return a finite number (the length in tokens)."
+        )
+    return length
