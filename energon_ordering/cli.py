@@ -1,4 +1,4 @@
-"""The ``energon-ordering`` command: demo, plan, inspect, check-resume."""
+"""The ``energon-ordering`` command: demo, plan, inspect, check-resume, index."""
 
 from __future__ import annotations
 
@@ -249,6 +249,62 @@ def inspect(metadataset: str, recipe: str, ranks: int, steps: int, num_workers: 
     click.echo(_measure_table(results))
     click.echo(f"(sawtooth: share autocorrelation at {extra['period']} micro-batches = one shard)")
     click.echo(f"wrote {extra['png']}")
+
+
+# ---- index -----------------------------------------------------------------------------------
+
+
+def _import_function(spec: str, param_hint: str):
+    import importlib
+
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise click.BadParameter(f"{spec!r}: cannot import it ({e}); give MODULE:FUNCTION.",
+                                 param_hint=param_hint) from e
+    if not callable(fn):
+        raise click.BadParameter(f"{spec!r} is not callable.", param_hint=param_hint)
+    return fn
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("dataset", type=click.Path(exists=True))
+@_with_task_encoder
+@click.option("--raw-length-fn", default=None, metavar="MODULE:FUNCTION",
+              help="Compute lengths from the raw files ({'txt': b'...', 'jpg': b'...'}) instead "
+                   "of the task encoder; nothing is decoded.")
+@click.option("--split-part", default="train", help="The split whose samples are indexed.")
+@click.option("--workers", type=click.IntRange(min=1), default=1,
+              help="Processes that decode and measure samples.")
+def index(dataset: str, task_encoder: str | None, tokens_per_media: int,
+          raw_length_fn: str | None, split_part: str, workers: int) -> None:
+    """Build the length index of DATASET (a prepared folder or a metadataset: every dataset in
+    it), for length_sort_placement = pre-encode. Written to <dataset>/.nv-meta/, tied to the
+    dataset's index.uuid; run it again after `energon prepare`."""
+    from energon_ordering.length_index_build import build_length_index
+
+    fn = _import_function(raw_length_fn, "--raw-length-fn") if raw_length_fn else None
+    te = None if fn is not None and task_encoder is None else _task_encoder_factory(
+        task_encoder, tokens_per_media)()
+    bars: list[Any] = []
+
+    def progress(name: str, total: int):
+        bar = click.progressbar(length=total, label=f"indexing {name}", file=sys.stderr)
+        bars.append(bar.__enter__())
+        return bars[-1].update
+
+    try:
+        with _user_errors():
+            built = build_length_index(dataset, task_encoder=te, raw_length_fn=fn,
+                                       split_part=split_part, workers=workers, progress=progress)
+    finally:
+        for bar in bars:
+            bar.__exit__(None, None, None)
+    rows = [[b.dataset, f"{b.summary.samples:,}",
+             f"{b.summary.total_tokens / max(1, b.summary.samples):,.1f}", f"{b.seconds:.1f}",
+             str(b.summary.path)] for b in built]
+    click.echo(_table(["dataset", "samples", "mean length", "seconds", "index file"], rows))
 
 
 # ---- check-resume ----------------------------------------------------------------------------

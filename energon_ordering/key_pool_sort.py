@@ -29,7 +29,7 @@ from energon_ordering.errors import NotRestorableError, OrderingTypeError
 from energon_ordering.pool_settings import PoolSettings, checked_length
 from energon_ordering.restorability import explain_not_restorable
 from energon_ordering.sample_length import sample_key
-from energon_ordering.state_stamp import check_stamp
+from energon_ordering.state_stamp import check_stamp, check_writer
 
 __all__ = ["KeyPoolSortDataset"]
 
@@ -152,17 +152,18 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
             yield from self._drain()
 
     def save_state(self) -> FlexState:
-        # Only the keys not yet emitted are state; the emitted prefix is dropped here.
-        return FlexState(
-            __class__=type(self).__name__,
-            _stamp=dict(self._stamp),
-            _pool_index=self._pool_index,
-            _collect_keys=list(self._collect_keys),
-            _collect_lengths=list(self._collect_lengths),
-            _emit_keys=self._emit_keys[self._emit_pos :],
-        )
+        state = super().save_state()
+        # Only the keys not yet emitted are state; the emitted prefix is dropped.
+        state["_emit_keys"] = state["_emit_keys"][self._emit_pos :]
+        return state
 
     def restore_state(self, state: FlexState) -> None:
+        check_writer(
+            type(self).__name__,
+            state,
+            "Was it written with another OrderingConfig.length_sort_placement? Restore with the "
+            "placement it was written with, or start the data stream fresh.",
+        )
         check_stamp(
             type(self).__name__,
             state,

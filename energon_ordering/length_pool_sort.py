@@ -15,7 +15,7 @@ from energon_ordering.errors import OrderingTypeError
 from energon_ordering.pool_settings import PoolSettings, checked_length
 from energon_ordering.restorability import explain_not_restorable
 from energon_ordering.sample_length import default_sample_length
-from energon_ordering.state_stamp import check_stamp
+from energon_ordering.state_stamp import check_stamp, check_writer
 
 __all__ = ["LengthPoolSortDataset"]
 
@@ -144,6 +144,12 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
             yield from self._drain()
 
     def restore_state(self, state: FlexState) -> None:
+        check_writer(
+            type(self).__name__,
+            state,
+            "Was it written with another OrderingConfig.length_sort_placement? Restore with the "
+            "placement it was written with, or start the data stream fresh.",
+        )
         check_stamp(
             "LengthPoolSortDataset",
             state,

@@ -11,7 +11,7 @@ from typing import Any
 
 from energon_ordering.errors import StateMismatchError
 
-__all__ = ["check_stamp", "stamp_differences"]
+__all__ = ["check_stamp", "check_writer", "stamp_differences"]
 
 
 def stamp_differences(saved: Any, expected: dict[str, Any]) -> str | None:
@@ -41,4 +41,20 @@ def check_stamp(owner: str, state: Any, expected: dict[str, Any], fix: str) -> N
     if diff is not None:
         raise StateMismatchError(
             f"{owner}: cannot restore a state written by a different configuration ({diff}). {fix}"
+        )
+
+
+def check_writer(owner: str, state: Any, hint: str) -> None:
+    """Raises :class:`StateMismatchError` if ``state`` was saved by another wrapper class.
+
+    Args:
+        owner: The restoring wrapper's class name.
+        state: The saved state at the wrapper's position in the pipeline.
+        hint: Which setting makes the pipeline differ, and how to fix it.
+    """
+    writer = state.get("__class__") if state is not None else None
+    if writer != owner:
+        raise StateMismatchError(
+            f"{owner}: the checkpoint holds a {writer} state at this position of the pipeline, "
+            f"so it was written by a differently built pipeline. {hint}"
         )

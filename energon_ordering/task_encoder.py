@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from megatron.energon.flavors.base_dataset import SavableDataset
@@ -179,7 +180,17 @@ class OrderingTaskEncoder:
                     f"has no dataset path for a length index; override "
                     f"{type(self).__name__}.ordering_raw_sample_length instead."
                 )
-            return LengthIndex.open(path)  # raises if missing, stale or of another version
+            index = LengthIndex.open(path)  # raises if missing, stale or of another version
+            mine = f"task encoder {type(self).__module__}.{type(self).__qualname__}"
+            if index.computed_by.startswith("task encoder") and index.computed_by != mine:
+                warnings.warn(
+                    f"length index {index.path} was computed by {index.computed_by}, not by "
+                    f"{mine}; the pool sorts by those lengths. Rebuild it with `energon-ordering "
+                    f"index {path} --task-encoder {type(self).__module__}:"
+                    f"{type(self).__qualname__}` for exact lengths.",
+                    stacklevel=2,
+                )
+            return index
         return self.ordering_raw_sample_length
 
     def build_encode_sample(

@@ -30,11 +30,27 @@ def test_round_trip():
         (dict(length_sort_pool_size=1.5), OrderingTypeError, r"length_sort_pool_size = 1.5 \(float\)"),
         (dict(length_sort_mode="sorted"), OrderingConfigError, r"length_sort_mode = 'sorted' is unknown"),
         (dict(seed=None), OrderingTypeError, r"seed = None"),
+        (dict(length_sort_pool_size=8, length_sort_placement="pre-decode"), OrderingConfigError,
+         r"length_sort_placement = 'pre-decode' is unknown.*'post-encode', 'pre-encode'"),
+        (dict(length_sort_placement="pre-encode"), OrderingConfigError,
+         r"length_sort_placement = 'pre-encode' places a length pool, but length_sort_pool_size = 0"),
     ],
 )
 def test_bad_values(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         OrderingConfig(**kwargs)
+
+
+def test_placement_short_spelling_from_recipes(tmp_path):
+    recipe = tmp_path / "lean.yaml"
+    recipe.write_text("length_sort_pool_size: 10000\nlength_sort_mode: batch\nplacement: pre-encode\n")
+    cfg = OrderingConfig.from_yaml(recipe)
+    assert cfg.length_sort_placement == "pre-encode"
+    assert OrderingConfig.from_dict(cfg.to_dict()) == cfg
+    assert OrderingConfig().length_sort_placement == "post-encode"
+    with pytest.raises(OrderingConfigError, match=r"placement = 'pre-encode' contradicts length_sort_placement = 'post-encode'"):
+        OrderingConfig.from_dict({"length_sort_pool_size": 8, "placement": "pre-encode",
+                                  "length_sort_placement": "post-encode"})
 
 
 def test_unknown_key_is_named():

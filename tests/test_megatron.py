@@ -92,6 +92,17 @@ def test_realistic_command_line():
     assert cfg.mixture_schedule.sources == ("web", "code", "books", "curated")
 
 
+def test_placement_flag_overrides_the_recipe(tmp_path):
+    recipe = tmp_path / "lean.yaml"
+    recipe.write_text("length_sort_pool_size: 10000\nlength_sort_mode: batch\nplacement: pre-encode\n")
+    base = "--seq-length 2048 --micro-batch-size 4 --global-batch-size 32"
+    cfg = ordering_config_from_args(_parse(f"{base} --data-mixture-schedule {recipe}", 8))
+    assert cfg.length_sort_placement == "pre-encode" and cfg.length_sort_pool_size == 10000
+    cfg = ordering_config_from_args(
+        _parse(f"{base} --data-mixture-schedule {recipe} --length-sort-placement post-encode", 8))
+    assert cfg.length_sort_placement == "post-encode"
+
+
 def test_megatron_defaults_and_train_samples():
     args = _parse("--seq-length 4096 --micro-batch-size 2 --global-batch-size 32 "
                   "--train-samples 3200", world_size=8)

@@ -1,0 +1,172 @@
+"""Building length indexes: run a task encoder (or a raw length function) over every sample.
+
+``build_length_index(path)`` reads every sample of a prepared dataset, or of every dataset a
+metadataset references, with Energon's own loading (the same ``load_sample`` / cooker chain the
+training pipeline uses, see :func:`energon_ordering.deferred_load.split_loader`), computes its
+length and writes one :mod:`energon_ordering.length_index` file per prepared dataset. Lengths
+come from, in order of preference:
+
+- ``raw_length_fn(raw_files)``: a function of the still-compressed files (nothing is decoded);
+- the task encoder: ``encode_sample`` then ``ordering_sample_length`` (exact: the very key the
+  post-encode pool sorts by). Default: :class:`~energon_ordering.length_estimate.LengthEstimateTaskEncoder`.
+
+With ``workers > 1`` the samples are read in this process and measured in a fork-started
+process pool.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron.energon import DefaultTaskEncoder, WorkerConfig
+from megatron.energon.metadataset.loader import load_dataset
+
+from energon_ordering.deferred_load import split_loader
+from energon_ordering.errors import LengthIndexError
+from energon_ordering.length_index import IndexSummary, write_length_index
+from energon_ordering.sample_length import default_sample_length
+
+__all__ = ["BuiltIndex", "build_length_index", "sample_length_of"]
+
+
+@dataclass(frozen=True)
+class BuiltIndex:
+    """One written index and how long it took."""
+
+    dataset: str
+    summary: IndexSummary
+    seconds: float
+
+
+class _Measure:
+    """Length of one raw sample: ``raw_length_fn`` on its files, or load + encode + length."""
+
+    def __init__(self, task_encoder: Any, load_fns: list[Callable], raw_length_fn: Callable | None):
+        self.task_encoder = task_encoder
+        self.load_fns = load_fns
+        self.raw_length_fn = raw_length_fn
+
+    def __call__(self, raw: Any) -> tuple[str, float]:
+        files = raw.data[0]
+        if self.raw_length_fn is not None:
+            return files["__key__"], self.raw_length_fn(files)
+        sample = raw
+        for fn in self.load_fns:
+            sample = fn(sample)
+        return files["__key__"], sample_length_of(self.task_encoder, sample)
+
+
+def sample_length_of(task_encoder: Any, sample: Any) -> float:
+    """``ordering_sample_length(encode_sample(sample))``: the key the post-encode pool sorts by."""
+    encoded = task_encoder.encode_sample(sample)
+    length_fn = getattr(task_encoder, "ordering_sample_length", default_sample_length)
+    return length_fn(encoded)
+
+
+_WORKER_MEASURE: _Measure | None = None
+
+
+def _measure_in_worker(raw: Any) -> tuple[str, float]:
+    assert _WORKER_MEASURE is not None
+    return _WORKER_MEASURE(raw)
+
+
+def _measured(
+    raws: Iterator[Any], measure: _Measure, workers: int, progress: Callable[[int], None] | None
+) -> Iterator[tuple[str, float]]:
+    global _WORKER_MEASURE
+    if workers <= 1:
+        results: Iterator[tuple[str, float]] = map(measure, raws)
+        pool = None
+    else:
+        _WORKER_MEASURE = measure
+        pool = multiprocessing.get_context("fork").Pool(workers)
+        results = pool.imap(_measure_in_worker, raws, chunksize=64)
+    try:
+        for item in results:
+            if progress is not None:
+                progress(1)
+            yield item
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        _WORKER_MEASURE = None
+
+
+def build_length_index(
+    path: str | Path,
+    *,
+    task_encoder: Any = None,
+    raw_length_fn: Callable[[dict[str, Any]], float] | None = None,
+    split_part: str = "train",
+    workers: int = 1,
+    progress: Callable[[str, int], Callable[[int], None] | None] | None = None,
+) -> list[BuiltIndex]:
+    """Writes the length index of every prepared dataset under ``path``.
+
+    Args:
+        path: A prepared dataset folder or a metadataset YAML.
+        task_encoder: Computes lengths (``encode_sample`` + ``ordering_sample_length``);
+            default :class:`LengthEstimateTaskEncoder`. Its ``decoder`` is used for loading.
+        raw_length_fn: Computes lengths from the raw files instead (no decoding).
+        split_part: The split whose samples are indexed (the training split).
+        workers: Processes that measure samples (1 = in this process).
+        progress: ``progress(dataset_name, num_samples)`` returns a callback ``advance(n)``.
+
+    Returns:
+        One :class:`BuiltIndex` per prepared dataset.
+    """
+    if task_encoder is None:
+        if raw_length_fn is None:
+            from energon_ordering.length_estimate import LengthEstimateTaskEncoder
+
+            task_encoder = LengthEstimateTaskEncoder()
+        else:
+            task_encoder = DefaultTaskEncoder()
+    if workers < 1:
+        raise LengthIndexError(f"build_length_index: workers = {workers} must be >= 1.")
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    loaded = load_dataset(path).get_datasets(
+        training=False,
+        split_part=split_part,
+        worker_config=wc,
+        decoder=getattr(task_encoder, "decoder", None),
+    )
+    built: list[BuiltIndex] = []
+    seen: set[str] = set()
+    for entry in loaded.datasets:
+        factory = entry.dataset
+        name = str(getattr(factory, "path", factory))
+        if name in seen:
+            continue
+        seen.add(name)
+        t0 = time.perf_counter()
+        raw_ds, load_fns = split_loader(DefaultTaskEncoder._load_dataset(task_encoder, entry, 0, wc))
+        measure = _Measure(task_encoder, load_fns, raw_length_fn)
+        advance = progress(name, len(factory)) if progress is not None else None
+        summary = write_length_index(
+            factory.path,
+            _measured(iter(raw_ds), measure, workers, advance),
+            computed_by=_describe(task_encoder, raw_length_fn),
+        )
+        if summary.samples != len(factory):
+            raise LengthIndexError(
+                f"length index of {name}: read {summary.samples} samples, but the dataset's "
+                f"split {split_part!r} has {len(factory)}; is the dataset being prepared again?"
+            )
+        built.append(BuiltIndex(name, summary, time.perf_counter() - t0))
+    return built
+
+
+def _describe(task_encoder: Any, raw_length_fn: Callable | None) -> str:
+    if raw_length_fn is not None:
+        return f"raw_length_fn {getattr(raw_length_fn, '__module__', '?')}." \
+               f"{getattr(raw_length_fn, '__qualname__', repr(raw_length_fn))}"
+    cls = type(task_encoder)
+    return f"task encoder {cls.__module__}.{cls.__qualname__}"

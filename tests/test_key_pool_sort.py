@@ -1,0 +1,233 @@
+"""The lean pre-encode pool on real Energon pipelines: same order as the encoded pool, exact
+resume, no loss, no payload in the state, lengths from the index or a raw length function."""
+
+from __future__ import annotations
+
+import pickle
+from collections import Counter
+
+import pytest
+import torch
+from megatron.energon.wrappers.base import BaseWrapperDataset
+
+from energon_ordering import OrderingConfig, StateMismatchError
+from energon_ordering.key_pool_sort import KeyPoolSortDataset
+from energon_ordering.length_index_build import build_length_index
+from energon_ordering.rank_simulation import (
+    build_train_loader,
+    close_loader,
+    record_batch,
+    resume,
+    run_ranks,
+    run_with_cuts,
+)
+from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
+from energon_ordering.synthetic_task import SyntheticTaskEncoder
+from energon_ordering.task_encoder import OrderingTaskEncoder
+
+TOTAL = 40
+CUTS = (0, 3, 14, 27)
+
+
+class IndexOnlyTaskEncoder(SyntheticTaskEncoder):
+    """Has no raw length function: pre-encode lengths must come from the length index."""
+
+    ordering_raw_sample_length = OrderingTaskEncoder.ordering_raw_sample_length
+
+
+@pytest.fixture(scope="module")
+def indexed_dataset(tmp_path_factory):
+    """640 trimodal samples with a length index built by the synthetic task encoder."""
+    root = tmp_path_factory.mktemp("indexed")
+    make_synthetic_dataset(root, [SourceSpec("web", 640, "trimodal")], shard_size=32)
+    build_length_index(root / "web", task_encoder=IndexOnlyTaskEncoder())
+    return root / "web"
+
+
+def _cfg(placement, pool=64, mode="batch", seed=5):
+    return OrderingConfig(length_sort_pool_size=pool, length_sort_mode=mode, seed=seed,
+                          length_sort_placement=placement)
+
+
+def _make(path, ordering, num_workers=0, te=IndexOnlyTaskEncoder, **kw):
+    return lambda: build_train_loader(path, ordering=ordering, num_workers=num_workers,
+                                      batch_size=4, task_encoder_factory=te, **kw)
+
+
+def _find(dataset, cls):
+    while dataset is not None:
+        if isinstance(dataset, cls):
+            return dataset
+        dataset = getattr(dataset, "dataset", None)
+    return None
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("mode,pool", [("sample", 7), ("batch", 64)])
+def test_lean_pool_emits_exactly_the_encoded_pools_sequence(indexed_dataset, num_workers, mode, pool):
+    # Same lengths (the index holds the encoder's lengths), same seeds, same arrival order:
+    # the order depends on nothing else, so the sequences must be identical.
+    runs = {}
+    for placement in ("post-encode", "pre-encode"):
+        loader = _make(indexed_dataset, _cfg(placement, pool, mode), num_workers)()
+        it = iter(loader)
+        runs[placement] = [record_batch(next(it)) for _ in range(TOTAL)]
+        del it
+        close_loader(loader)
+    assert runs["pre-encode"] == runs["post-encode"]
+    # The pool really sorted: batch mode groups neighbouring lengths.
+    if mode == "batch":
+        spread = [max(b.lengths) - min(b.lengths) for b in runs["pre-encode"]]
+        assert sorted(spread)[len(spread) // 2] < 200
+
+
+def test_lean_pipeline_loads_after_the_pool_and_yields_identical_tensors(indexed_dataset):
+    batches = {}
+    for placement in ("post-encode", "pre-encode"):
+        loader = _make(indexed_dataset, _cfg(placement))()
+        if placement == "pre-encode":
+            pool = _find(loader.dataset, KeyPoolSortDataset)
+            assert pool is not None, "the lean pool is in the pipeline"
+            # Below the pool the samples are raw: no decoded image exists before emission.
+            assert "Defer" in str(pool.dataset) and "Materialize" not in str(pool.dataset)
+        it = iter(loader)
+        batches[placement] = [next(it) for _ in range(12)]
+        del it
+        close_loader(loader)
+    for a, b in zip(batches["post-encode"], batches["pre-encode"]):
+        assert a.keys == b.keys
+        assert torch.equal(a.tokens, b.tokens)
+        assert torch.equal(a.images, b.images)
+        assert a.__restore_key__ is not None and b.__restore_key__ is not None
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("mode,pool", [("sample", 7), ("batch", 64)])
+def test_lean_pool_exact_resume_at_every_cut(indexed_dataset, num_workers, mode, pool):
+    make = _make(indexed_dataset, _cfg("pre-encode", pool, mode), num_workers)
+    full, states = run_with_cuts(make, TOTAL, CUTS)
+    for cut, state in states.items():
+        resumed = resume(make, state, TOTAL - cut)
+        for step, (want, got) in enumerate(zip(full[cut:], resumed), start=cut):
+            assert got == want, f"cut {cut}: first mismatch at batch {step}: {got} != {want}"
+
+
+def test_lean_pool_exact_resume_from_mid_pool_worker_snapshots(indexed_dataset):
+    snap = dict(checkpoint_every_sec=0, checkpoint_every_min_n_samples=1)
+    cuts = (9, 22, 35)
+    make = _make(indexed_dataset, _cfg("pre-encode", 64, "batch"), 2, **snap)
+    full, states = run_with_cuts(make, TOTAL, cuts)
+    for cut in cuts:
+        offsets = [ws.offset for ws in states[cut].worker_states]
+        assert max(offsets) <= 1, f"expected fresh snapshots, got replay offsets {offsets}"
+        assert resume(make, states[cut], TOTAL - cut) == full[cut:], f"cut {cut}"
+
+
+def test_lean_and_encoded_pools_yield_the_same_samples_per_epoch(indexed_dataset):
+    # One finite epoch on 3 ranks: every sample exactly once, for both placements.
+    epochs = {}
+    for placement in ("post-encode", "pre-encode"):
+        records = run_ranks(indexed_dataset, ordering=_cfg(placement, 32, "batch"), world_size=3,
+                            steps=None, repeat=False, batch_size=4,
+                            task_encoder_factory=IndexOnlyTaskEncoder)
+        epochs[placement] = Counter(k for rank in records for b in rank for k in b.keys)
+    assert epochs["pre-encode"] == epochs["post-encode"]
+    assert len(epochs["pre-encode"]) == 640 and set(epochs["pre-encode"].values()) == {1}
+
+
+def test_raw_length_function_needs_no_index(small_dataset):
+    # SyntheticTaskEncoder computes exact lengths from the raw caption bytes; the small
+    # dataset has no length index.
+    runs = {}
+    for placement in ("post-encode", "pre-encode"):
+        loader = _make(small_dataset, _cfg(placement, 32, "sample"), te=SyntheticTaskEncoder)()
+        it = iter(loader)
+        runs[placement] = [record_batch(next(it)) for _ in range(20)]
+        del it
+        close_loader(loader)
+    assert runs["pre-encode"] == runs["post-encode"]
+
+
+def test_lean_state_holds_keys_not_samples(indexed_dataset):
+    # Right after the first batch the pool holds pool_size - 4 unemitted samples.
+    pool = 512
+    sizes = {}
+    for p in (0, pool):
+        cfg = _cfg("pre-encode", p, "batch") if p else OrderingConfig()
+        loader = _make(indexed_dataset, cfg)()
+        it = iter(loader)
+        next(it)
+        sizes[p] = len(pickle.dumps(loader.save_state_rank()))
+        del it
+        close_loader(loader)
+    per_sample = (sizes[pool] - sizes[0]) / (pool - 4)
+    assert 0 < per_sample < 100, f"{per_sample:.1f} bytes per pooled sample"
+
+
+def test_lean_pool_in_memory_holds_no_sample_objects(indexed_dataset):
+    loader = _make(indexed_dataset, _cfg("pre-encode", 256, "batch"))()
+    it = iter(loader)
+    next(it)
+    pool = _find(loader.dataset, KeyPoolSortDataset)
+    held = [*pool._emit_keys, *pool._collect_keys, *pool._collect_lengths]
+    assert len(pool._emit_keys) - pool._emit_pos == 256 - 4
+    assert all(isinstance(x, (tuple, float, int)) for x in held)
+    del it
+    close_loader(loader)
+
+
+def test_lean_pool_state_refuses_another_pool_configuration(indexed_dataset):
+    loader = _make(indexed_dataset, _cfg("pre-encode", 64, "batch", seed=1))()
+    it = iter(loader)
+    next(it)
+    state = loader.save_state_rank()
+    del it
+    close_loader(loader)
+    other = _make(indexed_dataset, _cfg("pre-encode", 64, "batch", seed=2))()
+    with pytest.raises(StateMismatchError, match=r"KeyPoolSortDataset.*seed: saved 1 != configured 2"):
+        other.restore_state_rank(state)
+        next(iter(other))
+    close_loader(other)
+
+
+def test_lean_pool_with_a_mixture_schedule_keeps_sources(three_sources):
+    schedule = {"phases": [{"until": 0.5, "weights": {"web": 0.5, "code": 0.5, "curated": 0}},
+                           {"until": 1.0, "weights": {"web": 0, "code": 0.2, "curated": 0.8}}]}
+    runs = {}
+    for placement in ("post-encode", "pre-encode"):
+        cfg = OrderingConfig(length_sort_pool_size=32, length_sort_mode="batch",
+                             length_sort_placement=placement, mixture_schedule=schedule,
+                             total_steps=60, schedule_lag_compensation=False)
+        loader = _make(three_sources, cfg, te=SyntheticTaskEncoder)()
+        it = iter(loader)
+        runs[placement] = [record_batch(next(it)) for _ in range(60)]
+        del it
+        close_loader(loader)
+    assert runs["pre-encode"] == runs["post-encode"]
+    sources = Counter(s for b in runs["pre-encode"][40:] for s in b.sources)
+    assert sources["web"] == 0 and sources["curated"] > sources["code"]
+    for b in runs["pre-encode"]:
+        assert all(k.startswith(s) for k, s in zip(b.keys, b.sources))
+
+
+def test_key_pool_is_an_energon_wrapper(indexed_dataset):
+    loader = _make(indexed_dataset, _cfg("pre-encode"))()
+    pool = _find(loader.dataset, KeyPoolSortDataset)
+    assert isinstance(pool, BaseWrapperDataset)
+    assert pool.config()["pool_size"] == 64 and "KeyPoolSortDataset(pool_size=64" in str(pool)
+    assert pool.len_worker() == pool.dataset.len_worker()
+    close_loader(loader)
+
+
+@pytest.mark.parametrize("saved,restored", [("post-encode", "pre-encode"), ("pre-encode", "post-encode")])
+def test_changing_the_placement_on_resume_is_refused(indexed_dataset, saved, restored):
+    loader = _make(indexed_dataset, _cfg(saved))()
+    it = iter(loader)
+    next(it)
+    state = loader.save_state_rank()
+    del it
+    close_loader(loader)
+    other = _make(indexed_dataset, _cfg(restored))()
+    with pytest.raises(StateMismatchError, match=r"differently built pipeline.*length_sort_placement"):
+        other.restore_state_rank(state)
+    close_loader(other)
