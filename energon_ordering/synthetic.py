@@ -1,7 +1,7 @@
 """Synthetic multimodal WebDatasets, prepared with Energon's own ``energon prepare``.
 
 Used by the tests, the benchmarks and the demo, so that everything runs on a real prepared
-dataset without network access. Each sample is a small real PNG image plus a caption whose
+dataset without network access. Each sample is a real image (a small PNG by default, or a photo-sized JPEG) plus a caption whose
 whitespace-token count follows a chosen length profile, and a JSON part naming its source and
 token count. Sample keys are ``<source>-<index:08d>``: unique across sources and stable for a
 given (source, index), independent of the seed.
@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
+    "IMAGE_FORMATS",
     "LENGTH_PROFILES",
     "LengthProfile",
     "SourceSpec",
@@ -123,25 +124,35 @@ def _caption(n_tokens: int, rng: np.random.Generator) -> str:
     return " ".join(_VOCAB[i] for i in rng.integers(0, len(_VOCAB), size=n_tokens))
 
 
-def _png(index: int, size: int) -> bytes:
+#: Image formats the synthetic datasets can write (the webdataset file extension).
+IMAGE_FORMATS = ("png", "jpg")
+
+
+def _image(index: int, size: int, fmt: str) -> bytes:
+    """A deterministic RGB image: colour gradients, plus mild texture for JPEGs so that a
+    448 x 448 JPEG compresses to a photo-like size (tens of kB) rather than to almost nothing."""
     from PIL import Image
 
-    x = np.arange(size, dtype=np.uint8)
+    x = np.arange(size, dtype=np.int32) * 256 // max(1, size)
     img = np.stack(
         [
             np.add.outer(x, x * 0) + index % 251,
             np.add.outer(x * 0, x) + (index * 7) % 251,
-            np.full((size, size), (index * 13) % 251, dtype=np.uint8),
+            np.full((size, size), (index * 13) % 251, dtype=np.int32),
         ],
         axis=-1,
-    ).astype(np.uint8)
+    )
+    if fmt == "jpg":
+        img = img + np.random.default_rng(index).integers(0, 20, size=img.shape)
     buf = io.BytesIO()
-    Image.fromarray(img, "RGB").save(buf, format="PNG")
+    Image.fromarray((img % 256).astype(np.uint8), "RGB").save(
+        buf, format="PNG" if fmt == "png" else "JPEG", quality=90
+    )
     return buf.getvalue()
 
 
 def _write_source(
-    out: Path, spec: SourceSpec, *, seed: int, shard_size: int, image_size: int
+    out: Path, spec: SourceSpec, *, seed: int, shard_size: int, image_size: int, image_format: str
 ) -> None:
     import webdataset as wds
 
@@ -154,14 +165,14 @@ def _write_source(
             sink.write(
                 {
                     "__key__": f"{spec.name}-{i:08d}",
-                    "png": _png(i, image_size),
+                    image_format: _image(i, image_size, image_format),
                     "txt": _caption(int(n_tokens), text_rng),
                     "json": json.dumps({"source": spec.name, "text_tokens": int(n_tokens)}),
                 }
             )
 
 
-def _energon_prepare(path: Path) -> None:
+def _energon_prepare(path: Path, image_format: str) -> None:
     cmd = [
         sys.executable,
         "-m",
@@ -175,7 +186,7 @@ def _energon_prepare(path: Path) -> None:
         "--sample-type",
         "CaptioningSample",
         "--field-map",
-        json.dumps({"image": "png", "caption": "txt"}),
+        json.dumps({"image": image_format, "caption": "txt"}),
         "--force-overwrite",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -193,6 +204,7 @@ def make_synthetic_dataset(
     seed: int = 0,
     shard_size: int = 256,
     image_size: int = 16,
+    image_format: str = "png",
 ) -> Path:
     """Writes one prepared WebDataset per source and a metadataset blending them.
 
@@ -205,7 +217,8 @@ def make_synthetic_dataset(
         sources: Source specs, or ``{name: num_samples}`` for trimodal sources.
         seed: Data seed; lengths and captions are pure functions of (seed, source, index).
         shard_size: Samples per tar shard.
-        image_size: Side of the square PNG image, in pixels.
+        image_size: Side of the square image, in pixels (448 for LLaVA-like memory figures).
+        image_format: ``"png"`` or ``"jpg"`` (photo-like compressed size).
 
     Returns:
         The path of ``metadataset.yaml``. A single source's prepared folder is
@@ -226,12 +239,19 @@ def make_synthetic_dataset(
         s.resolved_profile()
     if shard_size < 1:
         raise ValueError(f"make_synthetic_dataset: shard_size = {shard_size}: must be >= 1.")
+    if image_format not in IMAGE_FORMATS:
+        raise ValueError(
+            f"make_synthetic_dataset: image_format = {image_format!r}; use one of {IMAGE_FORMATS}."
+        )
+    if image_size < 1:
+        raise ValueError(f"make_synthetic_dataset: image_size = {image_size}: must be >= 1.")
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for spec in sources:
-        _write_source(out / spec.name, spec, seed=seed, shard_size=shard_size, image_size=image_size)
-        _energon_prepare(out / spec.name)
+        _write_source(out / spec.name, spec, seed=seed, shard_size=shard_size,
+                      image_size=image_size, image_format=image_format)
+        _energon_prepare(out / spec.name, image_format)
 
     blend = "\n".join(
         f"      - weight: {spec.weight}\n"

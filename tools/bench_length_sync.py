@@ -9,11 +9,16 @@ world_size=8)``) over a synthetic trimodal multimodal dataset, micro-batch 4. Pr
    same samples (the limit);
 2. pool overhead: samples/s through one rank's pipeline with vs without the pool (ratio);
 3. checkpoint size: pickled ``save_state_rank()`` bytes vs pool size, bytes per pooled sample;
-4. restore latency of a full pool vs the time to fill one.
+4. restore latency of a full pool vs the time to fill one;
+5. lean pools at equal memory: the encoded pool (post-encode, 1,000) against the lean key pool
+   (pre-encode, 10,000): resident bytes per pooled sample with photo-sized images (448 x 448
+   JPEGs decoded by Energon's default decoder), the pool capacity that memory buys, straggler
+   idle and padding over 8 ranks, samples/s and restore latency.
 
 Usage:
     python tools/bench_length_sync.py                 # full run (pools 100 / 1,000 / 10,000)
     python tools/bench_length_sync.py --quick         # small scale (the README demo)
+    python tools/bench_length_sync.py --only lean     # just section 5
 """
 
 from __future__ import annotations
@@ -27,10 +32,16 @@ from pathlib import Path
 
 import click
 
-from energon_ordering import OrderingConfig
+from energon_ordering import LengthPoolSortDataset, OrderingConfig, OrderingTaskEncoder
 from energon_ordering.diagnostics import padding_waste, straggler_idle
+from energon_ordering.errors import LengthIndexError
+from energon_ordering.key_pool_sort import KeyPoolSortDataset
+from energon_ordering.length_index import LengthIndex
+from energon_ordering.length_index_build import build_length_index
+from energon_ordering.pool_memory import find_stage, pool_holdings, resident_bytes
 from energon_ordering.rank_simulation import build_train_loader, close_loader, lengths_by_step, run_ranks
 from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
+from energon_ordering.synthetic_task import SyntheticTaskEncoder
 
 BATCH = 4
 
@@ -175,6 +186,154 @@ def _print_tables(sync, overhead, ckpt) -> None:
                    f"{r['restore_seconds']:.2f} | {r['restore_over_fill']:.2f} |")
 
 
+# ---- 5. lean pools at equal memory -------------------------------------------------------------
+
+
+class IndexedTaskEncoder(SyntheticTaskEncoder):
+    """The synthetic encoder without its raw length function: lengths come from the index."""
+
+    ordering_raw_sample_length = OrderingTaskEncoder.ordering_raw_sample_length
+
+
+def _photo_dataset(out: Path, num_samples: int) -> Path:
+    path = out / f"photo448_{num_samples}"
+    if not (path / "web" / ".nv-meta" / "index.uuid").exists():
+        click.echo(f"writing {num_samples} trimodal samples with 448x448 JPEGs to {path} ...",
+                   err=True)
+        make_synthetic_dataset(path, [SourceSpec("web", num_samples, "trimodal")],
+                               shard_size=256, image_size=448, image_format="jpg")
+    return path / "web"
+
+
+def _ensure_index(path: Path) -> dict:
+    """The dataset's length index (built by the training task encoder if missing or stale)."""
+    try:
+        index = LengthIndex.open(path)
+        return dict(dataset=str(path), samples=index.samples, seconds=None)
+    except LengthIndexError:
+        t0 = time.perf_counter()
+        built = build_length_index(path, task_encoder=IndexedTaskEncoder(), workers=2)
+        seconds = time.perf_counter() - t0
+        click.echo(f"  length index of {path}: {built[0].summary.samples} samples in "
+                   f"{seconds:.1f} s", err=True)
+        return dict(dataset=str(path), samples=built[0].summary.samples, seconds=seconds)
+
+
+def _lean_cfg(placement: str, pool: int) -> OrderingConfig:
+    return OrderingConfig(length_sort_pool_size=pool, length_sort_mode="batch",
+                          length_sort_placement=placement)
+
+
+def _loader(path: Path, cfg: OrderingConfig):
+    return build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH,
+                              task_encoder_factory=IndexedTaskEncoder)
+
+
+def _pool_memory(path: Path, placement: str, pool: int) -> dict:
+    """Resident bytes of a full pool right after its first batch, and the fill time."""
+    cfg = _lean_cfg(placement, pool)
+    loader = _loader(path, cfg)
+    it = iter(loader)
+    t0 = time.perf_counter()
+    next(it)
+    fill = time.perf_counter() - t0
+    stage = find_stage(loader.dataset, LengthPoolSortDataset if placement == "post-encode"
+                       else KeyPoolSortDataset)
+    held, objs = pool_holdings(stage)
+    nbytes = resident_bytes(objs)
+    state = loader.save_state_rank()
+    del it, stage, objs
+    close_loader(loader)
+    gc.collect()
+    loader = _loader(path, cfg)
+    t0 = time.perf_counter()
+    loader.restore_state_rank(state)
+    next(iter(loader))
+    restore = time.perf_counter() - t0
+    close_loader(loader)
+    gc.collect()
+    return dict(placement=placement, pool=pool, held=held, bytes=nbytes,
+                bytes_per_sample=nbytes / held, fill_seconds=fill, restore_seconds=restore,
+                state_bytes=len(pickle.dumps(state)))
+
+
+def _rate_cfg(path: Path, cfg: OrderingConfig, n_samples: int) -> float:
+    loader = _loader(path, cfg)
+    it = iter(loader)
+    next(it)  # startup and the first pool's fill are not throughput
+    n_batches = n_samples // BATCH
+    t0 = time.perf_counter()
+    for _ in range(n_batches):
+        next(it)
+    dt = time.perf_counter() - t0
+    del it
+    close_loader(loader)
+    gc.collect()
+    return n_batches * BATCH / dt
+
+
+def bench_lean(sync_path: Path, photo_path: Path, world: int, encoded_pool: int, lean_pool: int,
+               rate_samples: int, repeats: int) -> dict:
+    """Encoded pool vs lean pool, side by side: memory, capacity, sync, samples/s, restore."""
+    indexes = [_ensure_index(sync_path), _ensure_index(photo_path)]
+    configs = {"off": OrderingConfig(), "encoded": _lean_cfg("post-encode", encoded_pool),
+               "lean": _lean_cfg("pre-encode", lean_pool)}
+    memory = {name: _pool_memory(photo_path, cfg.length_sort_placement, cfg.length_sort_pool_size)
+              for name, cfg in configs.items() if name != "off"}
+    budget = memory["encoded"]["bytes_per_sample"] * encoded_pool
+    for m in memory.values():
+        m["capacity_at_budget"] = int(budget // m["bytes_per_sample"])
+        click.echo(f"  memory {m['placement']} pool={m['pool']}: {m['bytes_per_sample']:,.0f} "
+                   f"B/sample, restore {m['restore_seconds']:.2f} s", err=True)
+    steps = 2 * lean_pool // BATCH  # two full lean pools per rank
+    sync = {}
+    for name, cfg in configs.items():
+        rec = run_ranks(sync_path, ordering=cfg, world_size=world, steps=steps, batch_size=BATCH,
+                        task_encoder_factory=IndexedTaskEncoder)
+        st = lengths_by_step(rec)
+        sync[name] = dict(steps=len(st), idle=straggler_idle(st),
+                          padding=padding_waste([b for s in st for b in s]))
+        click.echo(f"  sync {name}: idle {sync[name]['idle']:.3f} padding "
+                   f"{sync[name]['padding']:.3f}", err=True)
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(repeats):
+        for name, cfg in configs.items():
+            rates[name].append(_rate_cfg(photo_path, cfg, rate_samples))
+    rate = {name: statistics.median(r) for name, r in rates.items()}
+    click.echo(f"  samples/s: {rate}", err=True)
+    return dict(indexes=indexes, memory=memory, budget_bytes=budget, sync=sync, rate=rate,
+                rate_samples=rate_samples, repeats=repeats, world=world, steps=steps)
+
+
+def _print_lean(r: dict) -> None:
+    enc, lean = r["memory"]["encoded"], r["memory"]["lean"]
+    click.echo(f"\n## Lean pool vs encoded pool at equal memory ({r['world']} ranks, micro-batch "
+               f"{BATCH}, batch mode)\n")
+    click.echo(f"Memory budget: the encoded pool of {enc['pool']:,} = "
+               f"{r['budget_bytes'] / 2**30:.2f} GiB per loader worker (448x448 images decoded to "
+               "float32 by Energon's default decoder).\n")
+    click.echo("| pool | placement | pool size | bytes / pooled sample | pool memory | capacity at "
+               "the budget | straggler idle | padding waste | samples/s | restore s | fill s |")
+    click.echo("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    off = r["sync"]["off"]
+    click.echo(f"| off | - | - | - | - | - | {100 * off['idle']:.1f}% | {100 * off['padding']:.1f}% "
+               f"| {r['rate']['off']:.0f} | - | - |")
+    for name, m in (("encoded", enc), ("lean", lean)):
+        s = r["sync"][name]
+        click.echo(f"| {name} | {m['placement']} | {m['pool']:,} | {m['bytes_per_sample']:,.0f} | "
+                   f"{m['bytes'] / 2**20:,.1f} MiB | {m['capacity_at_budget']:,} | "
+                   f"{100 * s['idle']:.1f}% | {100 * s['padding']:.1f}% | {r['rate'][name]:.0f} | "
+                   f"{m['restore_seconds']:.2f} | {m['fill_seconds']:.2f} |")
+    click.echo(f"\nlean / encoded samples/s: {r['rate']['lean'] / r['rate']['encoded']:.3f}; "
+               f"lean / off: {r['rate']['lean'] / r['rate']['off']:.3f} (median of {r['repeats']}, "
+               f"{r['rate_samples']:,} samples each, after the first batch)")
+    click.echo(f"sync: {r['steps']} micro-batches per rank on the trimodal set; memory, samples/s "
+               "and restore on the 448x448 JPEG set (the order depends only on lengths).")
+    for ix in r["indexes"]:
+        built = "existing" if ix["seconds"] is None else f"built in {ix['seconds']:.1f} s"
+        click.echo(f"length index {ix['dataset']}: {ix['samples']:,} samples ({built})")
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--out", default="bench_out", type=click.Path(file_okay=False),
               help="Folder for the dataset (reused between runs) and results.json.")
@@ -182,11 +341,25 @@ def _print_tables(sync, overhead, ckpt) -> None:
 @click.option("--samples", default=None, type=int,
               help="Dataset size [default: 80,000; 8,000 with --quick].")
 @click.option("--world-size", default=8, help="Simulated data-parallel ranks.")
-def main(out: str, quick: bool, samples: int | None, world_size: int) -> None:
-    """Measure cross-rank length sync, overhead, checkpoint size and restore latency."""
+@click.option("--only", type=click.Choice(["all", "sync", "lean"]), default="all",
+              help="Run sections 1-4 (sync), section 5 (lean) or both.")
+def main(out: str, quick: bool, samples: int | None, world_size: int, only: str) -> None:
+    """Measure cross-rank length sync, overhead, checkpoint size, restore latency and lean pools."""
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = _dataset(out_dir, samples or (8_000 if quick else 80_000))
+    if only in ("all", "lean"):
+        photo = _photo_dataset(out_dir, 3_000 if quick else 12_000)
+        t0 = time.perf_counter()
+        lean = bench_lean(path, photo, world_size,
+                          encoded_pool=200 if quick else 1_000,
+                          lean_pool=2_000 if quick else 10_000,
+                          rate_samples=2_500 if quick else 10_500, repeats=1 if quick else 2)
+        _print_lean(lean)
+        click.echo(f"\n(lean section {time.perf_counter() - t0:.0f} s)")
+        (out_dir / "lean_results.json").write_text(json.dumps(lean, indent=2))
+        if only == "lean":
+            return
     pools = [100, 1_000] if quick else [100, 1_000, 10_000]
     workers = [1] if quick else [1, 4]
     cap = 300 if quick else 1_500

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import click
 
-from energon_ordering.synthetic import LENGTH_PROFILES, SourceSpec, make_synthetic_dataset
+from energon_ordering.synthetic import (
+    IMAGE_FORMATS,
+    LENGTH_PROFILES,
+    SourceSpec,
+    make_synthetic_dataset,
+)
 
 
 def _parse_source(value: str) -> SourceSpec:
@@ -35,13 +40,16 @@ def _parse_source(value: str) -> SourceSpec:
               help="NAME=COUNT[:PROFILE]; repeat for several sources.")
 @click.option("--seed", default=0, help="Data seed (lengths and captions).")
 @click.option("--shard-size", default=256, help="Samples per tar shard.")
-@click.option("--image-size", default=16, help="Side of the PNG images, in pixels.")
-def main(out: str, sources: tuple[str, ...], seed: int, shard_size: int, image_size: int) -> None:
+@click.option("--image-size", default=16, help="Side of the images, in pixels (448: LLaVA-like).")
+@click.option("--image-format", type=click.Choice(IMAGE_FORMATS), default="png",
+              help="png, or jpg for photo-like compressed sizes.")
+def main(out: str, sources: tuple[str, ...], seed: int, shard_size: int, image_size: int,
+         image_format: str) -> None:
     """Write a synthetic multimodal dataset to OUT and run `energon prepare` on it."""
     specs = [_parse_source(s) for s in sources]
     try:
         meta = make_synthetic_dataset(out, specs, seed=seed, shard_size=shard_size,
-                                      image_size=image_size)
+                                      image_size=image_size, image_format=image_format)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     for spec in specs:
