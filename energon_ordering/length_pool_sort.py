@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 from megatron.energon.flavors.base_dataset import SavableDataset
@@ -72,6 +72,7 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         batch_size: int | None = None,
         key_fn: Callable[[Any], float] | None = None,
         seed: int = 0,
+        stamp_extra: Mapping[str, Any] | None = None,
     ):
         """Construct a LengthPoolSortDataset.
 
@@ -85,6 +86,8 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
             key_fn: Length of a sample, in tokens. ``None`` uses ``sample.total_len`` if present,
                 else ``len(sample.tokens)``.
             seed: Ordering seed; must be the same on every data-parallel rank.
+            stamp_extra: Further settings that decide what the pool holds (e.g. that it pools
+                raw samples before decoding); saved in the state stamp and checked on restore.
         """
         settings = PoolSettings("LengthPoolSortDataset", pool_size, mode, batch_size, seed)
         if key_fn is not None and not callable(key_fn):
@@ -103,10 +106,11 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         self.batch_size = settings.batch_size
         self.key_fn = default_sample_length if key_fn is None else key_fn
         self.seed = settings.seed
+        self.stamp_extra = dict(stamp_extra or {})
         self.reset_state_own()
 
     def _expected_stamp(self) -> dict[str, Any]:
-        return self.settings.stamp(STATE_VERSION)
+        return self.settings.stamp(STATE_VERSION, **self.stamp_extra)
 
     def reset_state_own(self) -> None:
         self._stamp = self._expected_stamp()

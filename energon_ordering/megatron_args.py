@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from energon_ordering.config import PLACEMENTS, OrderingConfig
+from energon_ordering.config import PLACEMENTS, POOL_HOLDS, OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingError
 from energon_ordering.pool_order import POOL_ORDERS
 from energon_ordering.schedules import SeqLenWarmup
@@ -27,6 +27,7 @@ FLAGS = (
     "--length-sort-pool-size",
     "--length-sort-mode",
     "--length-sort-placement",
+    "--length-sort-pool-holds",
     "--data-mixture-schedule",
     "--data-blend-policy",
     "--seq-length-warmup-steps",
@@ -55,6 +56,9 @@ def add_energon_ordering_args(parser: argparse.ArgumentParser) -> argparse.Argum
                    help="post-encode: pool encoded samples (default); pre-encode: pool restore "
                         "keys and lengths before decoding (lean: ~100 B per pooled sample; "
                         "needs a length index, see `energon-ordering index`).")
+    g.add_argument("--length-sort-pool-holds", choices=list(POOL_HOLDS), default=None,
+                   help="With pre-encode: raw (default; the compressed files) or keys (restore "
+                        "key + length only; each sample is read again when emitted).")
     g.add_argument("--data-mixture-schedule", type=str, default=None,
                    help="A recipe YAML (OrderingConfig settings) or a bare schedule YAML "
                         "(sources: / phases:); weights become a function of the step.")
@@ -163,6 +167,7 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
     if getattr(args, "length_sort_placement", None) is not None:
         base.pop("placement", None)  # the flag overrides the recipe's short spelling
     flag("length_sort_placement", "length_sort_placement")
+    flag("length_sort_pool_holds", "length_sort_pool_holds")
     flag("data_blend_policy", "blend_policy")
     seed = getattr(args, "ordering_seed", None)
     if seed is None and "seed" not in base:

@@ -199,8 +199,7 @@ class OrderingTaskEncoder:
         if self._ordering_pre_encode():
             cfg = self._ordering_config()
             assert self._ordering_deferred is not None
-            dataset = KeyPoolSortDataset(
-                dataset,
+            pool_kwargs = dict(
                 pool_size=cfg.length_sort_pool_size,
                 worker_config=worker_config,
                 key_fn=DeferredLength([length for _, length in self._ordering_deferred]),
@@ -208,6 +207,12 @@ class OrderingTaskEncoder:
                 batch_size=self._ordering_batch_size,
                 seed=cfg.seed,
             )
+            if cfg.length_sort_pool_holds == "raw":
+                dataset = LengthPoolSortDataset(
+                    dataset, stamp_extra={"placement": "pre-encode"}, **pool_kwargs
+                )
+            else:
+                dataset = KeyPoolSortDataset(dataset, **pool_kwargs)
             dataset = MapDataset(
                 dataset,
                 Materialize([fns for fns, _ in self._ordering_deferred]),

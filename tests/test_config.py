@@ -34,6 +34,10 @@ def test_round_trip():
          r"length_sort_placement = 'pre-decode' is unknown.*'post-encode', 'pre-encode'"),
         (dict(length_sort_placement="pre-encode"), OrderingConfigError,
          r"length_sort_placement = 'pre-encode' places a length pool, but length_sort_pool_size = 0"),
+        (dict(length_sort_pool_size=8, length_sort_placement="pre-encode", length_sort_pool_holds="all"),
+         OrderingConfigError, r"length_sort_pool_holds = 'all' is unknown.*'keys', 'raw'"),
+        (dict(length_sort_pool_size=8, length_sort_pool_holds="keys"), OrderingConfigError,
+         r"length_sort_pool_holds = 'keys' applies to the pre-encode pool only"),
     ],
 )
 def test_bad_values(kwargs, exc, match):

@@ -44,9 +44,10 @@ def indexed_dataset(tmp_path_factory):
     return root / "web"
 
 
-def _cfg(placement, pool=64, mode="batch", seed=5):
+def _cfg(placement, pool=64, mode="batch", seed=5, holds="keys"):
     return OrderingConfig(length_sort_pool_size=pool, length_sort_mode=mode, seed=seed,
-                          length_sort_placement=placement)
+                          length_sort_placement=placement,
+                          length_sort_pool_holds=holds if placement == "pre-encode" else "raw")
 
 
 def _make(path, ordering, num_workers=0, te=IndexOnlyTaskEncoder, **kw):
@@ -62,14 +63,17 @@ def _find(dataset, cls):
     return None
 
 
+@pytest.mark.parametrize("holds", ["keys", "raw"])
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("mode,pool", [("sample", 7), ("batch", 64)])
-def test_lean_pool_emits_exactly_the_encoded_pools_sequence(indexed_dataset, num_workers, mode, pool):
+def test_lean_pool_emits_exactly_the_encoded_pools_sequence(indexed_dataset, num_workers, mode,
+                                                            pool, holds):
     # Same lengths (the index holds the encoder's lengths), same seeds, same arrival order:
     # the order depends on nothing else, so the sequences must be identical.
     runs = {}
     for placement in ("post-encode", "pre-encode"):
-        loader = _make(indexed_dataset, _cfg(placement, pool, mode), num_workers)()
+        cfg = _cfg(placement, pool, mode, holds=holds)
+        loader = _make(indexed_dataset, cfg, num_workers)()
         it = iter(loader)
         runs[placement] = [record_batch(next(it)) for _ in range(TOTAL)]
         del it
@@ -101,10 +105,11 @@ def test_lean_pipeline_loads_after_the_pool_and_yields_identical_tensors(indexed
         assert a.__restore_key__ is not None and b.__restore_key__ is not None
 
 
+@pytest.mark.parametrize("holds", ["keys", "raw"])
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("mode,pool", [("sample", 7), ("batch", 64)])
-def test_lean_pool_exact_resume_at_every_cut(indexed_dataset, num_workers, mode, pool):
-    make = _make(indexed_dataset, _cfg("pre-encode", pool, mode), num_workers)
+def test_lean_pool_exact_resume_at_every_cut(indexed_dataset, num_workers, mode, pool, holds):
+    make = _make(indexed_dataset, _cfg("pre-encode", pool, mode, holds=holds), num_workers)
     full, states = run_with_cuts(make, TOTAL, CUTS)
     for cut, state in states.items():
         resumed = resume(make, state, TOTAL - cut)
@@ -219,15 +224,42 @@ def test_key_pool_is_an_energon_wrapper(indexed_dataset):
     close_loader(loader)
 
 
-@pytest.mark.parametrize("saved,restored", [("post-encode", "pre-encode"), ("pre-encode", "post-encode")])
+PLACEMENT_CHANGES = [
+    (("post-encode", "keys"), ("pre-encode", "keys")),
+    (("pre-encode", "keys"), ("post-encode", "keys")),
+    (("pre-encode", "raw"), ("post-encode", "keys")),
+    (("post-encode", "keys"), ("pre-encode", "raw")),
+    (("pre-encode", "raw"), ("pre-encode", "keys")),
+]
+
+
+@pytest.mark.parametrize("saved,restored", PLACEMENT_CHANGES)
 def test_changing_the_placement_on_resume_is_refused(indexed_dataset, saved, restored):
-    loader = _make(indexed_dataset, _cfg(saved))()
+    loader = _make(indexed_dataset, _cfg(saved[0], holds=saved[1]))()
     it = iter(loader)
     next(it)
     state = loader.save_state_rank()
     del it
     close_loader(loader)
-    other = _make(indexed_dataset, _cfg(restored))()
-    with pytest.raises(StateMismatchError, match=r"differently built pipeline.*length_sort_placement"):
+    other = _make(indexed_dataset, _cfg(restored[0], holds=restored[1]))()
+    with pytest.raises(StateMismatchError, match=r"differently built pipeline|placement: saved"):
         other.restore_state_rank(state)
     close_loader(other)
+
+
+def test_raw_holding_pool_keeps_compressed_files_not_decoded_images(indexed_dataset):
+    from energon_ordering import LengthPoolSortDataset
+    from energon_ordering.deferred_load import DeferredSample
+    from energon_ordering.pool_memory import pool_holdings, resident_bytes
+
+    loader = _make(indexed_dataset, _cfg("pre-encode", 64, holds="raw"))()
+    it = iter(loader)
+    next(it)
+    pool = _find(loader.dataset, LengthPoolSortDataset)
+    held, objs = pool_holdings(pool)
+    assert held == 60 and all(isinstance(s, DeferredSample) for s in pool._emitting.buffer)
+    assert all(isinstance(v, bytes) for s in pool._emitting.buffer
+               for k, v in s.raw.data[0].items() if not k.startswith("__"))
+    assert resident_bytes(objs) / held < 20_000  # a 16x16 PNG and a caption, as bytes
+    del it
+    close_loader(loader)

@@ -219,9 +219,9 @@ def _ensure_index(path: Path) -> dict:
         return dict(dataset=str(path), samples=built[0].summary.samples, seconds=seconds)
 
 
-def _lean_cfg(placement: str, pool: int) -> OrderingConfig:
+def _lean_cfg(placement: str, pool: int, holds: str = "keys") -> OrderingConfig:
     return OrderingConfig(length_sort_pool_size=pool, length_sort_mode="batch",
-                          length_sort_placement=placement)
+                          length_sort_placement=placement, length_sort_pool_holds=holds)
 
 
 def _loader(path: Path, cfg: OrderingConfig):
@@ -229,16 +229,16 @@ def _loader(path: Path, cfg: OrderingConfig):
                               task_encoder_factory=IndexedTaskEncoder)
 
 
-def _pool_memory(path: Path, placement: str, pool: int) -> dict:
+def _pool_memory(path: Path, cfg: OrderingConfig) -> dict:
     """Resident bytes of a full pool right after its first batch, and the fill time."""
-    cfg = _lean_cfg(placement, pool)
+    placement, pool = cfg.length_sort_placement, cfg.length_sort_pool_size
     loader = _loader(path, cfg)
     it = iter(loader)
     t0 = time.perf_counter()
     next(it)
     fill = time.perf_counter() - t0
-    stage = find_stage(loader.dataset, LengthPoolSortDataset if placement == "post-encode"
-                       else KeyPoolSortDataset)
+    stage = find_stage(loader.dataset, KeyPoolSortDataset) or find_stage(
+        loader.dataset, LengthPoolSortDataset)
     held, objs = pool_holdings(stage)
     nbytes = resident_bytes(objs)
     state = loader.save_state_rank()
@@ -252,7 +252,8 @@ def _pool_memory(path: Path, placement: str, pool: int) -> dict:
     restore = time.perf_counter() - t0
     close_loader(loader)
     gc.collect()
-    return dict(placement=placement, pool=pool, held=held, bytes=nbytes,
+    return dict(placement=placement, holds=cfg.length_sort_pool_holds if placement == "pre-encode"
+                else "encoded samples", pool=pool, held=held, bytes=nbytes,
                 bytes_per_sample=nbytes / held, fill_seconds=fill, restore_seconds=restore,
                 state_bytes=len(pickle.dumps(state)))
 
@@ -277,17 +278,21 @@ def bench_lean(sync_path: Path, photo_path: Path, world: int, encoded_pool: int,
     """Encoded pool vs lean pool, side by side: memory, capacity, sync, samples/s, restore."""
     indexes = [_ensure_index(sync_path), _ensure_index(photo_path)]
     configs = {"off": OrderingConfig(), "encoded": _lean_cfg("post-encode", encoded_pool),
-               "lean": _lean_cfg("pre-encode", lean_pool)}
-    memory = {name: _pool_memory(photo_path, cfg.length_sort_placement, cfg.length_sort_pool_size)
-              for name, cfg in configs.items() if name != "off"}
+               "lean": _lean_cfg("pre-encode", lean_pool),
+               "lean raw": _lean_cfg("pre-encode", lean_pool, "raw")}
+    memory = {name: _pool_memory(photo_path, cfg) for name, cfg in configs.items() if name != "off"}
     budget = memory["encoded"]["bytes_per_sample"] * encoded_pool
     for m in memory.values():
         m["capacity_at_budget"] = int(budget // m["bytes_per_sample"])
-        click.echo(f"  memory {m['placement']} pool={m['pool']}: {m['bytes_per_sample']:,.0f} "
+        click.echo(f"  memory {m['holds']} pool={m['pool']}: {m['bytes_per_sample']:,.0f} "
                    f"B/sample, restore {m['restore_seconds']:.2f} s", err=True)
     steps = 2 * lean_pool // BATCH  # two full lean pools per rank
     sync = {}
+    # "lean raw" emits exactly what "lean" emits (same lengths, same order): one sync run each
+    # for off / encoded / lean.
     for name, cfg in configs.items():
+        if name == "lean raw":
+            continue
         rec = run_ranks(sync_path, ordering=cfg, world_size=world, steps=steps, batch_size=BATCH,
                         task_encoder_factory=IndexedTaskEncoder)
         st = lengths_by_step(rec)
@@ -306,27 +311,31 @@ def bench_lean(sync_path: Path, photo_path: Path, world: int, encoded_pool: int,
 
 
 def _print_lean(r: dict) -> None:
-    enc, lean = r["memory"]["encoded"], r["memory"]["lean"]
+    enc = r["memory"]["encoded"]
     click.echo(f"\n## Lean pool vs encoded pool at equal memory ({r['world']} ranks, micro-batch "
                f"{BATCH}, batch mode)\n")
     click.echo(f"Memory budget: the encoded pool of {enc['pool']:,} = "
                f"{r['budget_bytes'] / 2**30:.2f} GiB per loader worker (448x448 images decoded to "
                "float32 by Energon's default decoder).\n")
-    click.echo("| pool | placement | pool size | bytes / pooled sample | pool memory | capacity at "
-               "the budget | straggler idle | padding waste | samples/s | restore s | fill s |")
-    click.echo("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    click.echo("| pool | placement | holds | pool size | bytes / pooled sample | pool memory | "
+               "capacity at the budget | straggler idle | padding waste | samples/s | restore s | "
+               "fill s |")
+    click.echo("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     off = r["sync"]["off"]
-    click.echo(f"| off | - | - | - | - | - | {100 * off['idle']:.1f}% | {100 * off['padding']:.1f}% "
-               f"| {r['rate']['off']:.0f} | - | - |")
-    for name, m in (("encoded", enc), ("lean", lean)):
-        s = r["sync"][name]
-        click.echo(f"| {name} | {m['placement']} | {m['pool']:,} | {m['bytes_per_sample']:,.0f} | "
+    click.echo(f"| off | - | - | - | - | - | - | {100 * off['idle']:.1f}% | "
+               f"{100 * off['padding']:.1f}% | {r['rate']['off']:.0f} | - | - |")
+    for name, m in r["memory"].items():
+        s = r["sync"]["lean" if name == "lean raw" else name]
+        click.echo(f"| {name} | {m['placement']} | {m['holds']} | {m['pool']:,} | "
+                   f"{m['bytes_per_sample']:,.0f} | "
                    f"{m['bytes'] / 2**20:,.1f} MiB | {m['capacity_at_budget']:,} | "
                    f"{100 * s['idle']:.1f}% | {100 * s['padding']:.1f}% | {r['rate'][name]:.0f} | "
                    f"{m['restore_seconds']:.2f} | {m['fill_seconds']:.2f} |")
-    click.echo(f"\nlean / encoded samples/s: {r['rate']['lean'] / r['rate']['encoded']:.3f}; "
-               f"lean / off: {r['rate']['lean'] / r['rate']['off']:.3f} (median of {r['repeats']}, "
-               f"{r['rate_samples']:,} samples each, after the first batch)")
+    for name in ("lean", "lean raw"):
+        click.echo(f"\n{name} / encoded samples/s: {r['rate'][name] / r['rate']['encoded']:.3f}; "
+                   f"{name} / off: {r['rate'][name] / r['rate']['off']:.3f}")
+    click.echo(f"(samples/s: median of {r['repeats']} interleaved runs, {r['rate_samples']:,} "
+               "samples each after the first batch, one rank in-process)")
     click.echo(f"sync: {r['steps']} micro-batches per rank on the trimodal set; memory, samples/s "
                "and restore on the 448x448 JPEG set (the order depends only on lengths).")
     for ix in r["indexes"]:
