@@ -40,12 +40,14 @@ class OrderingConfig:
             the pool; lengths come from the dataset's length index (``energon-ordering index``) or
             the task encoder's ``ordering_raw_sample_length``. ``placement`` is accepted as the
             short spelling in :meth:`from_dict` and recipes.
-        length_sort_pool_holds: What the pre-encode pool keeps per sample: ``"raw"`` (default;
-            the still-compressed files, e.g. ~70 kB per 448x448 JPEG against ~2.4 MB decoded, read
-            once) or ``"keys"`` (restore key + length, ~130 B; each sample is read a second time,
-            by random access, when emitted: measured ~15% fewer samples/s on a decode-only
-            pipeline; for video or pools of 100k+). Only with ``length_sort_placement =
-            "pre-encode"``; the post-encode pool holds encoded samples.
+        length_sort_pool_holds: What the pre-encode pool keeps per sample besides its restore
+            key and length: ``"raw"`` (default; the still-compressed files packed into one
+            ``bytes``, e.g. ~70 kB per 448x448 JPEG against ~2.4 MB decoded, read once) or
+            ``"keys"`` (nothing more, ~130 B; each sample is read a second time, by random
+            access, when emitted: fewer samples/s on a decode-bound pipeline; for video or pools
+            of 100k+). Only with ``length_sort_placement = "pre-encode"``; the post-encode pool
+            holds encoded samples. Checkpoints are the same for both, so it may change across a
+            restart.
         seed: Ordering seed, identical on every data-parallel rank.
         mixture_schedule: Per-source weights as a function of the step: a
             :class:`MixtureSchedule`, an inline definition (dict) or the path of a schedule

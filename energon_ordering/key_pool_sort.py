@@ -1,13 +1,15 @@
-"""KeyPoolSortDataset: the lean length pool that holds (restore key, length), never samples.
+"""KeyPoolSortDataset: the lean length pool, sorting (restore key, length) pairs.
 
 The encoded pool (:class:`~energon_ordering.length_pool_sort.LengthPoolSortDataset`) keeps every
 pooled sample in memory: with decoded images that is megabytes per sample, which caps the pool
-at ~1,000 samples per loader worker. This pool keeps only each sample's restore key and length
-(~100 bytes) and re-fetches the sample through Energon's ``restore_sample`` random access when
-it is emitted. Placed before decoding (``length_sort_placement = "pre-encode"``, see
-:mod:`energon_ordering.deferred_load`), the incoming samples are still-compressed raw samples
-and the re-fetch is one random read; decoding and encoding happen once, after the pool, in
-emission order.
+at ~1,000 samples per loader worker. This pool is placed before decoding
+(``length_sort_placement = "pre-encode"``, see :mod:`energon_ordering.deferred_load`), where
+samples are still-compressed raw files, and keeps per sample its restore key and length plus,
+with ``keep_samples=True``, the raw sample packed into one ``bytes`` object
+(:class:`~energon_ordering.packed_sample.SamplePacker`: no object for the garbage collector to
+walk). Without it (keys only, ~130 bytes per sample) the sample is re-fetched through Energon's
+``restore_sample`` random access when it is emitted. Decoding and encoding happen once, after the
+pool, in emission order.
 
 Same contracts as the encoded pool: the order comes from the same
 :class:`~energon_ordering.pool_settings.PoolSettings` (rank-independent seed), so for the same
@@ -26,8 +28,8 @@ from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.base import BaseWrapperDataset, get_sample_restore_key
 
 from energon_ordering.errors import NotRestorableError, OrderingTypeError
-from energon_ordering.pool_settings import PoolSettings, checked_length
-from energon_ordering.restorability import explain_not_restorable
+from energon_ordering.packed_sample import SamplePacker
+from energon_ordering.pool_settings import PoolSettings, check_pool_input, checked_length
 from energon_ordering.sample_length import sample_key
 from energon_ordering.state_stamp import check_stamp, check_writer
 
@@ -43,13 +45,14 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
     """Pools ``pool_size`` (restore key, length) pairs, sorts them by length and re-fetches the
     samples in an order that is the same on every data-parallel rank.
 
-    Memory per pooled sample is one restore key and one float, whatever the sample holds.
-    Every sample is read twice (once to learn its key and length, once when emitted), so the
-    stage below should be cheap to read: raw samples, before decoding.
+    Memory per pooled sample: one restore key and one float, plus the packed sample with
+    ``keep_samples``. Without it every sample is read twice (once to learn its key and length,
+    once when emitted), so the stage below should be cheap to read: raw samples, before decoding.
 
     Checkpointing: the keys and lengths being collected, the keys not yet emitted (in emission
-    order), the pool counter and a stamp of (state version, order version, pool settings). On
-    restore nothing is re-fetched until it is emitted.
+    order), the pool counter and a stamp of (state version, order version, pool settings); never
+    the packed samples. After a restore the pooled samples are re-fetched by key as they are
+    emitted, so ``keep_samples`` may differ between the run that saved and the one that restores.
     """
 
     settings: PoolSettings
@@ -60,6 +63,8 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
     _collect_lengths: list[float]
     _emit_keys: list[Any]
     _emit_pos: int
+    _collect_packed: list[bytes | None]
+    _emit_packed: list[bytes | None]
     _stamp: dict[str, Any]
 
     _savable_fields = ("_stamp", "_pool_index", "_collect_keys", "_collect_lengths", "_emit_keys")
@@ -74,6 +79,7 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
         mode: str = "sample",
         batch_size: int | None = None,
         seed: int = 0,
+        keep_samples: bool = False,
     ):
         """Construct a KeyPoolSortDataset.
 
@@ -86,19 +92,20 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
             mode: ``"sample"`` or ``"batch"`` (see :mod:`energon_ordering.pool_order`).
             batch_size: Micro-batch size; required for ``mode="batch"``.
             seed: Ordering seed; must be the same on every data-parallel rank.
+            keep_samples: Also keep each pooled sample, packed (no second read on emission).
         """
         settings = PoolSettings(type(self).__name__, pool_size, mode, batch_size, seed)
-        if not callable(key_fn):
+        if key_fn is None:
             raise OrderingTypeError(
-                f"KeyPoolSortDataset: key_fn = {key_fn!r} is not callable; pass a function "
-                "sample -> length in tokens."
+                "KeyPoolSortDataset: key_fn = None; pass a function sample -> length in tokens "
+                "(the pool cannot look at encoded samples)."
             )
-        problem = explain_not_restorable(dataset)
-        if problem is not None:
-            raise problem
+        check_pool_input(type(self).__name__, dataset, key_fn)
         super().__init__(dataset, worker_config=worker_config)
         self.settings = settings
         self.key_fn = key_fn
+        self.keep_samples = bool(keep_samples)
+        self._packer = SamplePacker()
         self.reset_state_own()
 
     def reset_state_own(self) -> None:
@@ -108,6 +115,8 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
         self._collect_lengths = []
         self._emit_keys = []
         self._emit_pos = 0
+        self._collect_packed = []
+        self._emit_packed = []
 
     def len_worker(self, worker_idx: int | None = None) -> int:
         return self.dataset.len_worker(worker_idx)
@@ -117,17 +126,24 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
             self._collect_lengths, self._pool_index, self.worker_config.rank_worker_id()
         )
         self._emit_keys = [self._collect_keys[i] for i in order]
+        self._emit_packed = [self._collect_packed[i] for i in order]
         self._emit_pos = 0
         self._collect_keys = []
         self._collect_lengths = []
+        self._collect_packed = []
         self._pool_index += 1
 
     def _drain(self) -> Iterator[T_sample]:
         while self._emit_pos < len(self._emit_keys):
-            key = self._emit_keys[self._emit_pos]
+            pos = self._emit_pos
             self._emit_pos += 1
-            yield self.dataset.restore_sample(key)
+            packed, self._emit_packed[pos] = self._emit_packed[pos], None
+            if packed is not None:
+                yield self._packer.unpack(packed)
+            else:
+                yield self.dataset.restore_sample(self._emit_keys[pos])
         self._emit_keys = []
+        self._emit_packed = []
         self._emit_pos = 0
 
     def __iter__(self) -> Iterator[T_sample]:
@@ -143,6 +159,7 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
                 )
             self._collect_lengths.append(checked_length(type(self).__name__, self.key_fn, sample))
             self._collect_keys.append(key)
+            self._collect_packed.append(self._packer.pack(sample) if self.keep_samples else None)
             del sample
             if len(self._collect_keys) >= self.settings.pool_size:
                 self._seal_pool()
@@ -176,16 +193,16 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
         self._collect_lengths = list(self._collect_lengths)
         self._emit_keys = list(self._emit_keys)
         self._emit_pos = 0
+        # Packed samples are not state: the restored pool re-fetches its samples by key.
+        self._collect_packed = [None] * len(self._collect_keys)
+        self._emit_packed = [None] * len(self._emit_keys)
 
     def config(self) -> dict[str, Any]:
         return {
             "type": type(self).__qualname__,
             "dataset": self.dataset.config(),
-            "pool_size": self.settings.pool_size,
-            "mode": self.settings.mode,
-            "batch_size": self.settings.batch_size,
-            "key_fn": self._function_config(self.key_fn),
-            "seed": self.settings.seed,
+            **self.settings.config(self._function_config(self.key_fn)),
+            "keep_samples": self.keep_samples,
             "worker_config": self.worker_config.config(),
         }
 
@@ -193,5 +210,6 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
         s = self.settings
         return (
             f"KeyPoolSortDataset(pool_size={s.pool_size}, mode={s.mode!r}, "
-            f"batch_size={s.batch_size}, seed={s.seed}, dataset={self.dataset})"
+            f"batch_size={s.batch_size}, seed={s.seed}, keep_samples={self.keep_samples}, "
+            f"dataset={self.dataset})"
         )

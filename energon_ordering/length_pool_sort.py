@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from megatron.energon.flavors.base_dataset import SavableDataset
@@ -11,9 +11,7 @@ from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.base import BaseWrapperDataset
 from megatron.energon.wrappers.buffer import SavableSampleBuffer
 
-from energon_ordering.errors import OrderingTypeError
-from energon_ordering.pool_settings import PoolSettings, checked_length
-from energon_ordering.restorability import explain_not_restorable
+from energon_ordering.pool_settings import PoolSettings, check_pool_input, checked_length
 from energon_ordering.sample_length import default_sample_length
 from energon_ordering.state_stamp import check_stamp, check_writer
 
@@ -72,7 +70,6 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         batch_size: int | None = None,
         key_fn: Callable[[Any], float] | None = None,
         seed: int = 0,
-        stamp_extra: Mapping[str, Any] | None = None,
     ):
         """Construct a LengthPoolSortDataset.
 
@@ -86,19 +83,9 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
             key_fn: Length of a sample, in tokens. ``None`` uses ``sample.total_len`` if present,
                 else ``len(sample.tokens)``.
             seed: Ordering seed; must be the same on every data-parallel rank.
-            stamp_extra: Further settings that decide what the pool holds (e.g. that it pools
-                raw samples before decoding); saved in the state stamp and checked on restore.
         """
         settings = PoolSettings("LengthPoolSortDataset", pool_size, mode, batch_size, seed)
-        if key_fn is not None and not callable(key_fn):
-            raise OrderingTypeError(
-                f"LengthPoolSortDataset: key_fn = {key_fn!r} is not callable; pass a function "
-                "sample -> length in tokens, or None for the default."
-            )
-        problem = explain_not_restorable(dataset)
-        if problem is not None:
-            raise problem
-
+        check_pool_input(type(self).__name__, dataset, key_fn)
         super().__init__(dataset, worker_config=worker_config)
         self.settings = settings
         self.pool_size = settings.pool_size
@@ -106,11 +93,10 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         self.batch_size = settings.batch_size
         self.key_fn = default_sample_length if key_fn is None else key_fn
         self.seed = settings.seed
-        self.stamp_extra = dict(stamp_extra or {})
         self.reset_state_own()
 
     def _expected_stamp(self) -> dict[str, Any]:
-        return self.settings.stamp(STATE_VERSION, **self.stamp_extra)
+        return self.settings.stamp(STATE_VERSION)
 
     def reset_state_own(self) -> None:
         self._stamp = self._expected_stamp()
@@ -167,11 +153,7 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         return {
             "type": type(self).__qualname__,
             "dataset": self.dataset.config(),
-            "pool_size": self.pool_size,
-            "mode": self.mode,
-            "batch_size": self.batch_size,
-            "key_fn": self._function_config(self.key_fn),
-            "seed": self.seed,
+            **self.settings.config(self._function_config(self.key_fn)),
             "worker_config": self.worker_config.config(),
         }
 

@@ -70,6 +70,7 @@ def pool_holdings(pool: Any) -> tuple[int, list[Any]]:
         held = [x for b in bufs for x in (b._buffer, b._restore_keys)]
         return sum(len(b._buffer) for b in bufs), held
     if isinstance(pool, KeyPoolSortDataset):
-        held = [pool._emit_keys, pool._collect_keys, pool._collect_lengths]
+        held = [pool._emit_keys, pool._collect_keys, pool._collect_lengths, pool._emit_packed,
+                pool._collect_packed]
         return len(pool._emit_keys) + len(pool._collect_keys), held
     raise TypeError(f"pool_holdings: {type(pool).__name__} is not a length pool.")

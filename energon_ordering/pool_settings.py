@@ -16,9 +16,10 @@ from typing import Any
 
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, SampleLengthError
 from energon_ordering.pool_order import ORDER_VERSION, POOL_ORDERS, pool_seed
+from energon_ordering.restorability import explain_not_restorable
 from energon_ordering.sample_length import sample_key
 
-__all__ = ["PoolSettings", "check_int", "checked_length"]
+__all__ = ["PoolSettings", "check_int", "check_pool_input", "checked_length"]
 
 
 def check_int(owner: str, name: str, value: Any, *, minimum: int | None = None) -> None:
@@ -78,6 +79,16 @@ class PoolSettings:
         seed = pool_seed(self.seed, pool_index, worker_slot)
         return POOL_ORDERS[self.mode](lengths, seed, self.batch_size)
 
+    def config(self, key_fn_config: Any) -> dict[str, Any]:
+        """The pool's part of an Energon ``config()`` dict."""
+        return {
+            "pool_size": self.pool_size,
+            "mode": self.mode,
+            "batch_size": self.batch_size,
+            "key_fn": key_fn_config,
+            "seed": self.seed,
+        }
+
     def stamp(self, state_version: int, **extra: Any) -> dict[str, Any]:
         """What wrote a pool's saved state: versions and every setting that decides order."""
         return {
@@ -89,6 +100,18 @@ class PoolSettings:
             "seed": self.seed,
             **extra,
         }
+
+
+def check_pool_input(owner: str, dataset: Any, key_fn: Any) -> None:
+    """Raises unless ``key_fn`` is callable (or None) and ``dataset`` can restore samples by key."""
+    if key_fn is not None and not callable(key_fn):
+        raise OrderingTypeError(
+            f"{owner}: key_fn = {key_fn!r} is not callable; pass a function sample -> length in "
+            "tokens."
+        )
+    problem = explain_not_restorable(dataset)
+    if problem is not None:
+        raise problem
 
 
 def checked_length(owner: str, key_fn: Callable[[Any], float], sample: Any) -> float:

@@ -51,6 +51,14 @@ class OrderingTaskEncoder:
         -> SeqLenWarmupDataset                           (only with seq_length_warmup)
         -> batch -> encode_batch
 
+    With ``length_sort_placement = "pre-encode"`` the pool moves before loading::
+
+        per source: raw tar reader -> Defer          (+ repeat / shuffle buffer / blend as above)
+        -> pool of raw samples (or keys only)        lengths from the length index or
+                                                     ordering_raw_sample_length
+        -> Materialize (Energon's load_sample / cooker: decoding) -> encode_sample
+        -> SeqLenWarmupDataset -> batch -> encode_batch
+
     Validation pipelines are left untouched. With a mixture schedule, each metadataset ``blend:``
     entry is one source, named by its ``subflavors: {source: NAME}`` or else by the last
     component of its dataset path; the metadataset weights are replaced by the schedule. The
@@ -199,20 +207,16 @@ class OrderingTaskEncoder:
         if self._ordering_pre_encode():
             cfg = self._ordering_config()
             assert self._ordering_deferred is not None
-            pool_kwargs = dict(
+            dataset = KeyPoolSortDataset(
+                dataset,
                 pool_size=cfg.length_sort_pool_size,
                 worker_config=worker_config,
                 key_fn=DeferredLength([length for _, length in self._ordering_deferred]),
                 mode=cfg.length_sort_mode,
                 batch_size=self._ordering_batch_size,
                 seed=cfg.seed,
+                keep_samples=cfg.length_sort_pool_holds == "raw",
             )
-            if cfg.length_sort_pool_holds == "raw":
-                dataset = LengthPoolSortDataset(
-                    dataset, stamp_extra={"placement": "pre-encode"}, **pool_kwargs
-                )
-            else:
-                dataset = KeyPoolSortDataset(dataset, **pool_kwargs)
             dataset = MapDataset(
                 dataset,
                 Materialize([fns for fns, _ in self._ordering_deferred]),

@@ -47,7 +47,7 @@ def test_help_and_version(runner):
     assert res.exit_code == 0 and "demo" in res.output and "check-resume" in res.output
     res = runner.invoke(main, ["--version"])
     assert res.exit_code == 0 and __version__ in res.output
-    for cmd in ("demo", "plan", "inspect", "check-resume"):
+    for cmd in ("demo", "plan", "inspect", "check-resume", "index"):
         res = runner.invoke(main, [cmd, "-h"])
         assert res.exit_code == 0 and "[default:" in res.output, cmd
 
@@ -196,3 +196,23 @@ def test_check_resume_reports_the_first_mismatch(runner, three_sources, tmp_path
     assert res.exit_code == 1, res.output
     assert "resume check FAILED: first mismatch at micro-batch" in res.output
     assert "expected [" in res.output and "got [" in res.output
+
+
+def test_lean_pool_user_flow_index_then_check_resume(runner, tmp_path):
+    # A user's flow: index the prepared data with the default estimator, then check that a
+    # pre-encode recipe resumes exactly on it (inspect/check-resume use the same estimator).
+    from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
+
+    make_synthetic_dataset(tmp_path / "data", [SourceSpec("web", 96, "trimodal")], shard_size=16)
+    data = tmp_path / "data" / "web"
+    lean = tmp_path / "lean.yaml"
+    lean.write_text("length_sort_pool_size: 32\nlength_sort_mode: batch\nplacement: pre-encode\n")
+    res = runner.invoke(main, ["check-resume", str(data), "--recipe", str(lean), "--cut", "5",
+                               "--steps", "20"])
+    assert res.exit_code == 1 and "energon-ordering index" in res.output  # no index yet
+    res = runner.invoke(main, ["index", str(data), "--tokens-per-media", "64"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(main, ["check-resume", str(data), "--recipe", str(lean), "--cut", "5",
+                               "--steps", "20", "--tokens-per-media", "64", "--num-workers", "2"])
+    assert res.exit_code == 0, res.output
+    assert "the next 15 micro-batches are identical" in res.output

@@ -229,7 +229,6 @@ PLACEMENT_CHANGES = [
     (("pre-encode", "keys"), ("post-encode", "keys")),
     (("pre-encode", "raw"), ("post-encode", "keys")),
     (("post-encode", "keys"), ("pre-encode", "raw")),
-    (("pre-encode", "raw"), ("pre-encode", "keys")),
 ]
 
 
@@ -247,19 +246,79 @@ def test_changing_the_placement_on_resume_is_refused(indexed_dataset, saved, res
     close_loader(other)
 
 
-def test_raw_holding_pool_keeps_compressed_files_not_decoded_images(indexed_dataset):
-    from energon_ordering import LengthPoolSortDataset
-    from energon_ordering.deferred_load import DeferredSample
+def test_raw_holding_pool_keeps_packed_compressed_files_out_of_the_gc(indexed_dataset):
+    import gc
+
     from energon_ordering.pool_memory import pool_holdings, resident_bytes
 
     loader = _make(indexed_dataset, _cfg("pre-encode", 64, holds="raw"))()
     it = iter(loader)
     next(it)
-    pool = _find(loader.dataset, LengthPoolSortDataset)
+    pool = _find(loader.dataset, KeyPoolSortDataset)
+    assert pool.keep_samples
     held, objs = pool_holdings(pool)
-    assert held == 60 and all(isinstance(s, DeferredSample) for s in pool._emitting.buffer)
-    assert all(isinstance(v, bytes) for s in pool._emitting.buffer
-               for k, v in s.raw.data[0].items() if not k.startswith("__"))
-    assert resident_bytes(objs) / held < 20_000  # a 16x16 PNG and a caption, as bytes
+    packed = [p for p in pool._emit_packed if p is not None]
+    assert held == 64 and len(packed) == 60
+    assert all(isinstance(p, bytes) and not gc.is_tracked(p) for p in packed)
+    per_sample = resident_bytes(objs) / 60
+    assert 500 < per_sample < 20_000  # a 16x16 PNG and a caption, compressed; nothing decoded
     del it
     close_loader(loader)
+
+
+@pytest.mark.parametrize("saved,restored", [("raw", "keys"), ("keys", "raw")])
+def test_switching_what_the_pool_holds_across_a_resume_keeps_the_order(indexed_dataset, saved, restored):
+    # The state is the same (keys and lengths) either way; only memory and reads differ.
+    full, states = run_with_cuts(_make(indexed_dataset, _cfg("pre-encode", 64, holds=saved), 2), TOTAL, (17,))
+    resumed = resume(_make(indexed_dataset, _cfg("pre-encode", 64, holds=restored), 2), states[17], TOTAL - 17)
+    assert resumed == full[17:]
+
+
+# ---- crude datasets: raw samples cooked by the task encoder --------------------------------------
+
+from megatron.energon import CaptioningSample, Cooker, basic_sample_keys, stateless  # noqa: E402
+
+
+@stateless
+def cook_caption(sample: dict) -> CaptioningSample:
+    return CaptioningSample(**basic_sample_keys(sample), image=sample["png"], caption=sample["txt"])
+
+
+class CrudeTaskEncoder(SyntheticTaskEncoder):
+    cookers = [Cooker(cook_caption)]
+
+
+@pytest.fixture(scope="module")
+def crude_dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("crude")
+    make_synthetic_dataset(root, [SourceSpec("web", 320, "trimodal")], shard_size=32)
+    (root / "web" / ".nv-meta" / "dataset.yaml").write_text(
+        "__module__: megatron.energon\n__class__: CrudeWebdataset\n")
+    return root / "web"
+
+
+@pytest.mark.parametrize("holds", ["keys", "raw"])
+def test_crude_dataset_cooked_after_the_pool(crude_dataset, holds):
+    runs = {}
+    for placement in ("post-encode", "pre-encode"):
+        make = _make(crude_dataset, _cfg(placement, 32, "batch", holds=holds), te=CrudeTaskEncoder)
+        full, states = run_with_cuts(make, 30, (11,))
+        assert resume(make, states[11], 19) == full[11:]
+        runs[placement] = full
+    assert runs["pre-encode"] == runs["post-encode"]
+
+
+def test_energons_own_blend_feeds_the_lean_pool(three_sources):
+    # A metadataset without a mixture schedule: Energon's BlendDataset over deferred sources.
+    runs = {}
+    for placement in ("post-encode", "pre-encode"):
+        loader = _make(three_sources, _cfg(placement, 32, "batch"), te=SyntheticTaskEncoder)()
+        it = iter(loader)
+        runs[placement] = [record_batch(next(it)) for _ in range(40)]
+        del it
+        close_loader(loader)
+    assert runs["pre-encode"] == runs["post-encode"]
+    sources = Counter(s for b in runs["pre-encode"] for s in b.sources)
+    assert set(sources) == {"web", "code", "curated"}
+    for b in runs["pre-encode"]:
+        assert all(k.startswith(s) for k, s in zip(b.keys, b.sources))

@@ -100,26 +100,32 @@ def bench_sync(
     return rows
 
 
-def _rate(path: Path, pool: int, n_batches: int) -> float:
-    cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode="batch")
-    loader = build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH)
+def _rate(loader, n_batches: int) -> float:
+    """Samples/s of ``loader`` over ``n_batches`` after its first batch (startup and the first
+    pool's fill are not throughput); closes the loader."""
     it = iter(loader)
-    next(it)  # startup and the first pool's fill are not throughput
+    next(it)
     t0 = time.perf_counter()
     for _ in range(n_batches):
         next(it)
     dt = time.perf_counter() - t0
     del it
     close_loader(loader)
+    gc.collect()
     return n_batches * BATCH / dt
+
+
+def _rate_pool(path: Path, pool: int, n_batches: int) -> float:
+    cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode="batch")
+    return _rate(build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH), n_batches)
 
 
 def bench_overhead(path: Path, pool: int, n_batches: int, repeats: int) -> dict:
     """Samples/s with and without the pool, interleaved runs, median of each."""
     off, on = [], []
     for _ in range(repeats):
-        off.append(_rate(path, 0, n_batches))
-        on.append(_rate(path, pool, n_batches))
+        off.append(_rate_pool(path, 0, n_batches))
+        on.append(_rate_pool(path, pool, n_batches))
     return dict(pool=pool, samples=n_batches * BATCH, off=statistics.median(off),
                 on=statistics.median(on), ratio=statistics.median(on) / statistics.median(off))
 
@@ -219,7 +225,7 @@ def _ensure_index(path: Path) -> dict:
         return dict(dataset=str(path), samples=built[0].summary.samples, seconds=seconds)
 
 
-def _lean_cfg(placement: str, pool: int, holds: str = "keys") -> OrderingConfig:
+def _lean_cfg(placement: str, pool: int, holds: str = "raw") -> OrderingConfig:
     return OrderingConfig(length_sort_pool_size=pool, length_sort_mode="batch",
                           length_sort_placement=placement, length_sort_pool_holds=holds)
 
@@ -258,27 +264,12 @@ def _pool_memory(path: Path, cfg: OrderingConfig) -> dict:
                 state_bytes=len(pickle.dumps(state)))
 
 
-def _rate_cfg(path: Path, cfg: OrderingConfig, n_samples: int) -> float:
-    loader = _loader(path, cfg)
-    it = iter(loader)
-    next(it)  # startup and the first pool's fill are not throughput
-    n_batches = n_samples // BATCH
-    t0 = time.perf_counter()
-    for _ in range(n_batches):
-        next(it)
-    dt = time.perf_counter() - t0
-    del it
-    close_loader(loader)
-    gc.collect()
-    return n_batches * BATCH / dt
-
-
 def bench_lean(sync_path: Path, photo_path: Path, world: int, encoded_pool: int, lean_pool: int,
                rate_samples: int, repeats: int) -> dict:
     """Encoded pool vs lean pool, side by side: memory, capacity, sync, samples/s, restore."""
     indexes = [_ensure_index(sync_path), _ensure_index(photo_path)]
     configs = {"off": OrderingConfig(), "encoded": _lean_cfg("post-encode", encoded_pool),
-               "lean": _lean_cfg("pre-encode", lean_pool),
+               "lean": _lean_cfg("pre-encode", lean_pool, "keys"),
                "lean raw": _lean_cfg("pre-encode", lean_pool, "raw")}
     memory = {name: _pool_memory(photo_path, cfg) for name, cfg in configs.items() if name != "off"}
     budget = memory["encoded"]["bytes_per_sample"] * encoded_pool
@@ -303,7 +294,7 @@ def bench_lean(sync_path: Path, photo_path: Path, world: int, encoded_pool: int,
     rates: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(repeats):
         for name, cfg in configs.items():
-            rates[name].append(_rate_cfg(photo_path, cfg, rate_samples))
+            rates[name].append(_rate(_loader(photo_path, cfg), rate_samples // BATCH))
     rate = {name: statistics.median(r) for name, r in rates.items()}
     click.echo(f"  samples/s: {rate}", err=True)
     return dict(indexes=indexes, memory=memory, budget_bytes=budget, sync=sync, rate=rate,
@@ -363,7 +354,7 @@ def main(out: str, quick: bool, samples: int | None, world_size: int, only: str)
         lean = bench_lean(path, photo, world_size,
                           encoded_pool=200 if quick else 1_000,
                           lean_pool=2_000 if quick else 10_000,
-                          rate_samples=2_500 if quick else 10_500, repeats=1 if quick else 2)
+                          rate_samples=2_500 if quick else 10_500, repeats=1 if quick else 3)
         _print_lean(lean)
         click.echo(f"\n(lean section {time.perf_counter() - t0:.0f} s)")
         (out_dir / "lean_results.json").write_text(json.dumps(lean, indent=2))
