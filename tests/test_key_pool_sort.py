@@ -322,3 +322,14 @@ def test_energons_own_blend_feeds_the_lean_pool(three_sources):
     assert set(sources) == {"web", "code", "curated"}
     for b in runs["pre-encode"]:
         assert all(k.startswith(s) for k, s in zip(b.keys, b.sources))
+
+
+def test_validation_pipelines_are_untouched(indexed_dataset):
+    from megatron.energon import WorkerConfig, get_val_dataset
+
+    te = IndexOnlyTaskEncoder()
+    te.ordering = _cfg("pre-encode", 64)
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    val = get_val_dataset(indexed_dataset, split_part="train", batch_size=4, worker_config=wc,
+                          task_encoder=te)
+    assert _find(val, KeyPoolSortDataset) is None and "Defer" not in str(val)
