@@ -1,4 +1,4 @@
-"""Megatron-LM integration: dataloader provider, loud dataloader-state restore, lockstep stop.
+r"""Megatron-LM integration: dataloader provider, loud dataloader-state restore, lockstep stop.
 
 Drop-in for ``examples/multimodal/dataloader_provider.py``::
 
