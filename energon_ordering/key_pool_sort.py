@@ -29,9 +29,13 @@ from megatron.energon.wrappers.base import BaseWrapperDataset, get_sample_restor
 
 from energon_ordering.errors import NotRestorableError, OrderingTypeError
 from energon_ordering.packed_sample import SamplePacker
-from energon_ordering.pool_settings import PoolSettings, check_pool_input, checked_length
+from energon_ordering.pool_settings import (
+    PoolSettings,
+    check_pool_input,
+    check_pool_state,
+    checked_length,
+)
 from energon_ordering.sample_length import sample_key
-from energon_ordering.state_stamp import check_stamp, check_writer
 
 __all__ = ["KeyPoolSortDataset"]
 
@@ -108,8 +112,11 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
         self._packer = SamplePacker()
         self.reset_state_own()
 
+    def _expected_stamp(self) -> dict[str, Any]:
+        return self.settings.stamp(STATE_VERSION, holds="restore keys")
+
     def reset_state_own(self) -> None:
-        self._stamp = self.settings.stamp(STATE_VERSION, holds="restore keys")
+        self._stamp = self._expected_stamp()
         self._pool_index = 0
         self._collect_keys = []
         self._collect_lengths = []
@@ -175,19 +182,7 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
         return state
 
     def restore_state(self, state: FlexState) -> None:
-        check_writer(
-            type(self).__name__,
-            state,
-            "Was it written with another OrderingConfig.length_sort_placement? Restore with the "
-            "placement it was written with, or start the data stream fresh.",
-        )
-        check_stamp(
-            type(self).__name__,
-            state,
-            self.settings.stamp(STATE_VERSION, holds="restore keys"),
-            "Restore with the pool configuration the checkpoint was written with, or start the "
-            "data stream fresh.",
-        )
+        check_pool_state(type(self).__name__, state, self._expected_stamp())
         super().restore_state(state)
         self._collect_keys = list(self._collect_keys)
         self._collect_lengths = list(self._collect_lengths)

@@ -11,9 +11,13 @@ from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.base import BaseWrapperDataset
 from megatron.energon.wrappers.buffer import SavableSampleBuffer
 
-from energon_ordering.pool_settings import PoolSettings, check_pool_input, checked_length
+from energon_ordering.pool_settings import (
+    PoolSettings,
+    check_pool_input,
+    check_pool_state,
+    checked_length,
+)
 from energon_ordering.sample_length import default_sample_length
-from energon_ordering.state_stamp import check_stamp, check_writer
 
 __all__ = ["LengthPoolSortDataset"]
 
@@ -134,19 +138,7 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
             yield from self._drain()
 
     def restore_state(self, state: FlexState) -> None:
-        check_writer(
-            type(self).__name__,
-            state,
-            "Was it written with another OrderingConfig.length_sort_placement? Restore with the "
-            "placement it was written with, or start the data stream fresh.",
-        )
-        check_stamp(
-            "LengthPoolSortDataset",
-            state,
-            self._expected_stamp(),
-            "Restore with the pool configuration the checkpoint was written with, or start the "
-            "data stream fresh.",
-        )
+        check_pool_state(type(self).__name__, state, self._expected_stamp())
         super().restore_state(state)
 
     def config(self) -> dict[str, Any]:

@@ -18,8 +18,9 @@ from energon_ordering.errors import OrderingConfigError, OrderingTypeError, Samp
 from energon_ordering.pool_order import ORDER_VERSION, POOL_ORDERS, pool_seed
 from energon_ordering.restorability import explain_not_restorable
 from energon_ordering.sample_length import sample_key
+from energon_ordering.state_stamp import check_stamp, check_writer
 
-__all__ = ["PoolSettings", "check_int", "check_pool_input", "checked_length"]
+__all__ = ["PoolSettings", "check_int", "check_pool_input", "check_pool_state", "checked_length"]
 
 
 def check_int(owner: str, name: str, value: Any, *, minimum: int | None = None) -> None:
@@ -112,6 +113,24 @@ def check_pool_input(owner: str, dataset: Any, key_fn: Any) -> None:
     problem = explain_not_restorable(dataset)
     if problem is not None:
         raise problem
+
+
+def check_pool_state(owner: str, state: Any, expected_stamp: dict[str, Any]) -> None:
+    """Raises :class:`StateMismatchError` unless ``state`` was written by the same pool class
+    (the same placement) with the same stamp."""
+    check_writer(
+        owner,
+        state,
+        "Was it written with another OrderingConfig.length_sort_placement? Restore with the "
+        "placement it was written with, or start the data stream fresh.",
+    )
+    check_stamp(
+        owner,
+        state,
+        expected_stamp,
+        "Restore with the pool configuration the checkpoint was written with, or start the "
+        "data stream fresh.",
+    )
 
 
 def checked_length(owner: str, key_fn: Callable[[Any], float], sample: Any) -> float:
