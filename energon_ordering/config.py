@@ -147,12 +147,6 @@ class OrderingConfig:
                 f"OrderingConfig.length_sort_placement = {self.length_sort_placement!r} is "
                 f"unknown; use one of {list(PLACEMENTS)}."
             )
-        if self.length_sort_placement != "post-encode" and not self.length_sort_enabled:
-            raise OrderingConfigError(
-                f"OrderingConfig.length_sort_placement = {self.length_sort_placement!r} places a "
-                "length pool, but length_sort_pool_size = 0 turns it off; set "
-                "length_sort_pool_size > 0 (e.g. 10000) or drop the placement."
-            )
         if self.length_sort_pool_holds not in POOL_HOLDS:
             raise OrderingConfigError(
                 f"OrderingConfig.length_sort_pool_holds = {self.length_sort_pool_holds!r} is "

@@ -216,3 +216,8 @@ def test_lean_pool_user_flow_index_then_check_resume(runner, tmp_path):
                                "--steps", "20", "--tokens-per-media", "64", "--num-workers", "2"])
     assert res.exit_code == 0, res.output
     assert "the next 15 micro-batches are identical" in res.output
+    res = runner.invoke(main, ["inspect", str(data), "--recipe", str(lean), "--ranks", "2",
+                               "--steps", "10", "--tokens-per-media", "64",
+                               "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert "pool 32 (batch)" in res.output and "pool off" in res.output

@@ -32,8 +32,6 @@ def test_round_trip():
         (dict(seed=None), OrderingTypeError, r"seed = None"),
         (dict(length_sort_pool_size=8, length_sort_placement="pre-decode"), OrderingConfigError,
          r"length_sort_placement = 'pre-decode' is unknown.*'post-encode', 'pre-encode'"),
-        (dict(length_sort_placement="pre-encode"), OrderingConfigError,
-         r"length_sort_placement = 'pre-encode' places a length pool, but length_sort_pool_size = 0"),
         (dict(length_sort_pool_size=8, length_sort_placement="pre-encode", length_sort_pool_holds="all"),
          OrderingConfigError, r"length_sort_pool_holds = 'all' is unknown.*'keys', 'raw'"),
         (dict(length_sort_pool_size=8, length_sort_pool_holds="keys"), OrderingConfigError,
@@ -52,6 +50,8 @@ def test_placement_short_spelling_from_recipes(tmp_path):
     assert cfg.length_sort_placement == "pre-encode"
     assert OrderingConfig.from_dict(cfg.to_dict()) == cfg
     assert OrderingConfig().length_sort_placement == "post-encode"
+    # Pool size 0 turns the pool off, wherever it would be placed (e.g. a flag over a recipe).
+    assert not OrderingConfig(length_sort_placement="pre-encode").length_sort_enabled
     with pytest.raises(OrderingConfigError, match=r"placement = 'pre-encode' contradicts length_sort_placement = 'post-encode'"):
         OrderingConfig.from_dict({"length_sort_pool_size": 8, "placement": "pre-encode",
                                   "length_sort_placement": "post-encode"})
