@@ -32,6 +32,7 @@ __all__ = [
     "dataset_uuid",
     "index_path",
     "local_dataset_path",
+    "task_encoder_label",
     "write_length_index",
 ]
 
@@ -39,6 +40,12 @@ __all__ = [
 INDEX_FILE = "energon_ordering_lengths.sqlite"
 #: Version of the index layout; an index of another version is refused.
 INDEX_VERSION = 1
+
+
+def task_encoder_label(task_encoder: Any) -> str:
+    """How an index records that a task encoder computed its lengths (``computed_by``)."""
+    cls = type(task_encoder)
+    return f"task encoder {cls.__module__}.{cls.__qualname__}"
 
 
 def local_dataset_path(path: Any) -> Path:

@@ -28,7 +28,7 @@ from megatron.energon.metadataset.loader import load_dataset
 
 from energon_ordering.deferred_load import split_loader
 from energon_ordering.errors import LengthIndexError
-from energon_ordering.length_index import IndexSummary, write_length_index
+from energon_ordering.length_index import IndexSummary, task_encoder_label, write_length_index
 from energon_ordering.sample_length import default_sample_length
 
 __all__ = ["BuiltIndex", "build_length_index", "sample_length_of"]
@@ -168,5 +168,4 @@ def _describe(task_encoder: Any, raw_length_fn: Callable | None) -> str:
     if raw_length_fn is not None:
         return f"raw_length_fn {getattr(raw_length_fn, '__module__', '?')}." \
                f"{getattr(raw_length_fn, '__qualname__', repr(raw_length_fn))}"
-    cls = type(task_encoder)
-    return f"task encoder {cls.__module__}.{cls.__qualname__}"
+    return task_encoder_label(task_encoder)

@@ -18,7 +18,13 @@ from megatron.energon import Batch, CaptioningSample, DefaultTaskEncoder, Sample
 from energon_ordering.task_encoder import OrderingTaskEncoder
 from energon_ordering.token_layout import TokenLayout
 
-__all__ = ["IMAGE_TOKEN_ID", "SyntheticBatch", "SyntheticTaskEncoder", "TokenizedSample"]
+__all__ = [
+    "IMAGE_TOKEN_ID",
+    "IndexedSyntheticTaskEncoder",
+    "SyntheticBatch",
+    "SyntheticTaskEncoder",
+    "TokenizedSample",
+]
 
 #: Token id of the image placeholder.
 IMAGE_TOKEN_ID = 1
@@ -125,3 +131,10 @@ class SyntheticTaskEncoder(
             tokens=tokens,
             images=torch.stack([s.image for s in samples]),
         )
+
+
+class IndexedSyntheticTaskEncoder(SyntheticTaskEncoder):
+    """:class:`SyntheticTaskEncoder` without a raw length function: with the pre-encode pool its
+    lengths must come from the dataset's length index (tests and benchmarks of that path)."""
+
+    ordering_raw_sample_length = OrderingTaskEncoder.ordering_raw_sample_length

@@ -19,7 +19,7 @@ from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.deferred_load import Defer, DeferredLength, Materialize, split_loader
 from energon_ordering.key_pool_sort import KeyPoolSortDataset
-from energon_ordering.length_index import LengthIndex, index_path
+from energon_ordering.length_index import LengthIndex, index_path, task_encoder_label
 from energon_ordering.length_pool_sort import LengthPoolSortDataset
 from energon_ordering.sample_length import default_sample_length
 from energon_ordering.scheduled_blend import ScheduledBlendDataset
@@ -189,7 +189,7 @@ class OrderingTaskEncoder:
                     f"{type(self).__name__}.ordering_raw_sample_length instead."
                 )
             index = LengthIndex.open(path)  # raises if missing, stale or of another version
-            mine = f"task encoder {type(self).__module__}.{type(self).__qualname__}"
+            mine = task_encoder_label(self)
             if index.computed_by.startswith("task encoder") and index.computed_by != mine:
                 warnings.warn(
                     f"length index {index.path} was computed by {index.computed_by}, not by "

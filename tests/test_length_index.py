@@ -24,14 +24,9 @@ from energon_ordering.length_index import (
 from energon_ordering.length_index_build import build_length_index
 from energon_ordering.rank_simulation import build_train_loader, close_loader, record_batch
 from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
-from energon_ordering.synthetic_task import SyntheticTaskEncoder
-from energon_ordering.task_encoder import OrderingTaskEncoder
+from energon_ordering.synthetic_task import IndexedSyntheticTaskEncoder, SyntheticTaskEncoder
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-class IndexOnlyTaskEncoder(SyntheticTaskEncoder):
-    ordering_raw_sample_length = OrderingTaskEncoder.ordering_raw_sample_length
 
 
 @pytest.fixture
@@ -80,7 +75,7 @@ def test_metadataset_indexes_every_dataset(three_sources):
         assert LengthIndex.open(b.dataset).samples == b.summary.samples
 
 
-def _pre_encode_pipeline(path, te_cls=IndexOnlyTaskEncoder):
+def _pre_encode_pipeline(path, te_cls=IndexedSyntheticTaskEncoder):
     te = te_cls()
     te.ordering = OrderingConfig(length_sort_pool_size=16, length_sort_placement="pre-encode")
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
@@ -122,7 +117,7 @@ def test_index_of_another_version_is_refused(fresh_dataset):
 def test_a_sample_missing_from_the_index_names_its_key(fresh_dataset):
     write_length_index(fresh_dataset, [("web-00000000", 10.0)], computed_by="test")
     cfg = OrderingConfig(length_sort_pool_size=16, length_sort_placement="pre-encode")
-    loader = build_train_loader(fresh_dataset, ordering=cfg, task_encoder_factory=IndexOnlyTaskEncoder)
+    loader = build_train_loader(fresh_dataset, ordering=cfg, task_encoder_factory=IndexedSyntheticTaskEncoder)
     with pytest.raises(LengthIndexError, match=r"sample 'web-000000\d\d' of .* is not in .*--split-part"):
         next(iter(loader))
     close_loader(loader)

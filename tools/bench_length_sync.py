@@ -32,7 +32,7 @@ from pathlib import Path
 
 import click
 
-from energon_ordering import LengthPoolSortDataset, OrderingConfig, OrderingTaskEncoder
+from energon_ordering import LengthPoolSortDataset, OrderingConfig
 from energon_ordering.diagnostics import padding_waste, straggler_idle
 from energon_ordering.errors import LengthIndexError
 from energon_ordering.key_pool_sort import KeyPoolSortDataset
@@ -41,7 +41,7 @@ from energon_ordering.length_index_build import build_length_index
 from energon_ordering.pool_memory import find_stage, pool_holdings, resident_bytes
 from energon_ordering.rank_simulation import build_train_loader, close_loader, lengths_by_step, run_ranks
 from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
-from energon_ordering.synthetic_task import SyntheticTaskEncoder
+from energon_ordering.synthetic_task import IndexedSyntheticTaskEncoder
 
 BATCH = 4
 
@@ -200,12 +200,6 @@ def _print_tables(sync, overhead, ckpt) -> None:
 # ---- 5. lean pools at equal memory -------------------------------------------------------------
 
 
-class IndexedTaskEncoder(SyntheticTaskEncoder):
-    """The synthetic encoder without its raw length function: lengths come from the index."""
-
-    ordering_raw_sample_length = OrderingTaskEncoder.ordering_raw_sample_length
-
-
 def _photo_dataset(out: Path, num_samples: int) -> Path:
     path = out / f"photo448_{num_samples}"
     if not (path / "web" / ".nv-meta" / "index.uuid").exists():
@@ -223,7 +217,7 @@ def _ensure_index(path: Path) -> dict:
         return dict(dataset=str(path), samples=index.samples, seconds=None)
     except LengthIndexError:
         t0 = time.perf_counter()
-        built = build_length_index(path, task_encoder=IndexedTaskEncoder(), workers=2)
+        built = build_length_index(path, task_encoder=IndexedSyntheticTaskEncoder(), workers=2)
         seconds = time.perf_counter() - t0
         click.echo(f"  length index of {path}: {built[0].summary.samples} samples in "
                    f"{seconds:.1f} s", err=True)
@@ -237,7 +231,7 @@ def _lean_cfg(placement: str, pool: int, holds: str = "raw") -> OrderingConfig:
 
 def _loader(path: Path, cfg: OrderingConfig):
     return build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH,
-                              task_encoder_factory=IndexedTaskEncoder)
+                              task_encoder_factory=IndexedSyntheticTaskEncoder)
 
 
 def _pool_memory(path: Path, cfg: OrderingConfig) -> dict:
@@ -290,7 +284,7 @@ def bench_lean(sync_path: Path, photo_path: Path, world: int, encoded_pool: int,
         if name == "lean raw":
             continue
         rec = run_ranks(sync_path, ordering=cfg, world_size=world, steps=steps, batch_size=BATCH,
-                        task_encoder_factory=IndexedTaskEncoder)
+                        task_encoder_factory=IndexedSyntheticTaskEncoder)
         st = lengths_by_step(rec)
         sync[name] = dict(steps=len(st), idle=straggler_idle(st),
                           padding=padding_waste([b for s in st for b in s]))
