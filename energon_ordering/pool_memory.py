@@ -55,11 +55,17 @@ def resident_bytes(obj: Any) -> int:
 
 
 def find_stage(dataset: Any, cls: type) -> Any:
-    """The first stage of type ``cls`` in a pipeline, walking ``.dataset`` inwards (or None)."""
-    while dataset is not None:
-        if isinstance(dataset, cls):
-            return dataset
-        dataset = getattr(dataset, "dataset", None)
+    """The first stage of type ``cls`` in a pipeline, walking inwards through every inner
+    dataset (``.datasets`` of Energon wrappers, including blends, else ``.dataset``); or None."""
+    stack = [dataset]
+    while stack:
+        stage = stack.pop()
+        if isinstance(stage, cls):
+            return stage
+        inner = getattr(stage, "datasets", None)
+        if inner is None:
+            inner = (getattr(stage, "dataset", None),)
+        stack.extend(d for d in reversed(tuple(inner)) if d is not None)
     return None
 
 

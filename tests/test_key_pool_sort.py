@@ -13,26 +13,19 @@ from megatron.energon.wrappers.base import BaseWrapperDataset
 from energon_ordering import OrderingConfig, StateMismatchError
 from energon_ordering.key_pool_sort import KeyPoolSortDataset
 from energon_ordering.length_index_build import build_length_index
+from energon_ordering.pool_memory import find_stage
 from energon_ordering.rank_simulation import (
     build_train_loader,
     close_loader,
-    record_batch,
     resume,
     run_ranks,
     run_with_cuts,
 )
 from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
-from energon_ordering.synthetic_task import SyntheticTaskEncoder
-from energon_ordering.task_encoder import OrderingTaskEncoder
+from energon_ordering.synthetic_task import IndexedSyntheticTaskEncoder, SyntheticTaskEncoder
 
 TOTAL = 40
 CUTS = (0, 3, 14, 27)
-
-
-class IndexOnlyTaskEncoder(SyntheticTaskEncoder):
-    """Has no raw length function: pre-encode lengths must come from the length index."""
-
-    ordering_raw_sample_length = OrderingTaskEncoder.ordering_raw_sample_length
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +33,7 @@ def indexed_dataset(tmp_path_factory):
     """640 trimodal samples with a length index built by the synthetic task encoder."""
     root = tmp_path_factory.mktemp("indexed")
     make_synthetic_dataset(root, [SourceSpec("web", 640, "trimodal")], shard_size=32)
-    build_length_index(root / "web", task_encoder=IndexOnlyTaskEncoder())
+    build_length_index(root / "web", task_encoder=IndexedSyntheticTaskEncoder())
     return root / "web"
 
 
@@ -50,17 +43,20 @@ def _cfg(placement, pool=64, mode="batch", seed=5, holds="keys"):
                           length_sort_pool_holds=holds if placement == "pre-encode" else "raw")
 
 
-def _make(path, ordering, num_workers=0, te=IndexOnlyTaskEncoder, **kw):
-    return lambda: build_train_loader(path, ordering=ordering, num_workers=num_workers,
-                                      batch_size=4, task_encoder_factory=te, **kw)
+def _make(path, ordering, num_workers=0, te=IndexedSyntheticTaskEncoder, **kw):
+    def make():
+        loader = build_train_loader(path, ordering=ordering, num_workers=num_workers,
+                                    batch_size=4, task_encoder_factory=te, **kw)
+        lean = find_stage(loader.dataset, KeyPoolSortDataset) is not None
+        assert lean == (ordering.length_sort_placement == "pre-encode"), "placement not built"
+        return loader
+
+    return make
 
 
-def _find(dataset, cls):
-    while dataset is not None:
-        if isinstance(dataset, cls):
-            return dataset
-        dataset = getattr(dataset, "dataset", None)
-    return None
+def _records(path, ordering, steps, num_workers=0, te=IndexedSyntheticTaskEncoder):
+    """The first ``steps`` micro-batches of a fresh loader."""
+    return run_with_cuts(_make(path, ordering, num_workers, te), steps, ())[0]
 
 
 @pytest.mark.parametrize("holds", ["keys", "raw"])
@@ -73,11 +69,7 @@ def test_lean_pool_emits_exactly_the_encoded_pools_sequence(indexed_dataset, num
     runs = {}
     for placement in ("post-encode", "pre-encode"):
         cfg = _cfg(placement, pool, mode, holds=holds)
-        loader = _make(indexed_dataset, cfg, num_workers)()
-        it = iter(loader)
-        runs[placement] = [record_batch(next(it)) for _ in range(TOTAL)]
-        del it
-        close_loader(loader)
+        runs[placement] = _records(indexed_dataset, cfg, TOTAL, num_workers)
     assert runs["pre-encode"] == runs["post-encode"]
     # The pool really sorted: batch mode groups neighbouring lengths.
     if mode == "batch":
@@ -90,7 +82,7 @@ def test_lean_pipeline_loads_after_the_pool_and_yields_identical_tensors(indexed
     for placement in ("post-encode", "pre-encode"):
         loader = _make(indexed_dataset, _cfg(placement))()
         if placement == "pre-encode":
-            pool = _find(loader.dataset, KeyPoolSortDataset)
+            pool = find_stage(loader.dataset, KeyPoolSortDataset)
             assert pool is not None, "the lean pool is in the pipeline"
             # Below the pool the samples are raw: no decoded image exists before emission.
             assert "Defer" in str(pool.dataset) and "Materialize" not in str(pool.dataset)
@@ -134,7 +126,7 @@ def test_lean_and_encoded_pools_yield_the_same_samples_per_epoch(indexed_dataset
     for placement in ("post-encode", "pre-encode"):
         records = run_ranks(indexed_dataset, ordering=_cfg(placement, 32, "batch"), world_size=3,
                             steps=None, repeat=False, batch_size=4,
-                            task_encoder_factory=IndexOnlyTaskEncoder)
+                            task_encoder_factory=IndexedSyntheticTaskEncoder)
         epochs[placement] = Counter(k for rank in records for b in rank for k in b.keys)
     assert epochs["pre-encode"] == epochs["post-encode"]
     assert len(epochs["pre-encode"]) == 640 and set(epochs["pre-encode"].values()) == {1}
@@ -145,11 +137,7 @@ def test_raw_length_function_needs_no_index(small_dataset):
     # dataset has no length index.
     runs = {}
     for placement in ("post-encode", "pre-encode"):
-        loader = _make(small_dataset, _cfg(placement, 32, "sample"), te=SyntheticTaskEncoder)()
-        it = iter(loader)
-        runs[placement] = [record_batch(next(it)) for _ in range(20)]
-        del it
-        close_loader(loader)
+        runs[placement] = _records(small_dataset, _cfg(placement, 32, "sample"), 20, te=SyntheticTaskEncoder)
     assert runs["pre-encode"] == runs["post-encode"]
 
 
@@ -173,7 +161,7 @@ def test_lean_pool_in_memory_holds_no_sample_objects(indexed_dataset):
     loader = _make(indexed_dataset, _cfg("pre-encode", 256, "batch"))()
     it = iter(loader)
     next(it)
-    pool = _find(loader.dataset, KeyPoolSortDataset)
+    pool = find_stage(loader.dataset, KeyPoolSortDataset)
     held = [*pool._emit_keys, *pool._collect_keys, *pool._collect_lengths]
     assert len(pool._emit_keys) - pool._emit_pos == 256 - 4
     assert all(isinstance(x, (tuple, float, int)) for x in held)
@@ -203,11 +191,7 @@ def test_lean_pool_with_a_mixture_schedule_keeps_sources(three_sources):
         cfg = OrderingConfig(length_sort_pool_size=32, length_sort_mode="batch",
                              length_sort_placement=placement, mixture_schedule=schedule,
                              total_steps=60, schedule_lag_compensation=False)
-        loader = _make(three_sources, cfg, te=SyntheticTaskEncoder)()
-        it = iter(loader)
-        runs[placement] = [record_batch(next(it)) for _ in range(60)]
-        del it
-        close_loader(loader)
+        runs[placement] = _records(three_sources, cfg, 60, te=SyntheticTaskEncoder)
     assert runs["pre-encode"] == runs["post-encode"]
     sources = Counter(s for b in runs["pre-encode"][40:] for s in b.sources)
     assert sources["web"] == 0 and sources["curated"] > sources["code"]
@@ -217,7 +201,7 @@ def test_lean_pool_with_a_mixture_schedule_keeps_sources(three_sources):
 
 def test_key_pool_is_an_energon_wrapper(indexed_dataset):
     loader = _make(indexed_dataset, _cfg("pre-encode"))()
-    pool = _find(loader.dataset, KeyPoolSortDataset)
+    pool = find_stage(loader.dataset, KeyPoolSortDataset)
     assert isinstance(pool, BaseWrapperDataset)
     assert pool.config()["pool_size"] == 64 and "KeyPoolSortDataset(pool_size=64" in str(pool)
     assert pool.len_worker() == pool.dataset.len_worker()
@@ -254,7 +238,7 @@ def test_raw_holding_pool_keeps_packed_compressed_files_out_of_the_gc(indexed_da
     loader = _make(indexed_dataset, _cfg("pre-encode", 64, holds="raw"))()
     it = iter(loader)
     next(it)
-    pool = _find(loader.dataset, KeyPoolSortDataset)
+    pool = find_stage(loader.dataset, KeyPoolSortDataset)
     assert pool.keep_samples
     held, objs = pool_holdings(pool)
     packed = [p for p in pool._emit_packed if p is not None]
@@ -312,11 +296,7 @@ def test_energons_own_blend_feeds_the_lean_pool(three_sources):
     # A metadataset without a mixture schedule: Energon's BlendDataset over deferred sources.
     runs = {}
     for placement in ("post-encode", "pre-encode"):
-        loader = _make(three_sources, _cfg(placement, 32, "batch"), te=SyntheticTaskEncoder)()
-        it = iter(loader)
-        runs[placement] = [record_batch(next(it)) for _ in range(40)]
-        del it
-        close_loader(loader)
+        runs[placement] = _records(three_sources, _cfg(placement, 32, "batch"), 40, te=SyntheticTaskEncoder)
     assert runs["pre-encode"] == runs["post-encode"]
     sources = Counter(s for b in runs["pre-encode"] for s in b.sources)
     assert set(sources) == {"web", "code", "curated"}
@@ -327,9 +307,9 @@ def test_energons_own_blend_feeds_the_lean_pool(three_sources):
 def test_validation_pipelines_are_untouched(indexed_dataset):
     from megatron.energon import WorkerConfig, get_val_dataset
 
-    te = IndexOnlyTaskEncoder()
+    te = IndexedSyntheticTaskEncoder()
     te.ordering = _cfg("pre-encode", 64)
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
     val = get_val_dataset(indexed_dataset, split_part="train", batch_size=4, worker_config=wc,
                           task_encoder=te)
-    assert _find(val, KeyPoolSortDataset) is None and "Defer" not in str(val)
+    assert find_stage(val, KeyPoolSortDataset) is None and "Defer" not in str(val)

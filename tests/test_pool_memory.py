@@ -44,5 +44,16 @@ def test_find_stage_and_holdings_reject_other_stages():
             self.dataset = A()
 
     assert isinstance(find_stage(B(), A), A) and find_stage(A(), B) is None
+
+    class Blend:  # a stage over several inner datasets (Energon's ``datasets``)
+        def __init__(self):
+            self.datasets = (A(), B())
+
+    class Target:
+        dataset = None
+
+    blend = Blend()
+    blend.datasets[1].dataset = Target()
+    assert isinstance(find_stage(blend, Target), Target)
     with pytest.raises(TypeError, match="not a length pool"):
         pool_holdings(A())
