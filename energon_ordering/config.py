@@ -36,14 +36,14 @@ class OrderingConfig:
         length_sort_placement: Where the length pool sits. ``"post-encode"`` (default, the
             reference behaviour): after ``encode_sample``, pooling encoded samples. ``"pre-encode"``:
             before decoding, as the lean :class:`~energon_ordering.key_pool_sort.KeyPoolSortDataset`
-            holding only (restore key, length) per sample, with loading, decoding and encoding after
-            the pool; lengths come from the dataset's length index (``energon-ordering index``) or
+            (see ``length_sort_pool_holds``), with loading, decoding and encoding after the
+            pool; lengths come from the dataset's length index (``energon-ordering index``) or
             the task encoder's ``ordering_raw_sample_length``. ``placement`` is accepted as the
             short spelling in :meth:`from_dict` and recipes.
         length_sort_pool_holds: What the pre-encode pool keeps per sample besides its restore
             key and length: ``"raw"`` (default; the still-compressed files packed into one
             ``bytes``, e.g. ~70 kB per 448x448 JPEG against ~2.4 MB decoded, read once) or
-            ``"keys"`` (nothing more, ~130 B; each sample is read a second time, by random
+            ``"keys"`` (nothing more, ~140 B; each sample is read a second time, by random
             access, when emitted: fewer samples/s on a decode-bound pipeline; for video or pools
             of 100k+). Only with ``length_sort_placement = "pre-encode"``; the post-encode pool
             holds encoded samples. Checkpoints are the same for both, so it may change across a

@@ -53,9 +53,9 @@ def add_energon_ordering_args(parser: argparse.ArgumentParser) -> argparse.Argum
                    help="sample: permute sorted samples (reference); batch: permute sorted "
                         "micro-batch chunks (near padding-free).")
     g.add_argument("--length-sort-placement", choices=list(PLACEMENTS), default=None,
-                   help="post-encode: pool encoded samples (default); pre-encode: pool restore "
-                        "keys and lengths before decoding (lean: ~100 B per pooled sample; "
-                        "needs a length index, see `energon-ordering index`).")
+                   help="post-encode: pool encoded samples (default); pre-encode: pool the "
+                        "samples before decoding (compressed files, or keys only; lengths from "
+                        "a length index, see `energon-ordering index`).")
     g.add_argument("--length-sort-pool-holds", choices=list(POOL_HOLDS), default=None,
                    help="With pre-encode: raw (default; the compressed files) or keys (restore "
                         "key + length only; each sample is read again when emitted).")
