@@ -287,20 +287,14 @@ def index(dataset: str, task_encoder: str | None, tokens_per_media: int,
     fn = _import_function(raw_length_fn, "--raw-length-fn") if raw_length_fn else None
     te = None if fn is not None and task_encoder is None else _task_encoder_factory(
         task_encoder, tokens_per_media)()
-    bars: list[Any] = []
+    with contextlib.ExitStack() as bars, _user_errors():
 
-    def progress(name: str, total: int):
-        bar = click.progressbar(length=total, label=f"indexing {name}", file=sys.stderr)
-        bars.append(bar.__enter__())
-        return bars[-1].update
+        def progress(name: str, total: int):
+            return bars.enter_context(click.progressbar(
+                length=total, label=f"indexing {name}", file=sys.stderr)).update
 
-    try:
-        with _user_errors():
-            built = build_length_index(dataset, task_encoder=te, raw_length_fn=fn,
-                                       split_part=split_part, workers=workers, progress=progress)
-    finally:
-        for bar in bars:
-            bar.__exit__(None, None, None)
+        built = build_length_index(dataset, task_encoder=te, raw_length_fn=fn,
+                                   split_part=split_part, workers=workers, progress=progress)
     rows = [[b.dataset, f"{b.summary.samples:,}",
              f"{b.summary.total_tokens / max(1, b.summary.samples):,.1f}", f"{b.seconds:.1f}",
              str(b.summary.path)] for b in built]
