@@ -1,30 +1,49 @@
 """energon_ordering: the order in which training samples reach a Megatron-LM model.
 
 Energon-native stages (each a ``BaseWrapperDataset`` that checkpoints restore keys, never
-samples) and the pure ordering functions behind them:
+samples) and the pure ordering functions behind them, grouped by concern:
 
-- :class:`LengthPoolSortDataset`: pool, sort by length, permute with a rank-independent seed,
-  so every data-parallel rank processes similar lengths at the same step.
-- :class:`OrderingTaskEncoder`: a task-encoder mixin that wires the stages into Energon's
-  training pipeline from one :class:`OrderingConfig`.
+- ``pool/``: :class:`LengthPoolSortDataset` and the lean :class:`KeyPoolSortDataset` pool, sort
+  by length and permute with a rank-independent seed, so every data-parallel rank processes
+  similar lengths at the same step.
+- ``mixture/``: :class:`MixtureSchedule` (weights as a pure function of the step) and
+  :class:`ScheduledBlendDataset`.
+- ``warmup/``: :class:`SeqLenWarmup` and :class:`SeqLenWarmupDataset` (length caps at batch time).
+- ``length_index/``: per-sample lengths next to a prepared dataset, for the lean pool.
+- :class:`OrderingTaskEncoder` wires the stages into Energon's training pipeline from one
+  :class:`OrderingConfig`; ``integrations/`` adapts it to host frameworks (Megatron-LM) and
+  ``inspect/`` measures the result.
+
+Everything a user names imports from here.
 """
 
 from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import (
+    LengthIndexError,
     NotRestorableError,
     OrderingConfigError,
     OrderingError,
     OrderingTypeError,
     SampleLengthError,
+    SeqLenOverflowError,
     StateMismatchError,
 )
-from energon_ordering.length_pool_sort import LengthPoolSortDataset
+from energon_ordering.mixture.schedule import MixtureSchedule, implied_epochs
+from energon_ordering.mixture.scheduled_blend import ScheduledBlendDataset
+from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
+from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
 from energon_ordering.task_encoder import OrderingTaskEncoder
+from energon_ordering.warmup.schedule import SeqLenWarmup
+from energon_ordering.warmup.seq_warmup import SeqLenWarmupDataset
+from energon_ordering.warmup.token_layout import TokenLayout
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "KeyPoolSortDataset",
+    "LengthIndexError",
     "LengthPoolSortDataset",
+    "MixtureSchedule",
     "NotRestorableError",
     "OrderingConfig",
     "OrderingConfigError",
@@ -32,6 +51,12 @@ __all__ = [
     "OrderingTaskEncoder",
     "OrderingTypeError",
     "SampleLengthError",
+    "ScheduledBlendDataset",
+    "SeqLenOverflowError",
+    "SeqLenWarmup",
+    "SeqLenWarmupDataset",
     "StateMismatchError",
+    "TokenLayout",
     "__version__",
+    "implied_epochs",
 ]

@@ -16,7 +16,7 @@ import click
 from energon_ordering import __version__
 from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingError
-from energon_ordering.schedules import RepetitionWarning, implied_epochs
+from energon_ordering.mixture.schedule import RepetitionWarning, implied_epochs
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True}
 REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -69,7 +69,7 @@ def _task_encoder_factory(spec: str | None, tokens_per_media: int):
     import functools
     import importlib
 
-    from energon_ordering.length_estimate import LengthEstimateTaskEncoder
+    from energon_ordering.inspect.length_estimate import LengthEstimateTaskEncoder
     from energon_ordering.task_encoder import OrderingTaskEncoder
 
     if spec is None:
@@ -143,8 +143,8 @@ def main() -> None:
 def plan(recipe: str, total_steps: int, global_batch_size: int, metadataset: str | None,
          source_sizes: str | None, warn_above: float, out: str) -> None:
     """Before a run: the schedule at its boundaries, implied epochs, warmup, plan.png."""
-    from energon_ordering.inspection import source_sizes_from_metadataset
-    from energon_ordering.plots import plot_plan
+    from energon_ordering.inspect.inspection import source_sizes_from_metadataset
+    from energon_ordering.inspect.plots import plot_plan
 
     if metadataset and source_sizes:
         raise click.UsageError("give either --metadataset or --source-sizes, not both")
@@ -208,9 +208,9 @@ def _measure_table(results: dict[str, Any]) -> str:
 def _inspect(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, num_workers: int,
              batch_size: int, out: Path, task_encoder_factory: Any = None,
              ) -> tuple[dict[str, Any], dict[str, Any]]:
-    from energon_ordering.inspection import measure, shard_length
-    from energon_ordering.plots import plot_run
-    from energon_ordering.rank_simulation import run_ranks
+    from energon_ordering.inspect.inspection import measure, shard_length
+    from energon_ordering.inspect.plots import plot_run
+    from energon_ordering.inspect.rank_simulation import run_ranks
 
     configs = {"pool off": OrderingConfig.from_dict({**cfg.to_dict(), "length_sort_pool_size": 0})}
     if cfg.length_sort_enabled:
@@ -282,7 +282,7 @@ def index(dataset: str, task_encoder: str | None, tokens_per_media: int,
     """Build the length index of DATASET (a prepared folder or a metadataset: every dataset in
     it), for length_sort_placement = pre-encode. Written to <dataset>/.nv-meta/, tied to the
     dataset's index.uuid; run it again after `energon prepare`."""
-    from energon_ordering.length_index_build import build_length_index
+    from energon_ordering.length_index.build import build_length_index
 
     fn = _import_function(raw_length_fn, "--raw-length-fn") if raw_length_fn else None
     te = None if fn is not None and task_encoder is None else _task_encoder_factory(
@@ -306,7 +306,7 @@ def index(dataset: str, task_encoder: str | None, tokens_per_media: int,
 
 def _resume_line(path: str, cfg: OrderingConfig, *, cut: int, steps: int, num_workers: int,
                  batch_size: int, task_encoder_factory: Any = None) -> tuple[bool, str]:
-    from energon_ordering.inspection import check_resume
+    from energon_ordering.inspect.inspection import check_resume
 
     with _user_errors():
         res = check_resume(path, cfg, cut=cut, steps=steps, num_workers=num_workers,
@@ -360,8 +360,8 @@ DEMO_SOURCES = (("caption", 1600, "trimodal"), ("vqa", 1600, "short"), ("ocr", 1
               help="Multiplies the synthetic dataset's size (5,200 samples at 1).")
 def demo(out: str, recipe: str | None, ranks: int, steps: int, batch_size: int, scale: float) -> None:
     """End to end on a synthetic multimodal dataset: blend, pool, warmup, diagnostics, resume."""
-    from energon_ordering.inspection import source_sizes_from_metadataset
-    from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
+    from energon_ordering.inspect.inspection import source_sizes_from_metadataset
+    from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 
     if recipe is None:
         recipe = str(REPO_RECIPES / "demo.yaml")
@@ -376,7 +376,7 @@ def demo(out: str, recipe: str | None, ranks: int, steps: int, batch_size: int, 
         with _user_errors():
             make_synthetic_dataset(meta.parent, specs, shard_size=100)
     click.echo(f"recipe {recipe}: {ranks} ranks x {steps} micro-batches of {batch_size}\n")
-    from energon_ordering.synthetic_task import SyntheticTaskEncoder
+    from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
 
     results, extra = _inspect(str(meta), cfg, ranks=ranks, steps=steps, num_workers=0,
                               batch_size=batch_size, out=out_dir,
@@ -393,7 +393,7 @@ def demo(out: str, recipe: str | None, ranks: int, steps: int, batch_size: int, 
     ok, line = _resume_line(str(meta), cfg, cut=steps // 2, steps=steps, num_workers=0,
                             batch_size=batch_size, task_encoder_factory=SyntheticTaskEncoder)
     click.echo("\n" + line)
-    from energon_ordering.plots import plot_plan
+    from energon_ordering.inspect.plots import plot_plan
 
     plan_png = plot_plan(out_dir / "plan.png", total_steps=cfg.total_steps or steps,
                          schedule=cfg.mixture_schedule, warmup=cfg.seq_length_warmup)

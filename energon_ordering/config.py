@@ -8,11 +8,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from energon_ordering.blend_policy import BLEND_POLICIES
+from energon_ordering.mixture.policy import BLEND_POLICIES
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
-from energon_ordering.pool_order import POOL_ORDERS
-from energon_ordering.schedules import MixtureSchedule, SeqLenWarmup
-from energon_ordering.token_layout import OVERFLOW_POLICIES
+from energon_ordering.pool.order import POOL_ORDERS
+from energon_ordering.mixture.schedule import MixtureSchedule
+from energon_ordering.warmup.schedule import SeqLenWarmup
+from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES
 from energon_ordering.yaml_file import load_yaml
 
 __all__ = ["PLACEMENTS", "POOL_HOLDS", "OrderingConfig"]
@@ -32,10 +33,10 @@ class OrderingConfig:
         length_sort_pool_size: Samples per length pool, per loader worker; 0 turns the pool off.
         length_sort_mode: ``"sample"`` (reference: permute sorted samples) or ``"batch"``
             (permute sorted micro-batch-sized chunks; near padding-free). See
-            :mod:`energon_ordering.pool_order`.
+            :mod:`energon_ordering.pool.order`.
         length_sort_placement: Where the length pool sits. ``"post-encode"`` (default, the
             reference behaviour): after ``encode_sample``, pooling encoded samples. ``"pre-encode"``:
-            before decoding, as the lean :class:`~energon_ordering.key_pool_sort.KeyPoolSortDataset`
+            before decoding, as the lean :class:`~energon_ordering.pool.key_pool_sort.KeyPoolSortDataset`
             (see ``length_sort_pool_holds``), with loading, decoding and encoding after the
             pool; lengths come from the dataset's length index (``energon-ordering index``) or
             the task encoder's ``ordering_raw_sample_length``. ``placement`` is accepted as the
@@ -57,10 +58,10 @@ class OrderingConfig:
         micro_batches_per_step: Micro-batches per optimizer step on one rank, i.e.
             ``global_batch_size / (micro_batch_size * data_parallel_size)``.
         blend_policy: ``"random"`` or ``"deterministic"`` (see
-            :mod:`energon_ordering.blend_policy`).
+            :mod:`energon_ordering.mixture.policy`).
         schedule_lag_compensation: With the length pool on, evaluate the schedule at the
             expected emission step of a sample instead of its draw step (see
-            :class:`~energon_ordering.scheduled_blend.ScheduledBlendDataset`).
+            :class:`~energon_ordering.mixture.scheduled_blend.ScheduledBlendDataset`).
         allow_schedule_change: Restore a data state saved under another schedule instead of
             raising (the blend's counters carry over).
         seq_length_warmup: Sequence-length warmup applied at batch time: a

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from energon_ordering.sample_length import sample_field
+from energon_ordering.sample_fields import sample_field
 
 __all__ = ["SOURCE_KEY", "sample_source", "tag_source"]
 

@@ -17,15 +17,15 @@ from megatron.energon.wrappers import (
 
 from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
-from energon_ordering.deferred_load import Defer, DeferredLength, Materialize, split_loader
-from energon_ordering.key_pool_sort import KeyPoolSortDataset
-from energon_ordering.length_index import LengthIndex, index_path, task_encoder_label
-from energon_ordering.length_pool_sort import LengthPoolSortDataset
-from energon_ordering.sample_length import default_sample_length
-from energon_ordering.scheduled_blend import ScheduledBlendDataset
-from energon_ordering.seq_warmup import SeqLenWarmupDataset
+from energon_ordering.pool.deferred_load import Defer, DeferredLength, Materialize, split_loader
+from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
+from energon_ordering.length_index.index import LengthIndex, index_path, task_encoder_label
+from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
+from energon_ordering.pool.sample_length import default_sample_length
+from energon_ordering.mixture.scheduled_blend import ScheduledBlendDataset
+from energon_ordering.warmup.seq_warmup import SeqLenWarmupDataset
 from energon_ordering.source_tag import SOURCE_KEY
-from energon_ordering.token_layout import TokenLayout
+from energon_ordering.warmup.token_layout import TokenLayout
 
 __all__ = ["OrderingTaskEncoder"]
 
@@ -159,7 +159,7 @@ class OrderingTaskEncoder:
         self, dataset: Any, worker_rotation_offset: int, worker_config: WorkerConfig
     ) -> SavableDataset:
         """Energon's source loading; with the pre-encode pool, loading is split off and
-        deferred until after the pool (see :mod:`energon_ordering.deferred_load`)."""
+        deferred until after the pool (see :mod:`energon_ordering.pool.deferred_load`)."""
         loaded = super()._load_dataset(  # type: ignore[misc]
             dataset, worker_rotation_offset, worker_config=worker_config
         )

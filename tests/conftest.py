@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
+from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 
 
 @pytest.fixture(scope="session")

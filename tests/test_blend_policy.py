@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from energon_ordering.blend_policy import deterministic_choice
+from energon_ordering.mixture.policy import deterministic_choice
 
 
 def _run(weights_per_draw: np.ndarray):

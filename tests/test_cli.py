@@ -106,10 +106,10 @@ def test_inspect(runner, three_sources, recipe, tmp_path):
 def test_inspect_with_your_own_task_encoder(runner, three_sources, recipe, tmp_path):
     res = runner.invoke(main, ["inspect", str(three_sources), "--recipe", str(recipe), "--ranks", "2",
                                "--steps", "20", "--out", str(tmp_path), "--task-encoder",
-                               "energon_ordering.synthetic_task:SyntheticTaskEncoder"])
+                               "energon_ordering.inspect.synthetic_task:SyntheticTaskEncoder"])
     assert res.exit_code == 0, res.output
     res = runner.invoke(main, ["inspect", str(three_sources), "--recipe", str(recipe),
-                               "--task-encoder", "energon_ordering.synthetic:SourceSpec"])
+                               "--task-encoder", "energon_ordering.inspect.synthetic:SourceSpec"])
     assert res.exit_code == 2 and "OrderingTaskEncoder mixin" in res.output
     res = runner.invoke(main, ["inspect", str(three_sources), "--recipe", str(recipe),
                                "--task-encoder", "no_such_module:X"])
@@ -170,7 +170,7 @@ def _make_flaky():
     restored run skips different samples than the uninterrupted one (what check-resume catches)."""
     from megatron.energon import SkipSample, stateless
 
-    from energon_ordering.synthetic_task import SyntheticTaskEncoder
+    from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
 
     class _Flaky(SyntheticTaskEncoder):
         calls = 0
@@ -201,7 +201,7 @@ def test_check_resume_reports_the_first_mismatch(runner, three_sources, tmp_path
 def test_lean_pool_user_flow_index_then_check_resume(runner, tmp_path):
     # A user's flow: index the prepared data with the default estimator, then check that a
     # pre-encode recipe resumes exactly on it (inspect/check-resume use the same estimator).
-    from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
+    from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 
     make_synthetic_dataset(tmp_path / "data", [SourceSpec("web", 96, "trimodal")], shard_size=16)
     data = tmp_path / "data" / "web"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from energon_ordering import OrderingConfig
-from energon_ordering.diagnostics import padding_waste, straggler_idle
-from energon_ordering.rank_simulation import build_train_loader, close_loader, lengths_by_step, record_batch, run_ranks
+from energon_ordering.inspect.diagnostics import padding_waste, straggler_idle
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, lengths_by_step, record_batch, run_ranks
 
 WORLD = 8
 STEPS = 96

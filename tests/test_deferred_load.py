@@ -10,7 +10,7 @@ from megatron.energon.metadataset.loader import load_dataset
 from megatron.energon.wrappers.map_dataset import MapDataset
 from megatron.energon.wrappers.repeat_dataset import RepeatDataset
 
-from energon_ordering.deferred_load import (
+from energon_ordering.pool.deferred_load import (
     Defer,
     DeferredLength,
     DeferredSample,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from energon_ordering.diagnostics import batch_cost, padding_waste, rank_overlap, straggler_idle
+from energon_ordering.inspect.diagnostics import batch_cost, padding_waste, rank_overlap, straggler_idle
 
 
 def test_batch_cost_has_linear_and_quadratic_terms():
@@ -24,7 +24,7 @@ def test_straggler_idle_known_values():
 
 
 def test_step_idle_per_step():
-    from energon_ordering.diagnostics import step_idle
+    from energon_ordering.inspect.diagnostics import step_idle
 
     assert step_idle([[[10], [10]], [[4096], []], [[100], [100, 100, 100]]]) == pytest.approx(
         [0.0, 0.5, 1 / 3])
@@ -52,7 +52,7 @@ def test_rank_overlap():
 
 
 def test_switch_lag_of_a_delayed_step_is_the_delay():
-    from energon_ordering.diagnostics import switch_lag
+    from energon_ordering.inspect.diagnostics import switch_lag
 
     target = [0.1] * 10 + [0.6] * 20
     late = [0.1] * 13 + [0.6] * 17
@@ -73,7 +73,7 @@ def _stream(order, batch=4):
 def test_shard_by_shard_stream_is_flagged_and_shuffled_is_not():
     import random
 
-    from energon_ordering.diagnostics import detect_sawtooth, histogram_dispersion
+    from energon_ordering.inspect.diagnostics import detect_sawtooth, histogram_dispersion
 
     sources = ["web", "code", "books"]
     shard = 40  # samples per shard; shards of the three sources read one after the other
@@ -90,14 +90,14 @@ def test_shard_by_shard_stream_is_flagged_and_shuffled_is_not():
 
 
 def test_low_discrepancy_blend_has_low_dispersion():
-    from energon_ordering.diagnostics import histogram_dispersion
+    from energon_ordering.inspect.diagnostics import histogram_dispersion
 
     round_robin = ["a", "b", "a", "b"] * 100
     assert histogram_dispersion(_stream(round_robin), ["a", "b"]) == 0.0
 
 
 def test_histogram_errors():
-    from energon_ordering.diagnostics import autocorrelation, source_histograms
+    from energon_ordering.inspect.diagnostics import autocorrelation, source_histograms
 
     with pytest.raises(ValueError, match=r"source 'x', not in"):
         source_histograms([["x"]], ["a"])
@@ -107,7 +107,7 @@ def test_histogram_errors():
 
 
 def test_periodic_low_discrepancy_blend_is_not_a_sawtooth():
-    from energon_ordering.diagnostics import detect_sawtooth
+    from energon_ordering.inspect.diagnostics import detect_sawtooth
 
     pattern = ["a", "a", "b", "a", "c"] * 200  # periodic but smoother than random draws
     flagged, ac = detect_sawtooth(_stream(pattern), ["a", "b", "c"], 5)

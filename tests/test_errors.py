@@ -16,8 +16,8 @@ from energon_ordering import (
     SampleLengthError,
     StateMismatchError,
 )
-from energon_ordering.rank_simulation import build_train_loader, close_loader, run_with_cuts
-from energon_ordering.synthetic_task import SyntheticTaskEncoder
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, run_with_cuts
+from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
 
 
 def _encoded(path, wc):

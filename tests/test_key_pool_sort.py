@@ -11,18 +11,18 @@ import torch
 from megatron.energon.wrappers.base import BaseWrapperDataset
 
 from energon_ordering import OrderingConfig, StateMismatchError
-from energon_ordering.key_pool_sort import KeyPoolSortDataset
-from energon_ordering.length_index_build import build_length_index
-from energon_ordering.pool_memory import find_stage
-from energon_ordering.rank_simulation import (
+from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
+from energon_ordering.length_index.build import build_length_index
+from energon_ordering.inspect.pool_memory import find_stage
+from energon_ordering.inspect.rank_simulation import (
     build_train_loader,
     close_loader,
     resume,
     run_ranks,
     run_with_cuts,
 )
-from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
-from energon_ordering.synthetic_task import IndexedSyntheticTaskEncoder, SyntheticTaskEncoder
+from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder, SyntheticTaskEncoder
 
 TOTAL = 40
 CUTS = (0, 3, 14, 27)
@@ -233,7 +233,7 @@ def test_changing_the_placement_on_resume_is_refused(indexed_dataset, saved, res
 def test_raw_holding_pool_keeps_packed_compressed_files_out_of_the_gc(indexed_dataset):
     import gc
 
-    from energon_ordering.pool_memory import pool_holdings, resident_bytes
+    from energon_ordering.inspect.pool_memory import pool_holdings, resident_bytes
 
     loader = _make(indexed_dataset, _cfg("pre-encode", 64, holds="raw"))()
     it = iter(loader)

@@ -5,11 +5,8 @@ from __future__ import annotations
 import torch
 from megatron.energon import CaptioningSample, VQASample
 
-from energon_ordering.length_estimate import (
-    LengthEstimateTaskEncoder,
-    count_text_and_media,
-    estimate_tokens,
-)
+from energon_ordering.inspect.length_estimate import LengthEstimateTaskEncoder
+from energon_ordering.length_index.estimate import count_text_and_media, estimate_tokens
 
 
 def test_counts_text_tokens_and_media_recursively():

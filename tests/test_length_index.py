@@ -14,17 +14,18 @@ from megatron.energon import WorkerConfig, get_train_dataset
 from energon_ordering import OrderingConfig
 from energon_ordering.cli import main
 from energon_ordering.errors import LengthIndexError
-from energon_ordering.length_index import (
+from energon_ordering.length_index.index import (
     INDEX_FILE,
     LengthIndex,
     dataset_uuid,
     index_path,
     write_length_index,
 )
-from energon_ordering.length_index_build import build_length_index
-from energon_ordering.rank_simulation import build_train_loader, close_loader, record_batch
-from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
-from energon_ordering.synthetic_task import IndexedSyntheticTaskEncoder, SyntheticTaskEncoder
+from energon_ordering.length_index.build import build_length_index
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, record_batch
+from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+from energon_ordering.inspect.length_estimate import LengthEstimateTaskEncoder
+from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder, SyntheticTaskEncoder
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -137,14 +138,15 @@ def test_not_a_prepared_dataset(tmp_path):
 
 
 def test_index_built_by_another_encoder_warns(fresh_dataset):
-    build_length_index(fresh_dataset)  # the default estimator, not the training encoder
+    # the estimator `energon-ordering index` uses by default, not the training encoder
+    build_length_index(fresh_dataset, task_encoder=LengthEstimateTaskEncoder())
     with pytest.warns(UserWarning, match=r"computed by task encoder .*LengthEstimateTaskEncoder.*--task-encoder"):
         _pre_encode_pipeline(fresh_dataset)
 
 
 def test_cli_index_command(fresh_dataset):
     result = CliRunner().invoke(main, ["index", str(fresh_dataset), "--task-encoder",
-                                       "energon_ordering.synthetic_task:SyntheticTaskEncoder"])
+                                       "energon_ordering.inspect.synthetic_task:SyntheticTaskEncoder"])
     assert result.exit_code == 0, result.output
     assert "96" in result.output and INDEX_FILE in result.output
     assert LengthIndex.open(fresh_dataset).computed_by.endswith("SyntheticTaskEncoder")
@@ -155,7 +157,7 @@ def test_cli_index_command(fresh_dataset):
 def test_build_length_index_tool(fresh_dataset):
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools" / "build_length_index.py"), str(fresh_dataset),
-         "--task-encoder", "energon_ordering.synthetic_task:SyntheticTaskEncoder"],
+         "--task-encoder", "energon_ordering.inspect.synthetic_task:SyntheticTaskEncoder"],
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stderr

@@ -14,7 +14,7 @@ from megatron.energon.wrappers.batch_dataset import BatchDataset
 from megatron.energon.wrappers.map_dataset import MapDataset
 
 from energon_ordering import LengthPoolSortDataset, OrderingConfig
-from energon_ordering.rank_simulation import build_train_loader, close_loader, record_batch, resume, run_with_cuts
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, record_batch, resume, run_with_cuts
 
 
 # (mode, pool_size, batch_size): both modes at pool sizes 1, 7 and 64; batch mode needs
@@ -181,7 +181,7 @@ def _chain(dataset):
 
 
 def test_pool_sits_between_encode_sample_and_batch_in_training_only(small_dataset):
-    from energon_ordering.synthetic_task import SyntheticTaskEncoder
+    from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
 
     te = SyntheticTaskEncoder()
     te.ordering = OrderingConfig(length_sort_pool_size=16)
@@ -203,7 +203,7 @@ def test_pool_sits_between_encode_sample_and_batch_in_training_only(small_datase
 
 
 def test_pool_off_builds_the_plain_energon_pipeline(small_dataset):
-    from energon_ordering.synthetic_task import SyntheticTaskEncoder
+    from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
 
     te = SyntheticTaskEncoder()
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from energon_ordering import OrderingConfig, OrderingConfigError
-from energon_ordering.megatron_args import FLAGS, add_energon_ordering_args, ordering_config_from_args
-from energon_ordering.rank_simulation import build_train_loader, close_loader
-from energon_ordering.schedules import SeqLenWarmup
+from energon_ordering.integrations.megatron_args import FLAGS, add_energon_ordering_args, ordering_config_from_args
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader
+from energon_ordering.warmup.schedule import SeqLenWarmup
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 
@@ -164,7 +164,7 @@ def test_package_imports_without_megatron_training():
     import sys
 
     code = ("import sys; sys.modules['megatron.training'] = None\n"
-            "import energon_ordering, energon_ordering.megatron, energon_ordering.cli\n"
+            "import energon_ordering, energon_ordering.integrations.megatron_lm, energon_ordering.cli\n"
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
@@ -192,7 +192,7 @@ def _saved_state(small_dataset, batches):
 
 
 def test_missing_or_unreadable_state_raises_instead_of_restarting(small_dataset, tmp_path):
-    from energon_ordering.megatron import DataloaderRestoreError, _restore, dataloader_state_path
+    from energon_ordering.integrations.megatron_lm import DataloaderRestoreError, _restore, dataloader_state_path
 
     loader = build_train_loader(small_dataset, ordering=OrderingConfig(length_sort_pool_size=16))
     with pytest.raises(DataloaderRestoreError, match=r"iter_0000003/mp_rank_00/train_dataloader_dprank000.pt .* is missing.*--allow-dataloader-restart"):
@@ -210,7 +210,7 @@ def test_missing_or_unreadable_state_raises_instead_of_restarting(small_dataset,
 
 
 def test_restore_checks_the_iteration(small_dataset, tmp_path):
-    from energon_ordering.megatron import DataloaderRestoreError, _restore, consumed_micro_batches, dataloader_state_path
+    from energon_ordering.integrations.megatron_lm import DataloaderRestoreError, _restore, consumed_micro_batches, dataloader_state_path
 
     state = _saved_state(small_dataset, 6)  # 6 micro-batches = 3 iterations of 2
     assert consumed_micro_batches(state) == 6
@@ -228,7 +228,7 @@ def test_restore_checks_the_iteration(small_dataset, tmp_path):
 
 
 def test_state_path_matches_megatron_get_checkpoint_name(tmp_path):
-    from energon_ordering.megatron import dataloader_state_path
+    from energon_ordering.integrations.megatron_lm import dataloader_state_path
 
     assert dataloader_state_path("/ckpt/dl", 1500, 12, pipeline_parallel=False, expert_parallel=False,
                                  expert_rank=0) == Path("/ckpt/dl/iter_0001500/mp_rank_00/train_dataloader_dprank012.pt")
@@ -237,7 +237,7 @@ def test_state_path_matches_megatron_get_checkpoint_name(tmp_path):
 
 
 def test_fresh_start_needs_no_state(small_dataset, tmp_path):
-    from energon_ordering.megatron import _restore
+    from energon_ordering.integrations.megatron_lm import _restore
 
     loader = build_train_loader(small_dataset, ordering=OrderingConfig())
     _restore(loader, args=_restore_args(tmp_path, iteration=0), dp_rank=0)
@@ -259,8 +259,8 @@ def _dist_worker(rank: int, world: int, init_file: str, data: str, phase: str, o
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from energon_ordering.megatron import dataloader_state_path, train_valid_test_dataloaders_provider
-    from energon_ordering.synthetic_task import SyntheticTaskEncoder
+    from energon_ordering.integrations.megatron_lm import dataloader_state_path, train_valid_test_dataloaders_provider
+    from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(1, 1)
@@ -338,7 +338,7 @@ def test_two_processes_save_and_resume_like_megatron(small_dataset, tmp_path, nu
 @needs_mcore
 def test_two_processes_refuse_a_corrupted_state(small_dataset, tmp_path):
     _spawn(tmp_path, "first", data=str(small_dataset))
-    from energon_ordering.megatron import dataloader_state_path
+    from energon_ordering.integrations.megatron_lm import dataloader_state_path
 
     dataloader_state_path(tmp_path / "dl", 3, 1).write_bytes(pickle.dumps("garbage")[:5])
     import torch.multiprocessing as mp
@@ -356,7 +356,7 @@ def test_two_processes_refuse_a_corrupted_state(small_dataset, tmp_path):
 
 @needs_mcore
 def test_finite_data_stops_all_ranks_at_the_same_step(tmp_path):
-    from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
+    from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 
     # 41 samples: the two ranks' shares end after different numbers of micro-batches of 4
     make_synthetic_dataset(tmp_path / "data", [SourceSpec("web", 41, "short")], shard_size=10)

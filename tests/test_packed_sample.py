@@ -9,7 +9,7 @@ from megatron.energon import Sample
 from megatron.energon.epathlib import EPath
 from megatron.energon.source_info import SourceInfo
 
-from energon_ordering.packed_sample import SamplePacker
+from energon_ordering.pool.packed_sample import SamplePacker
 
 
 @dataclasses.dataclass

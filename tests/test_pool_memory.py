@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from energon_ordering.pool_memory import find_stage, pool_holdings, resident_bytes
+from energon_ordering.inspect.pool_memory import find_stage, pool_holdings, resident_bytes
 
 
 def test_tensor_storage_is_counted_once():

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from energon_ordering.pool_order import (
+from energon_ordering.pool.order import (
     POOL_ORDERS,
     batch_mode_order,
     permutation,

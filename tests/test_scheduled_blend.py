@@ -11,11 +11,11 @@ from megatron.energon.wrappers.base import BaseWrapperDataset
 from megatron.energon.wrappers.shuffle_buffer_dataset import ShuffleBufferDataset
 
 from energon_ordering import OrderingConfig, OrderingConfigError, StateMismatchError
-from energon_ordering.diagnostics import rank_overlap, switch_lag
-from energon_ordering.rank_simulation import build_train_loader, close_loader, record_batch, resume, run_with_cuts
-from energon_ordering.scheduled_blend import ScheduledBlendDataset
-from energon_ordering.schedules import MixtureSchedule
-from energon_ordering.synthetic_task import SyntheticTaskEncoder
+from energon_ordering.inspect.diagnostics import rank_overlap, switch_lag
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, record_batch, resume, run_with_cuts
+from energon_ordering.mixture.scheduled_blend import ScheduledBlendDataset
+from energon_ordering.mixture.schedule import MixtureSchedule
+from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
 
 
 SOURCES = ("web", "code", "curated")

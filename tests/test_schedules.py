@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from energon_ordering import OrderingConfigError, OrderingTypeError
-from energon_ordering.schedules import MixtureSchedule, RepetitionWarning, implied_epochs
+from energon_ordering.mixture.schedule import MixtureSchedule, RepetitionWarning, implied_epochs
 
 KNOTS = {
     "total_steps": 20000,

@@ -10,13 +10,13 @@ import torch
 from megatron.energon import WorkerConfig, get_train_dataset, get_val_dataset
 
 from energon_ordering import OrderingConfig, OrderingConfigError, OrderingTypeError, StateMismatchError
-from energon_ordering.diagnostics import warmup_counts
+from energon_ordering.inspect.diagnostics import warmup_counts
 from energon_ordering.errors import SeqLenOverflowError
-from energon_ordering.rank_simulation import build_train_loader, close_loader, resume, run_with_cuts
-from energon_ordering.schedules import SeqLenWarmup
-from energon_ordering.seq_warmup import SeqLenWarmupDataset
-from energon_ordering.synthetic_task import IMAGE_TOKEN_ID, SyntheticTaskEncoder, TokenizedSample
-from energon_ordering.token_layout import TokenLayout, truncate_sample
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, resume, run_with_cuts
+from energon_ordering.warmup.schedule import SeqLenWarmup
+from energon_ordering.warmup.seq_warmup import SeqLenWarmupDataset
+from energon_ordering.inspect.synthetic_task import IMAGE_TOKEN_ID, SyntheticTaskEncoder, TokenizedSample
+from energon_ordering.warmup.token_layout import TokenLayout, truncate_sample
 
 
 # ---- the schedule ---------------------------------------------------------------------------
@@ -267,7 +267,7 @@ def test_warmup_only_in_training(small_dataset):
     te = SyntheticTaskEncoder()
     te.ordering = _cfg()
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
-    from energon_ordering.length_pool_sort import LengthPoolSortDataset
+    from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
 
     def chain(ds):
         out = [ds]

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from PIL import Image
 
 from energon_ordering import OrderingConfig
-from energon_ordering.rank_simulation import build_train_loader, close_loader, record_batch
-from energon_ordering.synthetic import (
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, record_batch
+from energon_ordering.inspect.synthetic import (
     LENGTH_PROFILES,
     LengthProfile,
     SourceSpec,

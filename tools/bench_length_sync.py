@@ -33,15 +33,15 @@ from pathlib import Path
 import click
 
 from energon_ordering import LengthPoolSortDataset, OrderingConfig
-from energon_ordering.diagnostics import padding_waste, straggler_idle
+from energon_ordering.inspect.diagnostics import padding_waste, straggler_idle
 from energon_ordering.errors import LengthIndexError
-from energon_ordering.key_pool_sort import KeyPoolSortDataset
-from energon_ordering.length_index import LengthIndex
-from energon_ordering.length_index_build import build_length_index
-from energon_ordering.pool_memory import find_stage, pool_holdings, resident_bytes
-from energon_ordering.rank_simulation import build_train_loader, close_loader, lengths_by_step, run_ranks
-from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
-from energon_ordering.synthetic_task import IndexedSyntheticTaskEncoder
+from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
+from energon_ordering.length_index.index import LengthIndex
+from energon_ordering.length_index.build import build_length_index
+from energon_ordering.inspect.pool_memory import find_stage, pool_holdings, resident_bytes
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, lengths_by_step, run_ranks
+from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
 
 BATCH = 4
 

@@ -26,10 +26,11 @@ import click
 import numpy as np
 
 from energon_ordering import OrderingConfig
-from energon_ordering.diagnostics import switch_lag
-from energon_ordering.rank_simulation import build_train_loader, close_loader, record_batch
-from energon_ordering.schedules import MixtureSchedule, SeqLenWarmup
-from energon_ordering.synthetic import SourceSpec, make_synthetic_dataset
+from energon_ordering.inspect.diagnostics import switch_lag
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, record_batch
+from energon_ordering.mixture.schedule import MixtureSchedule
+from energon_ordering.warmup.schedule import SeqLenWarmup
+from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 
 BATCH = 4
 SOURCES = ("web", "code", "curated")

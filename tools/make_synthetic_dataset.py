@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import click
 
-from energon_ordering.synthetic import (
+from energon_ordering.inspect.synthetic import (
     IMAGE_FORMATS,
     LENGTH_PROFILES,
     SourceSpec,

@@ -1,7 +1,7 @@
 """Run an ordering configuration on simulated ranks and measure it (used by the CLI).
 
 Everything here runs real Energon pipelines (``rank_simulation``) and reduces the recorded
-batches with the pure functions of :mod:`energon_ordering.diagnostics`.
+batches with the pure functions of :mod:`energon_ordering.inspect.diagnostics`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from energon_ordering.config import OrderingConfig
-from energon_ordering.diagnostics import (
+from energon_ordering.inspect.diagnostics import (
     detect_sawtooth,
     histogram_dispersion,
     padding_waste,
@@ -24,7 +24,7 @@ from energon_ordering.diagnostics import (
     straggler_idle,
 )
 from energon_ordering.errors import OrderingConfigError
-from energon_ordering.rank_simulation import (
+from energon_ordering.inspect.rank_simulation import (
     BatchRecord,
     build_train_loader,
     lengths_by_step,

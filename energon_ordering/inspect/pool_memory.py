@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from energon_ordering.key_pool_sort import KeyPoolSortDataset
-from energon_ordering.length_pool_sort import LengthPoolSortDataset
+from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
+from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
 
 __all__ = ["find_stage", "pool_holdings", "resident_bytes"]
 

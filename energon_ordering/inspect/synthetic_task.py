@@ -16,7 +16,7 @@ import torch
 from megatron.energon import Batch, CaptioningSample, DefaultTaskEncoder, Sample, stateless
 
 from energon_ordering.task_encoder import OrderingTaskEncoder
-from energon_ordering.token_layout import TokenLayout
+from energon_ordering.warmup.token_layout import TokenLayout
 
 __all__ = [
     "IMAGE_TOKEN_ID",

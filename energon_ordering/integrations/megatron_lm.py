@@ -2,7 +2,7 @@ r"""Megatron-LM integration: dataloader provider, loud dataloader-state restore,
 
 Drop-in for ``examples/multimodal/dataloader_provider.py``::
 
-    from energon_ordering.megatron import add_energon_ordering_args, train_valid_test_dataloaders_provider
+    from energon_ordering.integrations.megatron_lm import add_energon_ordering_args, train_valid_test_dataloaders_provider
 
     pretrain(train_valid_test_dataloaders_provider, model_provider, ModelType.encoder_or_decoder,
              forward_step, extra_args_provider=add_energon_ordering_args)
@@ -36,7 +36,7 @@ from typing import Any
 from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_savable_loader, get_train_dataset, get_val_dataset
 
 from energon_ordering.errors import OrderingError
-from energon_ordering.megatron_args import (
+from energon_ordering.integrations.megatron_args import (
     add_energon_ordering_args,
     micro_batches_per_step,
     ordering_config_from_args,

@@ -1,18 +1,18 @@
 """KeyPoolSortDataset: the lean length pool, sorting (restore key, length) pairs.
 
-The encoded pool (:class:`~energon_ordering.length_pool_sort.LengthPoolSortDataset`) keeps every
+The encoded pool (:class:`~energon_ordering.pool.length_pool_sort.LengthPoolSortDataset`) keeps every
 pooled sample in memory: with decoded images that is megabytes per sample, which caps the pool
 at ~1,000 samples per loader worker. This pool is placed before decoding
-(``length_sort_placement = "pre-encode"``, see :mod:`energon_ordering.deferred_load`), where
+(``length_sort_placement = "pre-encode"``, see :mod:`energon_ordering.pool.deferred_load`), where
 samples are still-compressed raw files, and keeps per sample its restore key and length plus,
 with ``keep_samples=True``, the raw sample packed into one ``bytes`` object
-(:class:`~energon_ordering.packed_sample.SamplePacker`: no object for the garbage collector to
+(:class:`~energon_ordering.pool.packed_sample.SamplePacker`: no object for the garbage collector to
 walk). Without it (keys only, ~130 bytes per sample) the sample is re-fetched through Energon's
 ``restore_sample`` random access when it is emitted. Decoding and encoding happen once, after the
 pool, in emission order.
 
 Same contracts as the encoded pool: the order comes from the same
-:class:`~energon_ordering.pool_settings.PoolSettings` (rank-independent seed), so for the same
+:class:`~energon_ordering.pool.settings.PoolSettings` (rank-independent seed), so for the same
 lengths both pools emit the identical sequence; the saved state holds restore keys and lengths
 only, stamped with the settings and versions; exact resume for any cut point.
 """
@@ -28,14 +28,14 @@ from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.base import BaseWrapperDataset, get_sample_restore_key
 
 from energon_ordering.errors import NotRestorableError, OrderingTypeError
-from energon_ordering.packed_sample import SamplePacker
-from energon_ordering.pool_settings import (
+from energon_ordering.pool.packed_sample import SamplePacker
+from energon_ordering.pool.settings import (
     PoolSettings,
     check_pool_input,
     check_pool_state,
     checked_length,
 )
-from energon_ordering.sample_length import sample_key
+from energon_ordering.sample_fields import sample_key
 
 __all__ = ["KeyPoolSortDataset"]
 
@@ -93,7 +93,7 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
             pool_size: Samples per pool, per loader worker (>= 1).
             worker_config: Energon's worker configuration.
             key_fn: Length of an incoming sample, in tokens (e.g. a length-index lookup).
-            mode: ``"sample"`` or ``"batch"`` (see :mod:`energon_ordering.pool_order`).
+            mode: ``"sample"`` or ``"batch"`` (see :mod:`energon_ordering.pool.order`).
             batch_size: Micro-batch size; required for ``mode="batch"``.
             seed: Ordering seed; must be the same on every data-parallel rank.
             keep_samples: Also keep each pooled sample, packed (no second read on emission).

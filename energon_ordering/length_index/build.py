@@ -2,13 +2,14 @@
 
 ``build_length_index(path)`` reads every sample of a prepared dataset, or of every dataset a
 metadataset references, with Energon's own loading (the same ``load_sample`` / cooker chain the
-training pipeline uses, see :func:`energon_ordering.deferred_load.split_loader`), computes its
-length and writes one :mod:`energon_ordering.length_index` file per prepared dataset. Lengths
+training pipeline uses, see :func:`energon_ordering.pool.deferred_load.split_loader`), computes its
+length and writes one :mod:`energon_ordering.length_index.index` file per prepared dataset. Lengths
 come from, in order of preference:
 
 - ``raw_length_fn(raw_files)``: a function of the still-compressed files (nothing is decoded);
 - the task encoder: ``encode_sample`` then ``ordering_sample_length`` (exact: the very key the
-  post-encode pool sorts by). Default: :class:`~energon_ordering.length_estimate.LengthEstimateTaskEncoder`.
+  post-encode pool sorts by). ``energon-ordering index`` passes
+  :class:`~energon_ordering.inspect.length_estimate.LengthEstimateTaskEncoder` when given neither.
 
 With ``workers > 1`` the samples are read in this process and measured in a fork-started
 process pool.
@@ -26,10 +27,10 @@ from typing import Any
 from megatron.energon import DefaultTaskEncoder, WorkerConfig
 from megatron.energon.metadataset.loader import load_dataset
 
-from energon_ordering.deferred_load import split_loader
+from energon_ordering.pool.deferred_load import split_loader
 from energon_ordering.errors import LengthIndexError
-from energon_ordering.length_index import IndexSummary, task_encoder_label, write_length_index
-from energon_ordering.sample_length import default_sample_length
+from energon_ordering.length_index.index import IndexSummary, task_encoder_label, write_length_index
+from energon_ordering.pool.sample_length import default_sample_length
 
 __all__ = ["BuiltIndex", "build_length_index", "sample_length_of"]
 
@@ -113,7 +114,8 @@ def build_length_index(
     Args:
         path: A prepared dataset folder or a metadataset YAML.
         task_encoder: Computes lengths (``encode_sample`` + ``ordering_sample_length``);
-            default :class:`LengthEstimateTaskEncoder`. Its ``decoder`` is used for loading.
+            Its ``decoder`` is used for loading. One of ``task_encoder`` and ``raw_length_fn``
+            is required.
         raw_length_fn: Computes lengths from the raw files instead (no decoding).
         split_part: The split whose samples are indexed (the training split).
         workers: Processes that measure samples (1 = in this process).
@@ -124,11 +126,12 @@ def build_length_index(
     """
     if task_encoder is None:
         if raw_length_fn is None:
-            from energon_ordering.length_estimate import LengthEstimateTaskEncoder
-
-            task_encoder = LengthEstimateTaskEncoder()
-        else:
-            task_encoder = DefaultTaskEncoder()
+            raise LengthIndexError(
+                "build_length_index: give task_encoder=<your OrderingTaskEncoder> (exact lengths) "
+                "or raw_length_fn=<function raw files -> length>; for the generic estimate pass "
+                "task_encoder=energon_ordering.inspect.length_estimate.LengthEstimateTaskEncoder()."
+            )
+        task_encoder = DefaultTaskEncoder()
     if workers < 1:
         raise LengthIndexError(f"build_length_index: workers = {workers} must be >= 1.")
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)

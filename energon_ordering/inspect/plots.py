@@ -6,9 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
-from energon_ordering.diagnostics import step_idle
-from energon_ordering.rank_simulation import BatchRecord, lengths_by_step
-from energon_ordering.schedules import MixtureSchedule, SeqLenWarmup
+from energon_ordering.inspect.diagnostics import step_idle
+from energon_ordering.inspect.rank_simulation import BatchRecord, lengths_by_step
+from energon_ordering.mixture.schedule import MixtureSchedule
+from energon_ordering.warmup.schedule import SeqLenWarmup
 
 __all__ = ["plot_plan", "plot_run"]
 

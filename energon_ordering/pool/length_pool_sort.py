@@ -11,13 +11,13 @@ from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.base import BaseWrapperDataset
 from megatron.energon.wrappers.buffer import SavableSampleBuffer
 
-from energon_ordering.pool_settings import (
+from energon_ordering.pool.settings import (
     PoolSettings,
     check_pool_input,
     check_pool_state,
     checked_length,
 )
-from energon_ordering.sample_length import default_sample_length
+from energon_ordering.pool.sample_length import default_sample_length
 
 __all__ = ["LengthPoolSortDataset"]
 
@@ -32,7 +32,7 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
     same on every data-parallel rank, so that all ranks process similar lengths at each step.
 
     Place it after ``encode_sample`` and before batching (``OrderingTaskEncoder`` does). The
-    emission order of a pool comes from :mod:`energon_ordering.pool_order`: ``mode="sample"``
+    emission order of a pool comes from :mod:`energon_ordering.pool.order`: ``mode="sample"``
     permutes the sorted samples, ``mode="batch"`` permutes sorted chunks of ``batch_size``.
 
     Deterministic: the permutation seed is a pure function of (``seed``, pool index, loader worker
@@ -81,7 +81,7 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
             dataset: The encoded samples to pool (must be able to restore samples by key).
             pool_size: Samples per pool, per loader worker (>= 1).
             worker_config: Energon's worker configuration.
-            mode: ``"sample"`` or ``"batch"`` (see :mod:`energon_ordering.pool_order`).
+            mode: ``"sample"`` or ``"batch"`` (see :mod:`energon_ordering.pool.order`).
             batch_size: Micro-batch size in samples; required for ``mode="batch"``, where
                 ``pool_size`` must be a multiple of it.
             key_fn: Length of a sample, in tokens. ``None`` uses ``sample.total_len`` if present,

@@ -1,7 +1,7 @@
 """PoolSettings: the validated settings that decide a length pool's order, shared by both pools.
 
-The encoded pool (:class:`~energon_ordering.length_pool_sort.LengthPoolSortDataset`) and the
-lean key pool (:class:`~energon_ordering.key_pool_sort.KeyPoolSortDataset`) emit the same order
+The encoded pool (:class:`~energon_ordering.pool.length_pool_sort.LengthPoolSortDataset`) and the
+lean key pool (:class:`~energon_ordering.pool.key_pool_sort.KeyPoolSortDataset`) emit the same order
 for the same lengths: both seal a pool with :meth:`PoolSettings.order` and stamp their saved
 state with :meth:`PoolSettings.stamp`.
 """
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, SampleLengthError
-from energon_ordering.pool_order import ORDER_VERSION, POOL_ORDERS, pool_seed
-from energon_ordering.restorability import explain_not_restorable
-from energon_ordering.sample_length import sample_key
+from energon_ordering.pool.order import ORDER_VERSION, POOL_ORDERS, pool_seed
+from energon_ordering.pool.restorability import explain_not_restorable
+from energon_ordering.sample_fields import sample_key
 from energon_ordering.state_stamp import check_stamp, check_writer
 
 __all__ = ["PoolSettings", "check_int", "check_pool_input", "check_pool_state", "checked_length"]
@@ -40,7 +40,7 @@ class PoolSettings:
     Args:
         owner: The wrapper's name, for error messages.
         pool_size: Samples per pool, per loader worker (>= 1).
-        mode: ``"sample"`` or ``"batch"`` (see :mod:`energon_ordering.pool_order`).
+        mode: ``"sample"`` or ``"batch"`` (see :mod:`energon_ordering.pool.order`).
         batch_size: Micro-batch size; required for ``mode="batch"``, where ``pool_size`` must be
             a multiple of it.
         seed: Ordering seed; the same on every data-parallel rank.

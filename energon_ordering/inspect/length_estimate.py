@@ -13,19 +13,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 from megatron.energon import Batch, DefaultTaskEncoder, Sample, stateless
 
+from energon_ordering.length_index.estimate import count_text_and_media
 from energon_ordering.source_tag import sample_source
 from energon_ordering.task_encoder import OrderingTaskEncoder
-from energon_ordering.token_layout import TokenLayout
+from energon_ordering.warmup.token_layout import TokenLayout
 
 __all__ = [
     "LengthBatch",
     "LengthEstimateTaskEncoder",
     "LengthSample",
-    "count_text_and_media",
-    "estimate_tokens",
 ]
 
 
@@ -45,28 +43,6 @@ class LengthBatch(Batch):
     keys: list[str]
     sources: list[str]
     lengths: list[int]
-
-
-def count_text_and_media(value: Any) -> tuple[int, int]:
-    """(whitespace tokens of text, number of images/videos) in ``value``, recursively."""
-    if isinstance(value, str):
-        return len(value.split()), 0
-    if isinstance(value, torch.Tensor):
-        return 0, int(value.ndim >= 3)
-    if hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
-        return 0, 1
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        counts = [count_text_and_media(v) for v in value]
-        return sum(t for t, _ in counts), sum(m for _, m in counts)
-    return 0, 0
-
-
-def estimate_tokens(value: Any, tokens_per_media: int) -> int:
-    """Whitespace tokens of text plus ``tokens_per_media`` per image/video, recursively."""
-    text, media = count_text_and_media(value)
-    return text + media * tokens_per_media
 
 
 class LengthEstimateTaskEncoder(OrderingTaskEncoder, DefaultTaskEncoder):

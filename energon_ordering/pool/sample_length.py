@@ -1,24 +1,13 @@
-"""How long a sample is: the default length key of the length pool, and the sample's key."""
+"""How long a sample is: the default length key of the length pool."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from energon_ordering.errors import SampleLengthError
+from energon_ordering.sample_fields import sample_field, sample_key
 
-__all__ = ["default_sample_length", "sample_field", "sample_key"]
-
-
-def sample_field(sample: Any, name: str) -> Any:
-    """A field of an Energon ``Sample`` dataclass (or any object) or a dict sample; None if absent."""
-    if isinstance(sample, dict):
-        return sample.get(name)
-    return getattr(sample, name, None)
-
-
-def sample_key(sample: Any) -> str | None:
-    """The sample's ``__key__`` (dataclass attribute or dict entry), or None."""
-    return sample_field(sample, "__key__")
+__all__ = ["default_sample_length"]
 
 
 def default_sample_length(sample: Any) -> int:

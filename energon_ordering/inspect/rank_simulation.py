@@ -93,11 +93,11 @@ def build_train_loader(
         max_samples_per_sequence: Energon's shard-slice length.
         repeat: Repeat the data (False = one finite epoch).
         task_encoder_factory: Returns a fresh task encoder with the OrderingTaskEncoder mixin;
-            default :class:`energon_ordering.synthetic_task.SyntheticTaskEncoder`.
+            default :class:`energon_ordering.inspect.synthetic_task.SyntheticTaskEncoder`.
         **loader_kwargs: Passed to ``get_savable_loader``.
     """
     if task_encoder_factory is None:
-        from energon_ordering.synthetic_task import SyntheticTaskEncoder
+        from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
 
         task_encoder_factory = SyntheticTaskEncoder
     te = task_encoder_factory()

@@ -14,10 +14,10 @@ from typing import Any
 
 from energon_ordering.config import PLACEMENTS, POOL_HOLDS, OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingError
-from energon_ordering.pool_order import POOL_ORDERS
-from energon_ordering.schedules import SeqLenWarmup
-from energon_ordering.token_layout import OVERFLOW_POLICIES
-from energon_ordering.blend_policy import BLEND_POLICIES
+from energon_ordering.pool.order import POOL_ORDERS
+from energon_ordering.warmup.schedule import SeqLenWarmup
+from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES
+from energon_ordering.mixture.policy import BLEND_POLICIES
 from energon_ordering.yaml_file import load_yaml
 
 __all__ = ["add_energon_ordering_args", "micro_batches_per_step", "ordering_config_from_args"]

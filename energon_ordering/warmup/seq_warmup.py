@@ -16,10 +16,10 @@ from energon_ordering.errors import (
     OrderingTypeError,
     SeqLenOverflowError,
 )
-from energon_ordering.sample_length import sample_key
-from energon_ordering.schedules import SeqLenWarmup
+from energon_ordering.sample_fields import sample_key
+from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.state_stamp import check_stamp
-from energon_ordering.token_layout import OVERFLOW_POLICIES, TokenLayout, truncate_sample
+from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES, TokenLayout, truncate_sample
 
 __all__ = ["OVERFLOW_POLICIES", "SeqLenWarmupDataset"]
 
@@ -52,10 +52,10 @@ class SeqLenWarmupDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_samp
     samples to the full length stays the task encoder's job, as without warmup.
 
     Only text tokens are cut, from the end; media placeholder tokens never (see
-    :mod:`energon_ordering.token_layout`). A sample whose media alone exceed the cap follows
+    :mod:`energon_ordering.warmup.token_layout`). A sample whose media alone exceed the cap follows
     ``overflow``: ``keep`` (emitted uncut), ``drop`` (skipped) or ``error``
     (:class:`SeqLenOverflowError`). Cut, kept and dropped samples are counted in the saved state
-    (``_counts``; :func:`energon_ordering.diagnostics.warmup_counts` sums them over workers) and
+    (``_counts``; :func:`energon_ordering.inspect.diagnostics.warmup_counts` sums them over workers) and
     logged (the first ten, then every thousandth).
 
     Deterministic: the cap is a pure function of the batch index. The warmup changes shapes,

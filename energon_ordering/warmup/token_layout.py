@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from energon_ordering.errors import OrderingTypeError
-from energon_ordering.sample_length import sample_field, sample_key
+from energon_ordering.sample_fields import sample_field, sample_key
 
 __all__ = ["OVERFLOW_POLICIES", "TokenLayout", "TruncationResult", "truncate_sample"]
 

@@ -14,9 +14,9 @@ from megatron.energon.state import FlexState
 from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.base import BaseWrapperDataset
 
-from energon_ordering.blend_policy import BLEND_POLICIES, deterministic_choice
+from energon_ordering.mixture.policy import BLEND_POLICIES, deterministic_choice
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, StateMismatchError
-from energon_ordering.schedules import MixtureSchedule
+from energon_ordering.mixture.schedule import MixtureSchedule
 from energon_ordering.source_tag import tag_source
 from energon_ordering.state_stamp import stamp_differences
 
@@ -44,7 +44,7 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
     ``lag_batches`` shifts the schedule by that expected lag (lag compensation), so a phase
     switch reaches the batches at its step on average.
 
-    Policies (:mod:`energon_ordering.blend_policy`): ``random`` draws with Energon's
+    Policies (:mod:`energon_ordering.mixture.policy`): ``random`` draws with Energon's
     ``WorkerRng`` (saved, different per rank and worker, which is right here); ``deterministic``
     always draws the source furthest behind its cumulative target (the running sum of its
     weights over all past draws), keeping the realised mixture within about one sample of the
