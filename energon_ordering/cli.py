@@ -17,9 +17,24 @@ from energon_ordering import __version__
 from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingError
 from energon_ordering.mixture.schedule import RepetitionWarning, implied_epochs
+from energon_ordering.packaged_recipes import resolve_recipe
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True}
-REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+class _RecipeType(click.ParamType):
+    """A recipe file's path, or the name of a packaged recipe (``demo``, ``slm_350m_20b``)."""
+
+    name = "recipe"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        try:
+            return str(resolve_recipe(value))
+        except OrderingError as e:
+            self.fail(str(e), param, ctx)
+
+
+RECIPE = _RecipeType()
 
 
 @contextlib.contextmanager
@@ -132,7 +147,7 @@ def main() -> None:
 
 
 @main.command(context_settings=CONTEXT)
-@click.argument("recipe", type=click.Path(exists=True, dir_okay=False))
+@click.argument("recipe", type=RECIPE)
 @click.option("--total-steps", type=click.IntRange(min=1), required=True, help="Optimizer steps of the run.")
 @click.option("--global-batch-size", type=click.IntRange(min=1), required=True, help="Samples per optimizer step.")
 @click.option("--metadataset", type=click.Path(exists=True), default=None,
@@ -232,7 +247,7 @@ def _inspect(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, num_work
 
 @main.command(context_settings=CONTEXT)
 @click.argument("metadataset", type=click.Path(exists=True))
-@click.option("--recipe", type=click.Path(exists=True, dir_okay=False), required=True)
+@click.option("--recipe", type=RECIPE, required=True, help="Recipe file, or a packaged recipe's name.")
 @click.option("--ranks", type=click.IntRange(min=1), default=8, help="Simulated data-parallel ranks.")
 @click.option("--steps", type=click.IntRange(min=1), default=200, help="Micro-batches per rank.")
 @click.option("--num-workers", type=click.IntRange(min=0), default=0, help="Loader workers per rank.")
@@ -320,7 +335,7 @@ def _resume_line(path: str, cfg: OrderingConfig, *, cut: int, steps: int, num_wo
 
 @main.command("check-resume", context_settings=CONTEXT)
 @click.argument("metadataset", type=click.Path(exists=True))
-@click.option("--recipe", type=click.Path(exists=True, dir_okay=False), required=True)
+@click.option("--recipe", type=RECIPE, required=True, help="Recipe file, or a packaged recipe's name.")
 @click.option("--cut", type=click.IntRange(min=0), required=True, help="Micro-batch to cut at.")
 @click.option("--steps", type=click.IntRange(min=1), default=None,
               help="Micro-batches to compare in all [default: cut + 50].")
@@ -351,22 +366,18 @@ DEMO_SOURCES = (("caption", 1600, "trimodal"), ("vqa", 1600, "short"), ("ocr", 1
 @main.command(context_settings=CONTEXT)
 @click.option("--out", type=click.Path(file_okay=False), default="energon_ordering_demo",
               help="Folder for the dataset, plots and results.json.")
-@click.option("--recipe", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Recipe to run [default: recipes/demo.yaml of this repository].")
+@click.option("--recipe", type=RECIPE, default="demo",
+              help="Recipe file, or a packaged recipe's name.")
 @click.option("--ranks", type=click.IntRange(min=1), default=8, help="Simulated data-parallel ranks.")
 @click.option("--steps", type=click.IntRange(min=2), default=300, help="Micro-batches per rank.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, help="Micro-batch size.")
 @click.option("--scale", type=click.FloatRange(min=0.01, max=100), default=1.0,
               help="Multiplies the synthetic dataset's size (5,200 samples at 1).")
-def demo(out: str, recipe: str | None, ranks: int, steps: int, batch_size: int, scale: float) -> None:
+def demo(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scale: float) -> None:
     """End to end on a synthetic multimodal dataset: blend, pool, warmup, diagnostics, resume."""
     from energon_ordering.inspect.inspection import source_sizes_from_metadataset
     from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 
-    if recipe is None:
-        recipe = str(REPO_RECIPES / "demo.yaml")
-        if not Path(recipe).is_file():
-            raise click.ClickException(f"no default recipe at {recipe}; pass --recipe PATH.")
     cfg = _load_recipe(recipe)
     out_dir = Path(out)
     specs = [SourceSpec(n, max(1, round(c * scale)), p) for n, c, p in DEMO_SOURCES]

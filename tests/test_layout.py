@@ -19,7 +19,7 @@ import energon_ordering
 
 PACKAGE = Path(energon_ordering.__file__).parent
 
-BASE = {"errors", "state_stamp", "yaml_file", "sample_fields", "source_tag"}
+BASE = {"errors", "state_stamp", "yaml_file", "sample_fields", "source_tag", "packaged_recipes"}
 MIDDLE = {"pool", "mixture", "warmup", "length_index"}
 
 #: The rooms each room may import (besides itself).
@@ -28,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "sample_fields": set(),
     "state_stamp": {"errors"},
     "yaml_file": {"errors"},
+    "packaged_recipes": {"errors"},
     "source_tag": {"sample_fields"},
     "pool": BASE,
     "mixture": BASE,
