@@ -1,0 +1,282 @@
+r"""Megatron-Bridge integration: a dataset provider with your task encoder, loud resume.
+
+Bridge (``megatron-bridge`` 0.6.2, Python 3.12) builds Energon loaders itself; its declarative
+``EnergonDatasetConfig`` only knows Bridge's built-in task encoders. A custom encoder goes
+through a ``megatron.bridge.data.base.DatasetProvider`` with ``dataloader_type="external"``,
+which ``megatron.bridge.data.utils.get_dataset_provider`` dispatches to ``build_datasets``.
+:class:`OrderingDatasetProvider` is that provider: it builds Bridge's own
+``EnergonMultiModalDataModule`` with your :class:`OrderingTaskEncoder` and an
+:class:`OrderingConfig` (a recipe, fields, or both), and returns Bridge's ``EnergonDataloader``
+for training and validation::
+
+    from energon_ordering.integrations.bridge import OrderingDatasetProvider, OrderingResumeCheck
+
+    cfg.dataset = OrderingDatasetProvider(path="/data/llava/metadataset.yaml", task_encoder=MyTE(),
+                                          recipe="llava_pretrain", micro_batch_size=4, num_workers=4)
+    pretrain(cfg, forward_step, callbacks=[OrderingResumeCheck(cfg.dataset)])
+
+Dataloader state, as Bridge 0.6.2 handles it (``training/checkpointing.py``):
+``maybe_save_dataloader_state`` calls ``save_state()`` on ``train_iterator.iterable`` (the
+``EnergonDataloader`` returned here; Bridge passes an external loader through inside a
+``RerunDataIterator``) on the first tensor/pipeline/context rank of each data-parallel replica
+and ``torch.save``\ s ``{"dataloader_state_dict": state}`` to
+``{dataset.dataloader_save or <checkpoint.save>/energon}/iter_{step:07d}/train_dataloader_dprank{dp:03d}.pt``
+(no ``mp_rank`` folder). On resume (step > 0) ``maybe_load_dataloader_state`` reads that file
+through ``utils/safe_pickle.py`` ``energon_torch_load``, a restricted unpickler that admits only
+builtins, tensors, numpy arrays and a short list of Energon state classes, and calls
+``restore_state``. This module uses exactly that saver and loader; it adds what Bridge does not do:
+
+- Bridge's own Energon builder returns ``iter(EnergonDataloader)``, a generator without
+  ``save_state``, so its checkpoints silently hold no dataloader state. This provider returns
+  the ``EnergonDataloader`` itself, so Bridge saves and restores it.
+- Bridge silently starts the data stream from zero when the state folder is missing at step > 0.
+  :class:`OrderingResumeCheck` (a Bridge callback, run at ``on_train_start``) raises then,
+  unless ``allow_dataloader_restart=True``; it also checks that the restored loader consumed
+  ``step x micro_batches_per_step`` micro-batches and that ``micro_batches_per_step`` agrees with
+  Bridge's ``global_batch_size / (micro_batch_size x data-parallel size)``. The first training
+  batch refuses to come out if the check did not run.
+- The state's own checks (each stage's stamp: logic version, settings, rank, world size,
+  workers, dataset identity) run inside ``restore_state``, as with any Energon loader.
+
+Bridge is imported when this module is imported; ``energon_ordering`` itself never imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping
+from typing import Any, Literal
+
+try:
+    from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
+    from megatron.bridge.data.energon.base_energon_datamodule import EnergonDataloader, EnergonMultiModalDataModule
+    from megatron.bridge.training.callbacks import Callback, CallbackContext
+except ImportError as e:  # pragma: no cover - exercised by the test on a Python without Bridge
+    raise ImportError(
+        f"energon_ordering.integrations.bridge needs Megatron-Bridge ({e}). Install it on Python "
+        "3.12 with `pip install --no-deps megatron-bridge==0.6.2` and `pip install "
+        "\"energon-ordering[bridge]\"` (see the README's Megatron-Bridge section)."
+    ) from e
+
+from energon_ordering.config import OrderingConfig
+from energon_ordering.errors import OrderingConfigError, OrderingTypeError
+from energon_ordering.integrations.megatron_lm import DataloaderRestoreError, consumed_micro_batches
+from energon_ordering.packaged_recipes import resolve_recipe
+from energon_ordering.task_encoder import OrderingTaskEncoder
+
+__all__ = [
+    "DataloaderRestoreError",
+    "OrderingDatasetProvider",
+    "OrderingEnergonDataloader",
+    "OrderingResumeCheck",
+]
+
+
+class OrderingEnergonDataloader(EnergonDataloader):
+    """Bridge's ``EnergonDataloader`` that remembers whether it was restored and refuses to yield
+    training batches before :class:`OrderingResumeCheck` has looked at it.
+
+    Args:
+        dataloader: The Energon savable loader.
+        checked: True for loaders no resume check is needed for (validation).
+    """
+
+    def __init__(self, dataloader: Any, *, checked: bool = False):
+        super().__init__(dataloader)
+        self.restored_state: Any = None
+        self.checked = checked
+
+    def restore_state(self, state: Any) -> None:
+        """Restores the Energon loader (its stages check their stamps) and remembers the state."""
+        super().restore_state(state)
+        self.restored_state = state
+
+    def __next__(self) -> Any:
+        if not self.checked:
+            raise DataloaderRestoreError(
+                "OrderingDatasetProvider: the training loader was asked for a batch before its "
+                "resume check ran, so a resume that Bridge skipped would go unnoticed. Pass "
+                "callbacks=[OrderingResumeCheck(cfg.dataset)] to pretrain()/finetune(), or set "
+                "allow_dataloader_restart=True on the provider to accept a silent restart."
+            )
+        return super().__next__()
+
+
+@dataclasses.dataclass(kw_only=True)
+class OrderingDatasetProvider(DatasetProvider):
+    """A Bridge dataset provider: Energon data, your task encoder, the package's ordering.
+
+    Set it as ``ConfigContainer.dataset``. Bridge calls :meth:`build_datasets` through
+    ``get_dataset_provider``; it returns (train, validation, None) ``EnergonDataloader``\\ s that
+    Bridge's checkpointing saves and restores. Register :class:`OrderingResumeCheck` with
+    ``pretrain``.
+
+    Args:
+        path: The prepared Energon dataset or metadataset.
+        task_encoder: Your task encoder with the :class:`OrderingTaskEncoder` mixin first in its
+            bases (``encode_sample`` ``@stateless``); its ``ordering`` is set here.
+        micro_batch_size: Samples per micro-batch (Bridge's ``train.micro_batch_size``).
+        recipe: A recipe file, or the name of a packaged recipe (``llava_pretrain``); None: no
+            recipe.
+        ordering: An :class:`OrderingConfig`, or a mapping of its settings applied on top of
+            ``recipe``; None: the recipe alone (or every ordering stage off).
+        seq_length: Passed to Bridge's data module (tokens; informational for custom encoders).
+        validation_task_encoder: Encoder for the validation split; None: ``task_encoder``.
+        do_validation: Build the validation loader (when Bridge asks for validation samples).
+        num_val_workers: Loader workers for validation; None: ``num_workers``.
+        shuffle_buffer_size: Energon's shuffle buffer (samples).
+        max_samples_per_sequence: Energon's ``max_samples_per_sequence``; None: whole shards.
+        dataset_kwargs: More keyword arguments for Energon's ``get_train_dataset``.
+        allow_dataloader_restart: Accept a resume (step > 0) without dataloader state: the data
+            stream restarts from zero with a warning instead of an error.
+    """
+
+    path: str
+    task_encoder: Any
+    micro_batch_size: int
+    recipe: str | None = None
+    ordering: OrderingConfig | Mapping[str, Any] | None = None
+    seq_length: int = 2048
+    validation_task_encoder: Any = None
+    do_validation: bool = True
+    num_val_workers: int | None = None
+    shuffle_buffer_size: int = 100
+    max_samples_per_sequence: int | None = None
+    dataset_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    allow_dataloader_restart: bool = False
+    dataloader_type: Literal["external"] | None = "external"
+
+    def __post_init__(self) -> None:
+        if self.dataloader_type != "external":
+            raise OrderingConfigError(
+                f"OrderingDatasetProvider.dataloader_type = {self.dataloader_type!r}: the provider "
+                "returns ready Energon loaders, which Bridge passes through only as 'external'; "
+                "leave it at 'external'."
+            )
+        for encoder, name in ((self.task_encoder, "task_encoder"),
+                              (self.validation_task_encoder, "validation_task_encoder")):
+            if name == "task_encoder" or encoder is not None:
+                if not isinstance(encoder, OrderingTaskEncoder):
+                    raise OrderingTypeError(
+                        f"OrderingDatasetProvider.{name} = {type(encoder).__name__} has no "
+                        f"OrderingTaskEncoder mixin; define class MyTE(OrderingTaskEncoder, "
+                        f"{type(encoder).__name__}) and pass MyTE()."
+                    )
+        if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int) \
+                or self.micro_batch_size < 1:
+            raise OrderingConfigError(
+                f"OrderingDatasetProvider.micro_batch_size = {self.micro_batch_size!r} must be an "
+                "int >= 1 (Bridge's train.micro_batch_size)."
+            )
+        self.ordering_config = self._ordering_config()
+        self.train_loader: OrderingEnergonDataloader | None = None
+
+    def _ordering_config(self) -> OrderingConfig:
+        if isinstance(self.ordering, OrderingConfig):
+            if self.recipe is not None:
+                raise OrderingConfigError(
+                    f"OrderingDatasetProvider: recipe = {self.recipe!r} and an OrderingConfig "
+                    "object were both given; give one, or pass `ordering` as a mapping of the "
+                    "settings that override the recipe."
+                )
+            return self.ordering
+        if self.ordering is not None and not isinstance(self.ordering, Mapping):
+            raise OrderingTypeError(
+                f"OrderingDatasetProvider.ordering = {type(self.ordering).__name__}: expected an "
+                "OrderingConfig, a mapping of its settings, or None."
+            )
+        base = {} if self.recipe is None else OrderingConfig.from_yaml(resolve_recipe(self.recipe)).to_dict()
+        return OrderingConfig.from_dict({**base, **dict(self.ordering or {})})
+
+    def build_datasets(self, context: DatasetBuildContext) -> tuple[Any | None, Any | None, None]:
+        """Bridge's hook: the training and validation loaders (None where Bridge asks for no
+        samples), built by Bridge's ``EnergonMultiModalDataModule`` over the data-parallel group
+        of ``context.pg_collection``."""
+        self.task_encoder.ordering = self.ordering_config
+        if self.validation_task_encoder is not None:
+            self.validation_task_encoder.ordering = self.ordering_config
+        datamodule = EnergonMultiModalDataModule(
+            path=self.path,
+            tokenizer=context.tokenizer,
+            seq_length=self.seq_length,
+            micro_batch_size=self.micro_batch_size,
+            num_workers=self.num_workers,
+            num_val_workers=self.num_val_workers,
+            pin_memory=self.pin_memory,
+            shuffle_buffer_size=self.shuffle_buffer_size,
+            max_samples_per_sequence=self.max_samples_per_sequence,
+            task_encoder=self.task_encoder,
+            validation_task_encoder=self.validation_task_encoder,
+            pg_collection=context.pg_collection,
+            **self.dataset_kwargs,
+        )
+        train = valid = None
+        if context.train_samples > 0:
+            datamodule.train_dataloader()  # builds the savable loader; we wrap it ourselves
+            train = OrderingEnergonDataloader(datamodule.train_dataloader_object,
+                                              checked=self.allow_dataloader_restart)
+            self.train_loader = train
+        if self.do_validation and context.valid_samples > 0:
+            datamodule.val_dataloader()
+            valid = OrderingEnergonDataloader(datamodule.val_dataloader_object, checked=True)
+        return train, valid, None
+
+
+class OrderingResumeCheck(Callback):
+    """Bridge callback: at ``on_train_start`` (after Bridge's restore), makes a resume loud.
+
+    At step > 0 the training loader must have been restored (else :class:`DataloaderRestoreError`
+    unless the provider allows a restart), and the restored state must have consumed
+    ``step x micro_batches_per_step`` micro-batches. ``micro_batches_per_step`` of the ordering
+    config must equal Bridge's ``global_batch_size / (micro_batch_size x data-parallel size)``.
+
+    Args:
+        provider: The :class:`OrderingDatasetProvider` set as ``cfg.dataset``.
+    """
+
+    def __init__(self, provider: OrderingDatasetProvider):
+        self.provider = provider
+
+    def on_train_start(self, context: CallbackContext) -> None:
+        """Runs the checks; raises :class:`DataloaderRestoreError` or :class:`OrderingConfigError`."""
+        provider, loader = self.provider, self.provider.train_loader
+        if loader is None:
+            return  # this rank builds no training loader
+        per_step = provider.ordering_config.micro_batches_per_step
+        dp_size = loader._dataloader.worker_config.world_size
+        train_cfg = getattr(getattr(context.state, "cfg", None), "train", None)
+        if train_cfg is not None:
+            bridge_per_step = train_cfg.global_batch_size // (train_cfg.micro_batch_size * dp_size)
+            if bridge_per_step != per_step:
+                raise OrderingConfigError(
+                    f"OrderingConfig.micro_batches_per_step = {per_step}, but Bridge's "
+                    f"train.global_batch_size {train_cfg.global_batch_size} / (micro_batch_size "
+                    f"{train_cfg.micro_batch_size} x data-parallel size {dp_size}) = "
+                    f"{bridge_per_step}; set micro_batches_per_step: {bridge_per_step} in the "
+                    "recipe or the provider's `ordering`."
+                )
+        step = int(context.state.train_state.step)
+        loader.checked = True
+        if step == 0:
+            return
+        if loader.restored_state is None:
+            msg = (f"Bridge resumed at step {step} but restored no dataloader state (its "
+                   "maybe_load_dataloader_state skips a missing dataloader_load folder, "
+                   "<checkpoint>/energon by default, without a word).")
+            if not provider.allow_dataloader_restart:
+                raise DataloaderRestoreError(
+                    f"{msg} Refusing to restart the data stream from zero (the run would repeat "
+                    "its first samples). Point dataset.dataloader_load at the saved states, or "
+                    "set allow_dataloader_restart=True on the OrderingDatasetProvider."
+                )
+            warnings.warn(f"{msg} allow_dataloader_restart: RESTARTING THE DATA STREAM FROM ZERO.",
+                          RuntimeWarning, stacklevel=2)
+            return
+        consumed, expected = consumed_micro_batches(loader.restored_state), step * per_step
+        if consumed != expected:
+            raise DataloaderRestoreError(
+                f"The restored dataloader state was saved after {consumed} micro-batches, but step "
+                f"{step} x {per_step} micro-batches per step = {expected}: it belongs to another "
+                "checkpoint or another batch configuration. Use the state saved with this checkpoint."
+            )

@@ -1,0 +1,252 @@
+"""Megatron-Bridge integration, through Bridge's own code: its dataset-provider dispatch
+(``get_dataset_provider``), its Energon data module, its dataloader-state saver
+(``maybe_save_dataloader_state``), its loader (``maybe_load_dataloader_state``) and restricted
+unpickler (``energon_torch_load``), on a one-process gloo group with
+``initialize_model_parallel(1, 1)``.
+
+Bridge 0.6.2 needs Python 3.12: these tests are marked ``py312`` and run by ``.ci/py312``. It
+imports Transformer Engine at import time, which cannot be installed on CPU: ``_import_bridge``
+puts the stand-in in ``tests/shims/`` on the path only after megatron-core has decided that TE is
+absent, and takes it off again once Bridge is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.py312
+
+if sys.version_info < (3, 12):
+    pytest.skip("Megatron-Bridge 0.6.2 needs Python 3.12 (run by .ci/py312)", allow_module_level=True)
+
+import torch  # noqa: E402
+
+SHIMS = Path(__file__).parent / "shims"
+
+
+def _import_bridge() -> None:
+    """Imports megatron-core first (it decides TE is absent), then Bridge with the TE stand-in."""
+    import megatron.core  # noqa: F401
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return  # a real Transformer Engine: nothing to stand in for
+    sys.path.insert(0, str(SHIMS))
+    try:
+        import megatron.bridge.data.utils  # noqa: F401
+        import megatron.bridge.training.checkpointing  # noqa: F401
+    finally:
+        sys.path.remove(str(SHIMS))
+        for name in [m for m in sys.modules if m == "transformer_engine" or m.startswith("transformer_engine.")]:
+            del sys.modules[name]  # later megatron-core imports see TE absent again
+
+
+_import_bridge()
+
+from megatron.bridge.data.utils import get_dataset_provider  # noqa: E402
+from megatron.bridge.training.callbacks import CallbackContext  # noqa: E402
+from megatron.bridge.training.checkpointing import (  # noqa: E402
+    maybe_load_dataloader_state,
+    maybe_save_dataloader_state,
+)
+from megatron.bridge.training.state import GlobalState  # noqa: E402
+from megatron.bridge.utils.safe_pickle import energon_torch_load  # noqa: E402
+from megatron.core.rerun_state_machine import RerunDataIterator  # noqa: E402
+
+from energon_ordering import (  # noqa: E402
+    OrderingConfig,
+    OrderingConfigError,
+    OrderingTypeError,
+    StateMismatchError,
+)
+from energon_ordering.integrations.bridge import (  # noqa: E402
+    DataloaderRestoreError,
+    OrderingDatasetProvider,
+    OrderingResumeCheck,
+)
+from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder  # noqa: E402
+
+MICRO_BATCH = 4
+PER_STEP = 2  # micro-batches per optimizer step
+# A packaged recipe by name, with overrides sized for the 640-sample test dataset.
+ORDERING = {"length_sort_pool_size": 32, "micro_batches_per_step": PER_STEP,
+            "seq_length_warmup": {"start": 64, "full": 256, "warmup_steps": 8, "overflow": "keep"}}
+
+
+@pytest.fixture(scope="module")
+def pg(tmp_path_factory):
+    """One-process gloo group, megatron-core model parallel (1, 1), Bridge's process groups."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    init = tmp_path_factory.mktemp("dist") / "init"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield ProcessGroupCollection.use_mpu_process_groups()
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _provider(data: Path, num_workers: int, **kw) -> OrderingDatasetProvider:
+    kw = {"recipe": "length_sync_batch", "ordering": ORDERING, **kw}
+    return OrderingDatasetProvider(path=str(data), task_encoder=SyntheticTaskEncoder(),
+                                   micro_batch_size=MICRO_BATCH, num_workers=num_workers,
+                                   pin_memory=False, **kw)
+
+
+def _build(provider: OrderingDatasetProvider, pg) -> RerunDataIterator:
+    """What Bridge's setup does for a DatasetProvider with dataloader_type 'external': dispatch
+    through get_dataset_provider, pass the train loader through in a RerunDataIterator."""
+    build = get_dataset_provider(provider)
+    train, valid, test = build([1000, 0, 0], provider, tokenizer=None, pg_collection=pg)
+    assert valid is None and test is None
+    return RerunDataIterator(train)
+
+
+def _resume_check(provider: OrderingDatasetProvider, step: int) -> None:
+    state = GlobalState()
+    state.train_state.step = step
+    OrderingResumeCheck(provider).on_train_start(CallbackContext(state=state, model=[]))
+
+
+def _keys(it: RerunDataIterator, n: int) -> list[list[str]]:
+    return [list(next(it).keys) for _ in range(n)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_round_trip_through_bridge_saver_and_loader(small_dataset, tmp_path, pg, num_workers):
+    step, after = 6, 16
+    provider = _provider(small_dataset, num_workers)
+    assert provider.ordering_config.length_sort_mode == "batch"  # from the packaged recipe
+    it = _build(provider, pg)
+    _resume_check(provider, 0)
+    head = _keys(it, step * PER_STEP)
+    save_dir = tmp_path / "energon"
+    maybe_save_dataloader_state(None, it, step, str(save_dir), pg_collection=pg)
+    saved = save_dir / f"iter_{step:07d}" / "train_dataloader_dprank000.pt"
+    assert saved.is_file()
+    tail = _keys(it, after)
+
+    fresh = _provider(small_dataset, num_workers)
+    it2 = _build(fresh, pg)
+    maybe_load_dataloader_state(it2, step, str(save_dir), pg_collection=pg)
+    _resume_check(fresh, step)
+    assert _keys(it2, after) == tail
+    assert len({k for b in head + tail for k in b}) > after  # real, varied samples
+
+    # The state really passed Bridge's restricted unpickler (not a plain torch.load).
+    assert energon_torch_load(str(saved))["dataloader_state_dict"] is not None
+
+
+def test_foreign_class_in_a_state_is_refused_by_bridge(small_dataset, tmp_path, pg):
+    """The unpickler check can fail: a state holding a class off Bridge's allowlist is refused."""
+    it = _build(_provider(small_dataset, 0, allow_dataloader_restart=True), pg)
+    _keys(it, 2)
+    save_dir = tmp_path / "energon"
+    maybe_save_dataloader_state(None, it, 1, str(save_dir), pg_collection=pg)
+    saved = save_dir / "iter_0000001" / "train_dataloader_dprank000.pt"
+    state = energon_torch_load(str(saved))
+    state["dataloader_state_dict"] = [state["dataloader_state_dict"], OrderingConfig()]
+    torch.save(state, saved)
+    fresh = _build(_provider(small_dataset, 0), pg)
+    with pytest.raises(pickle.UnpicklingError, match="energon_ordering.config.OrderingConfig"):
+        maybe_load_dataloader_state(fresh, 1, str(save_dir), pg_collection=pg)
+
+
+def test_missing_state_at_a_resume_is_loud(small_dataset, tmp_path, pg):
+    provider = _provider(small_dataset, 0)
+    it = _build(provider, pg)
+    maybe_load_dataloader_state(it, 5, str(tmp_path / "nowhere"), pg_collection=pg)  # Bridge: quiet
+    with pytest.raises(DataloaderRestoreError, match="resumed at step 5 but restored no dataloader state"):
+        _resume_check(provider, 5)
+
+    allowed = _provider(small_dataset, 0, allow_dataloader_restart=True)
+    it = _build(allowed, pg)
+    maybe_load_dataloader_state(it, 5, str(tmp_path / "nowhere"), pg_collection=pg)
+    with pytest.warns(RuntimeWarning, match="RESTARTING THE DATA STREAM FROM ZERO"):
+        _resume_check(allowed, 5)
+    assert len(next(it).keys) == MICRO_BATCH
+
+
+def test_no_batch_before_the_resume_check(small_dataset, pg):
+    it = _build(_provider(small_dataset, 0), pg)
+    with pytest.raises(DataloaderRestoreError, match="before its resume check ran"):
+        next(it)
+
+
+def test_restore_into_other_settings_is_refused(small_dataset, tmp_path, pg):
+    """The stages' own state checks (stamps) run under Bridge's loader too."""
+    it = _build(_provider(small_dataset, 0, allow_dataloader_restart=True), pg)
+    _keys(it, 2 * PER_STEP)
+    maybe_save_dataloader_state(None, it, 2, str(tmp_path), pg_collection=pg)
+    other = _provider(small_dataset, 0, ordering={**ORDERING, "length_sort_pool_size": 16})
+    it = _build(other, pg)
+    with pytest.raises(StateMismatchError, match="pool_size: saved 32 != configured 16"):
+        maybe_load_dataloader_state(it, 2, str(tmp_path), pg_collection=pg)  # raises here with
+        _resume_check(other, 2)  # no worker processes; with workers at the first batch
+        next(it)
+
+
+def test_state_of_another_step_is_refused(small_dataset, tmp_path, pg):
+    it = _build(_provider(small_dataset, 0, allow_dataloader_restart=True), pg)
+    _keys(it, 3 * PER_STEP)
+    maybe_save_dataloader_state(None, it, 3, str(tmp_path), pg_collection=pg)
+    # A state saved at step 3 filed under step 4 (e.g. copied between checkpoints by hand).
+    (tmp_path / "iter_0000003").rename(tmp_path / "iter_0000004")
+    provider = _provider(small_dataset, 0)
+    it = _build(provider, pg)
+    maybe_load_dataloader_state(it, 4, str(tmp_path), pg_collection=pg)
+    with pytest.raises(DataloaderRestoreError, match=r"saved after 6 micro-batches, but step 4 x 2"):
+        _resume_check(provider, 4)
+
+
+def test_micro_batches_per_step_must_match_bridge(small_dataset, pg):
+    from types import SimpleNamespace
+
+    from megatron.bridge.training.config import TrainingConfig
+
+    provider = _provider(small_dataset, 0)
+    _build(provider, pg)
+    state = GlobalState()
+    state._cfg = SimpleNamespace(train=TrainingConfig(global_batch_size=12, micro_batch_size=MICRO_BATCH))
+    with pytest.raises(OrderingConfigError, match=r"micro_batches_per_step = 2, but Bridge's .* = 3"):
+        OrderingResumeCheck(provider).on_train_start(CallbackContext(state=state, model=[]))
+
+
+def test_validation_loader(small_dataset, tmp_path, pg):
+    meta = tmp_path / "metadataset.yaml"  # the train split doubles as the validation split
+    meta.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n"
+                    f"  train: {{path: {small_dataset}}}\n"
+                    f"  val: {{path: {small_dataset}, split_part: train}}\n")
+    provider = _provider(meta, 0)
+    build = get_dataset_provider(provider)
+    train, valid, _ = build([100, 10, 0], provider, tokenizer=None, pg_collection=pg)
+    assert len(next(valid).keys) == MICRO_BATCH  # validation needs no resume check
+    assert hasattr(train, "save_state")  # the loader itself, which Bridge's saver looks for
+
+
+def test_provider_errors(small_dataset):
+    from megatron.energon import DefaultTaskEncoder
+
+    with pytest.raises(OrderingTypeError, match="task_encoder = DefaultTaskEncoder has no OrderingTaskEncoder"):
+        OrderingDatasetProvider(path=str(small_dataset), task_encoder=DefaultTaskEncoder(), micro_batch_size=4)
+    with pytest.raises(OrderingConfigError, match="dataloader_type = 'cyclic'"):
+        _provider(small_dataset, 0, dataloader_type="cyclic")
+    with pytest.raises(OrderingConfigError, match="micro_batch_size = 0 must be"):
+        OrderingDatasetProvider(path=str(small_dataset), task_encoder=SyntheticTaskEncoder(), micro_batch_size=0)
+    with pytest.raises(OrderingConfigError, match="recipe 'nope'"):
+        _provider(small_dataset, 0, recipe="nope")
+    with pytest.raises(OrderingConfigError, match="were both given"):
+        _provider(small_dataset, 0, ordering=OrderingConfig())
+    with pytest.raises(OrderingConfigError, match="unknown setting"):
+        _provider(small_dataset, 0, ordering={"pool": 3})
+    cfg = OrderingConfig(length_sort_pool_size=8)
+    assert _provider(small_dataset, 0, recipe=None, ordering=cfg).ordering_config is cfg
