@@ -61,6 +61,7 @@ def resolve_recipe(name_or_path: str | os.PathLike) -> Path:
         raise OrderingConfigError(f"recipe {text!r} is a directory; give a recipe file or a name.")
     names = ", ".join(recipe_names()) or "(none found: the package has no recipes folder)"
     raise OrderingConfigError(
-        f"recipe {text!r}: no such file (from {os.getcwd()}) and no packaged recipe of that name. "
+        f"recipe {text!r} does not exist: no such file (from {os.getcwd()}) and no packaged "
+        "recipe of that name. "
         f"Give a path to a YAML recipe or one of the packaged names: {names}."
     )

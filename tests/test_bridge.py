@@ -250,3 +250,18 @@ def test_provider_errors(small_dataset):
         _provider(small_dataset, 0, ordering={"pool": 3})
     cfg = OrderingConfig(length_sort_pool_size=8)
     assert _provider(small_dataset, 0, recipe=None, ordering=cfg).ordering_config is cfg
+
+
+def test_provider_goes_into_bridge_run_config(small_dataset):
+    """Bridge writes ``cfg.to_yaml()`` (run_config.yaml) with every checkpoint; the dataset entry
+    (our provider, holding a task encoder object and an OrderingConfig) must convert and dump."""
+    import yaml
+    from megatron.bridge.training.utils.config_utils import _ConfigContainerBase
+    from megatron.training.config.yaml_utils import safe_yaml_representers
+
+    for provider in (_provider(small_dataset, 0),
+                     _provider(small_dataset, 0, recipe=None, ordering=OrderingConfig.from_dict(ORDERING))):
+        as_dict = _ConfigContainerBase._convert_value_to_dict(provider)
+        with safe_yaml_representers():
+            text = yaml.safe_dump(as_dict)
+        assert "OrderingDatasetProvider" in text and "length_sort_pool_size: 32" in text

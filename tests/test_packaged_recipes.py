@@ -41,7 +41,7 @@ def test_unknown_recipe_names_the_value_and_the_choices(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(OrderingConfigError, match=r"recipe 'nope'.*packaged names: demo, "):
         resolve_recipe("nope")
-    with pytest.raises(OrderingConfigError, match=r"recipe 'sub/demo\.yaml': no such file"):
+    with pytest.raises(OrderingConfigError, match=r"recipe 'sub/demo\.yaml' does not exist: no such file"):
         resolve_recipe("sub/demo.yaml")  # a path that does not exist is not a name
     (tmp_path / "folder").mkdir()
     with pytest.raises(OrderingConfigError, match="'folder' is a directory"):
