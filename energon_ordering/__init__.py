@@ -11,8 +11,10 @@ samples) and the pure ordering functions behind them, grouped by concern:
 - ``warmup/``: :class:`SeqLenWarmup` and :class:`SeqLenWarmupDataset` (length caps at batch time).
 - ``length_index/``: per-sample lengths next to a prepared dataset, for the lean pool.
 - :class:`OrderingTaskEncoder` wires the stages into Energon's training pipeline from one
-  :class:`OrderingConfig`; ``integrations/`` adapts it to host frameworks (Megatron-LM) and
+  :class:`OrderingConfig`; ``integrations/`` adapts it to host frameworks (Megatron-LM,
+  Megatron-Bridge; imported on their own, so the package imports without the hosts) and
   ``inspect/`` measures the result.
+- :func:`resolve_recipe` finds a recipe shipped with the package by name (``recipe_names()``).
 
 Everything a user names imports from here.
 """
@@ -30,6 +32,7 @@ from energon_ordering.errors import (
 )
 from energon_ordering.mixture.schedule import MixtureSchedule, implied_epochs
 from energon_ordering.mixture.scheduled_blend import ScheduledBlendDataset
+from energon_ordering.packaged_recipes import recipe_names, resolve_recipe
 from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
 from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
 from energon_ordering.task_encoder import OrderingTaskEncoder
@@ -59,4 +62,6 @@ __all__ = [
     "TokenLayout",
     "__version__",
     "implied_epochs",
+    "recipe_names",
+    "resolve_recipe",
 ]
