@@ -248,6 +248,10 @@ def test_provider_errors(small_dataset):
         _provider(small_dataset, 0, ordering=OrderingConfig())
     with pytest.raises(OrderingConfigError, match="unknown setting"):
         _provider(small_dataset, 0, ordering={"pool": 3})
+    with pytest.raises(OrderingTypeError, match="ordering = int: expected an OrderingConfig"):
+        _provider(small_dataset, 0, ordering=42)
+    with pytest.raises(OrderingTypeError, match="validation_task_encoder = DefaultTaskEncoder"):
+        _provider(small_dataset, 0, validation_task_encoder=DefaultTaskEncoder())
     cfg = OrderingConfig(length_sort_pool_size=8)
     assert _provider(small_dataset, 0, recipe=None, ordering=cfg).ordering_config is cfg
 
