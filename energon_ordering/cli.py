@@ -389,7 +389,7 @@ def _inspect(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, num_work
                world_size=ranks, task_encoder_factory=task_encoder_factory)
     period = max(1, shard_length(path) // batch_size)
     mbps = cfg.micro_batches_per_step
-    # The trailing-mean window of the mix plot: one pool's worth of steps (10 without a pool).
+    # The averaging window of the mix plot: one pool's worth of steps (10 without a pool).
     window = max(1, cfg.length_sort_pool_size // (batch_size * mbps)) if cfg.length_sort_enabled else 10
     records, results = {}, {}
     with _user_errors():
@@ -529,6 +529,7 @@ def check_resume_cmd(metadataset: str, recipe: str, cut: int, steps: int | None,
     steps = cut + 50 if steps is None else steps
     if cut >= steps:
         raise click.BadParameter(f"cut {cut} must be below --steps {steps}", param_hint="--cut")
+    _check_dataset(metadataset, "METADATASET")
     ok, line = _resume_line(metadataset, _load_recipe(recipe), cut=cut, steps=steps,
                             num_workers=num_workers, batch_size=batch_size,
                             task_encoder_factory=_task_encoder_factory(task_encoder, tokens_per_media))

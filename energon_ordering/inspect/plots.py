@@ -106,11 +106,12 @@ def _step_shares(records: list[list[BatchRecord]], sources: list[str], m: int) -
 
 
 def _rolling(x: np.ndarray, window: int) -> np.ndarray:
-    """Trailing mean over ``window`` rows (shorter at the start), per column."""
+    """Centred mean over ``window`` rows (shorter at the ends), per column: no lag."""
     c = np.cumsum(np.vstack([np.zeros((1, x.shape[1])), x]), axis=0)
-    idx = np.arange(1, len(x) + 1)
-    lo = np.maximum(idx - window, 0)
-    return (c[idx] - c[lo]) / (idx - lo)[:, None]
+    idx = np.arange(len(x))
+    lo = np.maximum(idx - window // 2, 0)
+    hi = np.minimum(idx - window // 2 + window, len(x))
+    return (c[hi] - c[lo]) / (hi - lo)[:, None]
 
 
 def run_figure(
@@ -122,8 +123,9 @@ def run_figure(
     window_steps: int = 10,
 ) -> Any:
     """Per optimizer step: straggler idle of each run; the realised source shares of the first
-    (pool off) and the last run side by side against the schedule, as a trailing mean over
-    ``window_steps`` steps; and the longest sample of the last run against the warmup cap."""
+    (pool off) and the last run side by side against the schedule, per step and as a centred
+    mean over ``window_steps`` steps; and the longest sample of the last run against the
+    warmup cap."""
     plt = _plt()
     m = micro_batches_per_step
     names = list(runs)
@@ -145,7 +147,10 @@ def run_figure(
     ax_idle.set_ylabel("straggler idle (%)")
     ax_idle.legend(**_LEGEND_OUTSIDE)
 
-    all_sources = sorted({s for recs in runs.values() for r in recs for b in r for s in b.sources})
+    seen = {s for recs in runs.values() for r in recs for b in r for s in b.sources}
+    # In the schedule's order (the colours of plan.png), then any other source.
+    all_sources = [s for s in (schedule.sources if schedule else ()) if s in seen]
+    all_sources += sorted(seen - set(all_sources))
     share_axes = []
     for col, name in enumerate(shown):
         ax = fig.add_subplot(grid[1, col], sharey=share_axes[0] if share_axes else None)
@@ -183,7 +188,7 @@ def run_figure(
                    for j, s in enumerate(all_sources)]
         handles += [Line2D([], [], color="k", lw=0.6, alpha=0.4, label="realised, per step"),
                     Line2D([], [], color="k", lw=1.6,
-                           label=f"realised, mean of the last {window_steps} steps"),
+                           label=f"realised, mean over {window_steps} steps (centred)"),
                     Line2D([], [], color="k", lw=1.0, ls="--", label="scheduled target")]
         share_axes[-1].legend(handles=handles, **_LEGEND_OUTSIDE)
 
