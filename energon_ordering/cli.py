@@ -55,16 +55,18 @@ def _looks_like_recipe(path: Path) -> bool:
     return isinstance(data, dict) and bool(fields & set(data)) and "splits" not in data
 
 
-def _check_dataset(path: str, what: str) -> None:
+def _check_dataset(path: str, what: str, recipe_goes: str | None = None) -> None:
     """Raises a one-line :class:`UserError` unless ``path`` is a prepared Energon dataset folder
-    or a metadataset YAML; ``what`` names the argument (e.g. ``METADATASET``)."""
+    or a metadataset YAML; ``what`` names the argument (e.g. ``METADATASET``), ``recipe_goes``
+    where a recipe belongs instead (e.g. ``--recipe``), if the command takes one."""
     from megatron.energon.metadataset import load_dataset
 
     how = ("prepare a folder of WebDataset shards with `energon prepare DIR`, or pass a "
            "metadataset YAML that lists prepared folders")
     if Path(path).is_file() and _looks_like_recipe(Path(path)):
-        raise UserError(f"{what} {path} is a recipe (ordering settings), not a dataset: pass it "
-                        f"as --recipe, and as {what} a prepared dataset: {how}.")
+        where = f"pass it as {recipe_goes}, and " if recipe_goes else ""
+        raise UserError(f"{what} {path} is a recipe (ordering settings), not a dataset: {where}"
+                        f"give as {what} a prepared dataset: {how}.")
     try:
         load_dataset(path)
     except Exception as e:  # Energon raises ValueError, TypeError, OSError or YAML errors here
@@ -93,7 +95,7 @@ def _preflight(path: str, configs: list[OrderingConfig], *, batch_size: int, num
     a missing length index, the task encoder) before the first run begins."""
     from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader
 
-    _check_dataset(path, "METADATASET")
+    _check_dataset(path, "METADATASET", "--recipe")
     for cfg in configs:
         _check_pool(cfg, batch_size)
     with _user_errors():
@@ -280,7 +282,7 @@ def plan(recipe: str, total_steps: int | None, global_batch_size: int, metadatas
                         "or pass --total-steps N.")
     sizes = None
     if metadataset:
-        _check_dataset(metadataset, "--metadataset")
+        _check_dataset(metadataset, "--metadataset", "RECIPE")
         with _user_errors():
             sizes = source_sizes_from_metadataset(metadataset)
     elif source_sizes:
@@ -529,8 +531,10 @@ def check_resume_cmd(metadataset: str, recipe: str, cut: int, steps: int | None,
     steps = cut + 50 if steps is None else steps
     if cut >= steps:
         raise click.BadParameter(f"cut {cut} must be below --steps {steps}", param_hint="--cut")
-    _check_dataset(metadataset, "METADATASET")
-    ok, line = _resume_line(metadataset, _load_recipe(recipe), cut=cut, steps=steps,
+    _check_dataset(metadataset, "METADATASET", "--recipe")
+    cfg = _load_recipe(recipe)
+    _check_pool(cfg, batch_size)
+    ok, line = _resume_line(metadataset, cfg, cut=cut, steps=steps,
                             num_workers=num_workers, batch_size=batch_size,
                             task_encoder_factory=_task_encoder_factory(task_encoder, tokens_per_media))
     click.echo(line)

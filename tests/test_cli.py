@@ -280,8 +280,9 @@ def test_a_recipe_where_the_metadataset_belongs(runner, recipe):
                  ["check-resume", str(recipe), "--recipe", str(recipe), "--cut", "1"],
                  ["index", str(recipe)],
                  ["plan", str(recipe), "--global-batch-size", "8", "--metadataset", str(recipe)]):
-        _one_error_line(runner.invoke(main, args), f"{recipe} is a recipe", "--recipe",
-                        "energon prepare")
+        line = _one_error_line(runner.invoke(main, args), f"{recipe} is a recipe",
+                               "energon prepare")
+        assert ("pass it as --recipe" in line) == (args[0] in ("inspect", "check-resume"))
 
 
 def test_a_pool_that_is_not_a_multiple_of_the_micro_batch_fails_before_any_run(
@@ -291,6 +292,9 @@ def test_a_pool_that_is_not_a_multiple_of_the_micro_batch_fails_before_any_run(
     _one_error_line(res, "length_sort_pool_size = 30 is not a multiple of",
                     "--batch-size 4", "28 or 32")
     assert not (tmp_path / "o").exists()  # nothing ran, nothing written
+    res = runner.invoke(main, ["check-resume", str(three_sources), "--recipe",
+                               str(wrong_inputs["odd_pool"]), "--cut", "2"])
+    _one_error_line(res, "length_sort_pool_size = 30 is not a multiple of")
     # the demo says so before it writes its dataset
     res = runner.invoke(main, ["demo", "--out", str(tmp_path / "d"), "--batch-size", "3"])
     _one_error_line(res, "length_sort_pool_size = 256 is not a multiple of", "--batch-size 3")
