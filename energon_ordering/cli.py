@@ -55,10 +55,12 @@ def _looks_like_recipe(path: Path) -> bool:
     return isinstance(data, dict) and bool(fields & set(data)) and "splits" not in data
 
 
-def _check_dataset(path: str, what: str, recipe_goes: str | None = None) -> None:
+def _check_dataset(path: str, what: str, recipe_goes: str | None = None, *,
+                   open_train_split: bool = True) -> None:
     """Raises a one-line :class:`UserError` unless ``path`` is a prepared Energon dataset folder
-    or a metadataset YAML; ``what`` names the argument (e.g. ``METADATASET``), ``recipe_goes``
-    where a recipe belongs instead (e.g. ``--recipe``), if the command takes one."""
+    or a metadataset YAML (whose train split opens, with ``open_train_split``); ``what`` names
+    the argument (e.g. ``METADATASET``), ``recipe_goes`` where a recipe belongs instead (e.g.
+    ``--recipe``), if the command takes one."""
     from megatron.energon.metadataset import load_dataset
 
     how = ("prepare a folder of WebDataset shards with `energon prepare DIR`, or pass a "
@@ -68,7 +70,12 @@ def _check_dataset(path: str, what: str, recipe_goes: str | None = None) -> None
         raise UserError(f"{what} {path} is a recipe (ordering settings), not a dataset: {where}"
                         f"give as {what} a prepared dataset: {how}.")
     try:
-        load_dataset(path)
+        dataset = load_dataset(path)
+        if open_train_split:  # a metadataset's entries must be prepared datasets too
+            from megatron.energon import WorkerConfig
+
+            dataset.get_datasets(training=True, split_part="train",
+                                 worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
     except Exception as e:  # Energon raises ValueError, TypeError, OSError or YAML errors here
         raise UserError(f"{what} {path} is not a prepared Energon dataset or metadataset "
                         f"({type(e).__name__}: {e}); {how}.") from e
@@ -465,7 +472,7 @@ def index(dataset: str, task_encoder: str | None, tokens_per_media: int,
     dataset's index.uuid; run it again after `energon prepare`."""
     from energon_ordering.length_index.build import build_length_index
 
-    _check_dataset(dataset, "DATASET")
+    _check_dataset(dataset, "DATASET", open_train_split=False)  # the split is --split-part
     fn = _import_function(raw_length_fn, "--raw-length-fn") if raw_length_fn else None
     te = None if fn is not None and task_encoder is None else _task_encoder_factory(
         task_encoder, tokens_per_media)()
@@ -495,7 +502,8 @@ def _index_table(built: list[Any]) -> str:
     where = Path(built[0].summary.path).relative_to(paths[0])
     return "\n".join([
         _table(["dataset", "samples", "mean length (tokens)", "seconds"], rows),
-        f"\ndatasets in {parent}; each index is <dataset>/{where}",
+        f"\neach index is written to <dataset>/{where}",
+        f"datasets in {parent}",
     ])
 
 

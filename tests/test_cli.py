@@ -219,8 +219,10 @@ def test_lean_pool_user_flow_index_then_check_resume(runner, tmp_path):
     res = runner.invoke(main, ["index", str(data), "--tokens-per-media", "64"])
     assert res.exit_code == 0, res.output
     table = res.stdout[res.stdout.index("dataset"):].splitlines()
-    assert table[2].split()[:2] == ["web", "96"] and max(map(len, table)) <= 100, res.stdout
-    assert "each index is <dataset>/.nv-meta/energon_ordering_lengths.sqlite" in res.stdout
+    assert table[2].split()[:2] == ["web", "96"], res.stdout
+    assert table[4] == "each index is written to <dataset>/.nv-meta/energon_ordering_lengths.sqlite"
+    assert table[5] == f"datasets in {data.parent}"  # only this line holds a path of yours
+    assert max(map(len, table[:5])) <= 100, res.stdout
     res = runner.invoke(main, ["check-resume", str(data), "--recipe", str(lean), "--cut", "5",
                                "--steps", "20", "--tokens-per-media", "64", "--num-workers", "2"])
     assert res.exit_code == 0, res.output
@@ -273,6 +275,12 @@ def test_a_folder_that_is_not_a_dataset(runner, wrong_inputs, recipe):
                  ["index", folder]):
         _one_error_line(runner.invoke(main, args), f"{folder} is not a prepared Energon dataset",
                         "energon prepare")
+    # a metadataset that lists it
+    meta = wrong_inputs["folder"].parent / "meta.yaml"
+    meta.write_text(yaml.safe_dump({"__module__": "megatron.energon", "__class__": "MetadatasetV2",
+                                    "splits": {"train": {"blend": [{"weight": 1, "path": folder}]}}}))
+    _one_error_line(runner.invoke(main, ["inspect", str(meta), "--recipe", str(recipe)]),
+                    f"{meta} is not a prepared Energon dataset", "energon prepare")
 
 
 def test_a_recipe_where_the_metadataset_belongs(runner, recipe):
