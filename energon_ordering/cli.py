@@ -264,7 +264,7 @@ def _schedule_marks(sched: Any, total_steps: int) -> list[tuple[int, str]]:
 @main.command(context_settings=CONTEXT)
 @click.argument("recipe", type=click.Path(exists=True, dir_okay=False))
 @click.option("--total-steps", type=click.IntRange(min=1), default=None,
-              help="Optimizer steps of the run; overrides the recipe's total_steps  "
+              help="Optimizer steps of the run; overrides the recipe's total_steps "
                    "[default: the recipe's total_steps].")
 @click.option("--global-batch-size", type=click.IntRange(min=1), required=True, help="Samples per optimizer step.")
 @click.option("--metadataset", type=click.Path(exists=True), default=None,
