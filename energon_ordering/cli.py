@@ -37,13 +37,96 @@ class _RecipeType(click.ParamType):
 RECIPE = _RecipeType()
 
 
+class UserError(click.ClickException):
+    """A mistake in the command's input: one line ``Error: ...`` and exit code 2, like click's
+    own usage errors (exit code 1 means a check ran and failed, e.g. ``check-resume``)."""
+
+    exit_code = 2
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))  # one line, whatever the message holds
+
+
 @contextlib.contextmanager
 def _user_errors() -> Iterator[None]:
-    """Turns the package's typed errors into one clear line and exit code 1."""
+    """Turns the package's typed errors into one clear line and exit code 2."""
     try:
         yield
     except OrderingError as e:
-        raise click.ClickException(str(e)) from e
+        raise UserError(str(e)) from e
+
+
+# ---- pre-flight: every input checked before any work starts ---------------------------------
+
+
+def _looks_like_recipe(path: Path) -> bool:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    fields = {f.name for f in dataclasses.fields(OrderingConfig)} | {"placement"}
+    return isinstance(data, dict) and bool(fields & set(data)) and "splits" not in data
+
+
+def _check_dataset(path: str, what: str, recipe_goes: str | None = None, *,
+                   open_train_split: bool = True) -> None:
+    """Raises a one-line :class:`UserError` unless ``path`` is a prepared Energon dataset folder
+    or a metadataset YAML (whose train split opens, with ``open_train_split``); ``what`` names
+    the argument (e.g. ``METADATASET``), ``recipe_goes`` where a recipe belongs instead (e.g.
+    ``--recipe``), if the command takes one."""
+    from megatron.energon.metadataset import load_dataset
+
+    how = ("prepare a folder of WebDataset shards with `energon prepare DIR`, or pass a "
+           "metadataset YAML that lists prepared folders")
+    if Path(path).is_file() and _looks_like_recipe(Path(path)):
+        where = f"pass it as {recipe_goes}, and " if recipe_goes else ""
+        raise UserError(f"{what} {path} is a recipe (ordering settings), not a dataset: {where}"
+                        f"give as {what} a prepared dataset: {how}.")
+    try:
+        dataset = load_dataset(path)
+        if open_train_split:  # a metadataset's entries must be prepared datasets too
+            from megatron.energon import WorkerConfig
+
+            dataset.get_datasets(training=True, split_part="train",
+                                 worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    except Exception as e:  # Energon raises ValueError, TypeError, OSError or YAML errors here
+        raise UserError(f"{what} {path} is not a prepared Energon dataset or metadataset "
+                        f"({type(e).__name__}: {e}); {how}.") from e
+
+
+def _check_pool(cfg: OrderingConfig, batch_size: int) -> None:
+    """The recipe's pool against the micro-batch size (checked without any data)."""
+    if not (cfg.length_sort_enabled and cfg.length_sort_mode == "batch"):
+        return
+    pool = cfg.length_sort_pool_size
+    if pool % batch_size:
+        lower, upper = pool // batch_size * batch_size, (pool // batch_size + 1) * batch_size
+        fix = f"{lower} or {upper}" if lower else f"{upper}"
+        raise UserError(f"the recipe's length_sort_pool_size = {pool} is not a multiple of the "
+                        f"micro-batch size --batch-size {batch_size} (length_sort_mode: batch); "
+                        f"set length_sort_pool_size to {fix}, or change --batch-size.")
+
+
+def _preflight(path: str, configs: list[OrderingConfig], *, batch_size: int, num_workers: int,
+               world_size: int, task_encoder_factory: Any) -> None:
+    """Checks every input before any work starts: the dataset, the pool against the
+    micro-batch, and then builds (without iterating) the last rank's pipeline for each
+    configuration, which raises every construction-time error (sources against the schedule,
+    a missing length index, the task encoder) before the first run begins."""
+    from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader
+
+    _check_dataset(path, "METADATASET", "--recipe")
+    for cfg in configs:
+        _check_pool(cfg, batch_size)
+    with _user_errors():
+        for cfg in configs:
+            loader = build_train_loader(path, ordering=cfg, rank=world_size - 1,
+                                        world_size=world_size, num_workers=num_workers,
+                                        batch_size=batch_size,
+                                        task_encoder_factory=task_encoder_factory)
+            close_loader(loader)
 
 
 def _progress(label: str):
@@ -55,12 +138,31 @@ def _progress(label: str):
     return wrap
 
 
-def _load_recipe(path: str, **overrides: Any) -> OrderingConfig:
+def _load_recipe(path: str, *, total_steps: int | None = None) -> OrderingConfig:
+    """Loads a recipe; ``total_steps`` overrides the recipe's (and its schedule's) before the
+    schedule's fractional phase ends are resolved."""
+    from collections.abc import Mapping
+
+    from energon_ordering.yaml_file import load_yaml
+
     with _user_errors():
-        cfg = OrderingConfig.from_yaml(path)
-        if overrides:
-            cfg = OrderingConfig.from_dict({**cfg.to_dict(), **overrides})
-    return cfg
+        if total_steps is None:
+            return OrderingConfig.from_yaml(path)
+        data = load_yaml(path, "OrderingConfig.from_yaml")
+        if not isinstance(data, Mapping):
+            return OrderingConfig.from_yaml(path)  # raises its own error
+        sched = data.get("mixture_schedule")
+        if isinstance(sched, str):
+            sched_path = Path(sched) if Path(sched).is_absolute() else Path(path).parent / sched
+            sched = load_yaml(sched_path, "MixtureSchedule.from_yaml")
+        if isinstance(sched, Mapping) and "total_steps" in sched:
+            sched = {**sched, "total_steps": total_steps}
+        data = {**data, "total_steps": total_steps,
+                **({"mixture_schedule": sched} if "mixture_schedule" in data else {})}
+        try:
+            return OrderingConfig.from_dict(data)
+        except OrderingError as e:
+            raise type(e)(f"{path}: {e}") from e
 
 
 def _parse_sizes(text: str) -> dict[str, int]:
@@ -70,12 +172,11 @@ def _parse_sizes(text: str) -> dict[str, int]:
         try:
             sizes[name.strip()] = int(value)
         except ValueError:
-            raise click.BadParameter(
-                f"{part!r}: expected NAME=SAMPLES, e.g. web=1000000,code=200000",
-                param_hint="--source-sizes",
+            raise UserError(
+                f"--source-sizes {part!r}: expected NAME=SAMPLES, e.g. web=1000000,code=200000."
             ) from None
     if not sizes:
-        raise click.BadParameter("no sizes given", param_hint="--source-sizes")
+        raise UserError("--source-sizes: no sizes given; e.g. web=1000000,code=200000.")
     return sizes
 
 
@@ -117,10 +218,12 @@ def _with_task_encoder(fn):
     return fn
 
 
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
+def _table(headers: list[str], rows: list[list[Any]], left: tuple[str, ...] = ()) -> str:
+    """A plain text table: the first column and the ``left`` columns left-aligned."""
     cells = [[str(c) for c in r] for r in [headers, *rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    lefts = {0} | {i for i, h in enumerate(headers) if h in left}
+    line = lambda r: "  ".join(c.ljust(w) if i in lefts else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()  # noqa: E731
     return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths), *map(line, cells[1:])])
 
 
@@ -146,39 +249,80 @@ def main() -> None:
 # ---- plan ------------------------------------------------------------------------------------
 
 
+def _schedule_marks(sched: Any, total_steps: int) -> list[tuple[int, str]]:
+    """The steps at which the weights change, with what happens there: each phase boundary
+    (last step before, first step after) and the last step of each ramp; each knot."""
+    notes: dict[int, list[str]] = {0: ["start"]}
+
+    def note(step: int, text: str) -> None:
+        if 0 <= step < total_steps:
+            notes.setdefault(step, []).append(text)
+
+    if sched.phases is not None:
+        for i, (prev, ph) in enumerate(zip(sched.phases, sched.phases[1:]), start=1):
+            b = prev.end
+            note(b - 1, f"last step of phase {i - 1}")
+            if ph.ramp_steps:
+                note(b, f"phase {i}: ramp of {ph.ramp_steps:,} steps starts")
+                note(b + ph.ramp_steps - 1, f"ramp ends: phase {i} weights")
+            else:
+                note(b, f"phase {i} starts")
+    else:
+        for b in sched._breakpoints().tolist():
+            if b > 0:
+                note(b - 1, "before a knot")
+                note(b, "knot")
+    note(total_steps - 1, "last step")
+    return [(m, "; ".join(notes[m])) for m in sorted(notes)]
+
+
 @main.command(context_settings=CONTEXT)
 @click.argument("recipe", type=RECIPE)
-@click.option("--total-steps", type=click.IntRange(min=1), required=True, help="Optimizer steps of the run.")
+@click.option("--total-steps", type=click.IntRange(min=1), default=None,
+              help="Optimizer steps of the run; overrides the recipe's total_steps "
+                   "[default: the recipe's total_steps].")
 @click.option("--global-batch-size", type=click.IntRange(min=1), required=True, help="Samples per optimizer step.")
 @click.option("--metadataset", type=click.Path(exists=True), default=None,
               help="Prepared metadataset to read the source sizes from.")
 @click.option("--source-sizes", default=None, help="Samples per source, e.g. web=1000000,code=200000.")
 @click.option("--warn-above", default=4.0, help="Flag sources repeated more than this many epochs.")
 @click.option("--out", type=click.Path(file_okay=False), default=".", help="Folder for plan.png.")
-def plan(recipe: str, total_steps: int, global_batch_size: int, metadataset: str | None,
+def plan(recipe: str, total_steps: int | None, global_batch_size: int, metadataset: str | None,
          source_sizes: str | None, warn_above: float, out: str) -> None:
     """Before a run: the schedule at its boundaries, implied epochs, warmup, plan.png."""
     from energon_ordering.inspect.inspection import source_sizes_from_metadataset
     from energon_ordering.inspect.plots import plot_plan
 
+    # Everything is checked before anything is printed.
     if metadataset and source_sizes:
-        raise click.UsageError("give either --metadataset or --source-sizes, not both")
+        raise UserError("give either --metadataset or --source-sizes, not both.")
     cfg = _load_recipe(recipe, total_steps=total_steps)
     sched = cfg.mixture_schedule
+    total_steps = total_steps or cfg.total_steps or (sched.total_steps if sched else None)
+    if total_steps is None:
+        raise UserError(f"the recipe {recipe} has no total_steps; add `total_steps: N` to it "
+                        "or pass --total-steps N.")
+    sizes = None
+    if metadataset:
+        _check_dataset(metadataset, "--metadataset", "RECIPE")
+        with _user_errors():
+            sizes = source_sizes_from_metadataset(metadataset)
+    elif source_sizes:
+        sizes = _parse_sizes(source_sizes)
+    epochs = None
+    if sched is not None and sizes is not None:
+        epochs = _epochs_rows(cfg, total_steps, global_batch_size, sizes, warn_above)
+
+    name = Path(recipe).name
     if sched is not None:
-        marks = sorted({0, total_steps - 1} | {
-            s for b in sched._breakpoints().tolist() if 0 < b < total_steps for s in (b - 1, b)})
-        click.echo(f"Mixture schedule {sched.fingerprint} ({len(sched.sources)} sources)\n")
-        rows = [[f"{m:,}", *(f"{w:.3f}" for w in sched.weights(m).values())] for m in marks]
-        click.echo(_table(["step", *sched.sources], rows))
-        sizes = None
-        if metadataset:
-            with _user_errors():
-                sizes = source_sizes_from_metadataset(metadataset)
-        elif source_sizes:
-            sizes = _parse_sizes(source_sizes)
-        if sizes is not None:
-            rows, warns = _epochs_rows(cfg, total_steps, global_batch_size, sizes, warn_above)
+        click.echo(f"Mixture schedule of {name} ({len(sched.sources)} sources, fingerprint "
+                   f"{sched.fingerprint})\n")
+        marks = _schedule_marks(sched, total_steps)
+        rows = [[f"{m:,}", *(f"{w:.3f}" for w in sched.weights(m).values()), text]
+                for m, text in marks]
+        click.echo(_table(["step", *sched.sources, "note"], rows, left=("note",)))
+        if epochs is not None:
+            rows, warns = epochs
             click.echo(f"\nImplied epochs ({total_steps:,} steps x {global_batch_size:,} samples)\n")
             click.echo(_table(["source", "samples", "epochs", f"> {warn_above}"], rows))
             for w in warns:
@@ -200,7 +344,8 @@ def plan(recipe: str, total_steps: int, global_batch_size: int, metadataset: str
         click.echo(f"\nLength pool: {cfg.length_sort_pool_size} samples per loader worker, "
                    f"mode {cfg.length_sort_mode}.")
     Path(out).mkdir(parents=True, exist_ok=True)
-    png = plot_plan(Path(out) / "plan.png", total_steps=total_steps, schedule=sched, warmup=w)
+    png = plot_plan(Path(out) / "plan.png", total_steps=total_steps, schedule=sched, warmup=w,
+                    name=name)
     click.echo(f"\nwrote {png}")
 
 
@@ -214,10 +359,43 @@ def _measure_table(results: dict[str, Any]) -> str:
         ["padding waste", *(f"{100 * results[n].padding_waste:.1f}%" for n in names)],
         ["tokens per step", *(f"{results[n].tokens_per_step:,.0f}" for n in names)],
         ["source histogram dispersion (1 = iid)", *(f"{results[n].histogram_dispersion:.2f}" for n in names)],
+        ["  per optimizer step (1 = iid)", *(f"{results[n].step_histogram_dispersion:.2f}" for n in names)],
         ["keys on two ranks (must be 0)", *(str(results[n].overlapping_keys) for n in names)],
         ["sawtooth at shard period", *("yes" if results[n].sawtooth else "no" for n in names)],
     ]
     return _table(["", *names], rows)
+
+
+def _definitions(extra: dict[str, Any]) -> str:
+    """One line per term of :func:`_measure_table`, printed under it."""
+    return "\n".join([
+        "straggler idle: share of each step the ranks wait for the slowest (cost L + L^2/4096 "
+        "per sample); lower is better.",
+        "padding waste: share of a micro-batch that is padding up to its longest sample; lower "
+        "is better.",
+        "tokens per step: tokens of one micro-batch of every rank together, before padding.",
+        "source histogram dispersion: variance of each source's count per micro-batch (per "
+        "step: all ranks' micro-batches of the step, against the schedule at that step) over "
+        "that of independent draws; 1 = iid, below 1 more even, above 1 clumped by source "
+        "(worse: the mix swings from batch to batch).",
+        "keys on two ranks: samples drawn by more than one rank; anything but 0 means ranks "
+        "train on the same data.",
+        f"sawtooth at shard period: 'yes' if each source's share repeats every shard "
+        f"({extra['period']} micro-batches) while batches are clumped by source (shards read in "
+        "blocks: a sawtooth in the per-source loss); 'no' is good.",
+    ])
+
+
+def _mix_note(cfg: OrderingConfig, results: dict[str, Any], window: int) -> str | None:
+    """Why the mix is noisy per step with the pool on (None without a pool and a schedule)."""
+    if not (cfg.length_sort_enabled and cfg.mixture_schedule is not None and len(results) > 1):
+        return None
+    off, on = (results[n].step_histogram_dispersion for n in (list(results)[0], list(results)[-1]))
+    return (f"Why the mix is noisy with the pool: the blend draws the scheduled mix "
+            f"({cfg.blend_policy} policy), then the length pool reorders its output by length, "
+            "and sources differ in length; so the mix is exact at the blend but noisy per step "
+            f"(dispersion per step {on:.2f} with the pool, {off:.2f} without), and follows the "
+            f"schedule on average over a pool's worth of steps ({window}).")
 
 
 def _inspect(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, num_workers: int,
@@ -227,10 +405,16 @@ def _inspect(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, num_work
     from energon_ordering.inspect.plots import plot_run
     from energon_ordering.inspect.rank_simulation import run_ranks
 
-    configs = {"pool off": OrderingConfig.from_dict({**cfg.to_dict(), "length_sort_pool_size": 0})}
+    with _user_errors():
+        configs = {"pool off": OrderingConfig.from_dict({**cfg.to_dict(), "length_sort_pool_size": 0})}
     if cfg.length_sort_enabled:
         configs[f"pool {cfg.length_sort_pool_size} ({cfg.length_sort_mode})"] = cfg
+    _preflight(path, list(configs.values())[::-1], batch_size=batch_size, num_workers=num_workers,
+               world_size=ranks, task_encoder_factory=task_encoder_factory)
     period = max(1, shard_length(path) // batch_size)
+    mbps = cfg.micro_batches_per_step
+    # The averaging window of the mix plot: one pool's worth of steps (10 without a pool).
+    window = max(1, cfg.length_sort_pool_size // (batch_size * mbps)) if cfg.length_sort_enabled else 10
     records, results = {}, {}
     with _user_errors():
         for name, c in configs.items():
@@ -238,11 +422,13 @@ def _inspect(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, num_work
                 path, ordering=c, world_size=ranks, steps=steps, num_workers=num_workers,
                 batch_size=batch_size, task_encoder_factory=task_encoder_factory,
                 progress=_progress(f"{name}: {ranks} ranks x {steps} micro-batches"))
-            results[name] = measure(records[name], period)
+            results[name] = measure(records[name], period, mbps, cfg.mixture_schedule)
     out.mkdir(parents=True, exist_ok=True)
-    png = plot_run(out / "inspect.png", runs=records, micro_batches_per_step=cfg.micro_batches_per_step,
-                   schedule=cfg.mixture_schedule, warmup=cfg.seq_length_warmup)
-    return results, {"png": png, "period": period}
+    note = _mix_note(cfg, results, window)
+    png = plot_run(out / "inspect.png", runs=records, micro_batches_per_step=mbps,
+                   schedule=cfg.mixture_schedule, warmup=cfg.seq_length_warmup,
+                   window_steps=window, note=note)
+    return results, {"png": png, "period": period, "note": note, "window_steps": window}
 
 
 @main.command(context_settings=CONTEXT)
@@ -262,8 +448,10 @@ def inspect(metadataset: str, recipe: str, ranks: int, steps: int, num_workers: 
     results, extra = _inspect(metadataset, cfg, ranks=ranks, steps=steps, num_workers=num_workers,
                               batch_size=batch_size, out=Path(out), task_encoder_factory=factory)
     click.echo(_measure_table(results))
-    click.echo(f"(sawtooth: share autocorrelation at {extra['period']} micro-batches = one shard)")
-    click.echo(f"wrote {extra['png']}")
+    click.echo("\n" + _definitions(extra))
+    if extra["note"]:
+        click.echo("\n" + extra["note"])
+    click.echo(f"\nwrote {extra['png']}")
 
 
 # ---- index -----------------------------------------------------------------------------------
@@ -299,6 +487,7 @@ def index(dataset: str, task_encoder: str | None, tokens_per_media: int,
     dataset's index.uuid; run it again after `energon prepare`."""
     from energon_ordering.length_index.build import build_length_index
 
+    _check_dataset(dataset, "DATASET", open_train_split=False)  # the split is --split-part
     fn = _import_function(raw_length_fn, "--raw-length-fn") if raw_length_fn else None
     te = None if fn is not None and task_encoder is None else _task_encoder_factory(
         task_encoder, tokens_per_media)()
@@ -310,10 +499,27 @@ def index(dataset: str, task_encoder: str | None, tokens_per_media: int,
 
         built = build_length_index(dataset, task_encoder=te, raw_length_fn=fn,
                                    split_part=split_part, workers=workers, progress=progress)
-    rows = [[b.dataset, f"{b.summary.samples:,}",
-             f"{b.summary.total_tokens / max(1, b.summary.samples):,.1f}", f"{b.seconds:.1f}",
-             str(b.summary.path)] for b in built]
-    click.echo(_table(["dataset", "samples", "mean length", "seconds", "index file"], rows))
+    click.echo(_index_table(built))
+
+
+def _index_table(built: list[Any]) -> str:
+    """The summary of ``index``, within 100 columns: datasets named relative to their common
+    folder, and the index file's place said once (it is the same in every dataset)."""
+    import os
+
+    if not built:
+        return "no datasets indexed."
+    paths = [Path(b.dataset) for b in built]
+    parent = Path(os.path.commonpath([p.parent for p in paths]))
+    rows = [[str(p.relative_to(parent)), f"{b.summary.samples:,}",
+             f"{b.summary.total_tokens / max(1, b.summary.samples):,.1f}", f"{b.seconds:.1f}"]
+            for p, b in zip(paths, built)]
+    where = Path(built[0].summary.path).relative_to(paths[0])
+    return "\n".join([
+        _table(["dataset", "samples", "mean length (tokens)", "seconds"], rows),
+        f"\neach index is written to <dataset>/{where}",
+        f"datasets in {parent}",
+    ])
 
 
 # ---- check-resume ----------------------------------------------------------------------------
@@ -348,7 +554,10 @@ def check_resume_cmd(metadataset: str, recipe: str, cut: int, steps: int | None,
     steps = cut + 50 if steps is None else steps
     if cut >= steps:
         raise click.BadParameter(f"cut {cut} must be below --steps {steps}", param_hint="--cut")
-    ok, line = _resume_line(metadataset, _load_recipe(recipe), cut=cut, steps=steps,
+    _check_dataset(metadataset, "METADATASET", "--recipe")
+    cfg = _load_recipe(recipe)
+    _check_pool(cfg, batch_size)
+    ok, line = _resume_line(metadataset, cfg, cut=cut, steps=steps,
                             num_workers=num_workers, batch_size=batch_size,
                             task_encoder_factory=_task_encoder_factory(task_encoder, tokens_per_media))
     click.echo(line)
@@ -379,6 +588,7 @@ def demo(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scale: 
     from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 
     cfg = _load_recipe(recipe)
+    _check_pool(cfg, batch_size)
     out_dir = Path(out)
     specs = [SourceSpec(n, max(1, round(c * scale)), p) for n, c, p in DEMO_SOURCES]
     meta = out_dir / f"data_{sum(s.num_samples for s in specs)}" / "metadataset.yaml"
@@ -389,14 +599,23 @@ def demo(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scale: 
     click.echo(f"recipe {recipe}: {ranks} ranks x {steps} micro-batches of {batch_size}\n")
     from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
 
+    epochs = None
+    total = cfg.total_steps or (cfg.mixture_schedule.total_steps if cfg.mixture_schedule else None) or steps
+    if cfg.mixture_schedule is not None:
+        _check_dataset(str(meta), "the demo dataset")
+        with _user_errors():
+            sizes = source_sizes_from_metadataset(meta)
+        epochs = _epochs_rows(cfg, total, ranks * batch_size * cfg.micro_batches_per_step, sizes,
+                              warn_above=4.0)
     results, extra = _inspect(str(meta), cfg, ranks=ranks, steps=steps, num_workers=0,
                               batch_size=batch_size, out=out_dir,
                               task_encoder_factory=SyntheticTaskEncoder)
     click.echo(_measure_table(results))
-    if cfg.mixture_schedule is not None:
-        total = cfg.total_steps or cfg.mixture_schedule.total_steps or steps
-        rows, warns = _epochs_rows(cfg, total, ranks * batch_size * cfg.micro_batches_per_step,
-                                   source_sizes_from_metadataset(meta), warn_above=4.0)
+    click.echo("\n" + _definitions(extra))
+    if extra["note"]:
+        click.echo("\n" + extra["note"])
+    if epochs is not None:
+        rows, warns = epochs
         click.echo(f"\nImplied epochs over {total} steps\n")
         click.echo(_table(["source", "samples", "epochs", "> 4"], rows))
         for w in warns:
@@ -406,12 +625,21 @@ def demo(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scale: 
     click.echo("\n" + line)
     from energon_ordering.inspect.plots import plot_plan
 
-    plan_png = plot_plan(out_dir / "plan.png", total_steps=cfg.total_steps or steps,
-                         schedule=cfg.mixture_schedule, warmup=cfg.seq_length_warmup)
-    click.echo(f"wrote {extra['png']} and {plan_png}")
-    (out_dir / "results.json").write_text(json.dumps(
-        {name: dataclasses.asdict(m) for name, m in results.items()} | {"resume_identical": ok},
+    plan_png = plot_plan(out_dir / "plan.png", total_steps=total, schedule=cfg.mixture_schedule,
+                         warmup=cfg.seq_length_warmup, name=Path(recipe).name)
+    results_json = out_dir / "results.json"
+    results_json.write_text(json.dumps(
+        {name: dataclasses.asdict(m) for name, m in results.items()}
+        | {"resume_identical": ok, "micro_batches_per_step": cfg.micro_batches_per_step,
+           "mix_window_steps": extra["window_steps"], "mix_note": extra["note"]},
         indent=2))
+    data_mb = sum(f.stat().st_size for f in meta.parent.rglob("*") if f.is_file()) / 1e6
+    click.echo(f"\nwrote to {out_dir}/:\n"
+               f"  {extra['png'].name:<14} straggler idle, source mix and longest sample per step\n"
+               f"  {plan_png.name:<14} the recipe's schedule and warmup\n"
+               f"  {results_json.name:<14} the table above, per run\n"
+               f"  {meta.parent.name + '/':<14} the synthetic dataset ({data_mb:.0f} MB, reused by "
+               f"the next run)")
     if not ok:
         sys.exit(1)
 

@@ -80,7 +80,7 @@ def test_plan_errors(runner, tmp_path, recipe):
     bad = tmp_path / "bad.yaml"
     bad.write_text("length_sort_mode: sorted\n")
     res = runner.invoke(main, ["plan", str(bad), "--total-steps", "10", "--global-batch-size", "8"])
-    assert res.exit_code == 1 and "length_sort_mode = 'sorted' is unknown" in res.output
+    assert res.exit_code == 2 and "length_sort_mode = 'sorted' is unknown" in res.output
     res = runner.invoke(main, ["plan", str(recipe), "--total-steps", "0", "--global-batch-size", "8"])
     assert res.exit_code == 2 and "--total-steps" in res.output
     res = runner.invoke(main, ["plan", str(recipe), "--total-steps", "60", "--global-batch-size", "8",
@@ -88,7 +88,7 @@ def test_plan_errors(runner, tmp_path, recipe):
     assert res.exit_code == 2 and "NAME=SAMPLES" in res.output
     res = runner.invoke(main, ["plan", str(recipe), "--total-steps", "60", "--global-batch-size", "8",
                                "--source-sizes", "web=10"])
-    assert res.exit_code == 1 and "no size for ['code', 'curated']" in res.output
+    assert res.exit_code == 2 and "no size for ['code', 'curated']" in res.output
 
 
 def test_inspect(runner, three_sources, recipe, tmp_path):
@@ -124,7 +124,7 @@ def test_inspect_errors(runner, three_sources, recipe, tmp_path):
     other = tmp_path / "other.yaml"
     other.write_text("mixture_schedule: {sources: {web: {weight: 1}, books: {weight: 1}}}\n")
     res = runner.invoke(main, ["inspect", str(three_sources), "--recipe", str(other), "--steps", "5"])
-    assert res.exit_code == 1 and "no dataset for ['books']" in res.output
+    assert res.exit_code == 2 and "no dataset for ['books']" in res.output
 
 
 def test_check_resume(runner, three_sources, recipe):
@@ -149,8 +149,14 @@ def test_demo_end_to_end_small(runner, tmp_path):
     assert "pool off" in res.output and "pool 256 (batch)" in res.output
     assert "Implied epochs" in res.output
     assert "are identical" in res.output
+    for term in ("straggler idle:", "source histogram dispersion:", "sawtooth at shard period:",
+                 "Why the mix is noisy with the pool"):
+        assert term in res.output
+    assert "results.json" in res.output and "MB, reused by the next run" in res.output
     results = json.loads((tmp_path / "results.json").read_text())
     off, on = results["pool off"], results["pool 256 (batch)"]
+    # the per-step dispersion: the pool reorders by length, so steps are clumped by source
+    assert on["step_histogram_dispersion"] > off["step_histogram_dispersion"] > 0
     assert on["straggler_idle"] < off["straggler_idle"]
     assert on["overlapping_keys"] == off["overlapping_keys"] == 0
     assert results["resume_identical"] is True
@@ -162,7 +168,7 @@ def test_demo_bad_recipe(runner, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("seq_length_warmup: {start: 100, full: 50, warmup_steps: 3}\n")
     res = runner.invoke(main, ["demo", "--out", str(tmp_path), "--recipe", str(bad)])
-    assert res.exit_code == 1 and "start = 100 > full = 50" in res.output
+    assert res.exit_code == 2 and "start = 100 > full = 50" in res.output
 
 
 def _make_flaky():
@@ -209,9 +215,14 @@ def test_lean_pool_user_flow_index_then_check_resume(runner, tmp_path):
     lean.write_text("length_sort_pool_size: 32\nlength_sort_mode: batch\nplacement: pre-encode\n")
     res = runner.invoke(main, ["check-resume", str(data), "--recipe", str(lean), "--cut", "5",
                                "--steps", "20"])
-    assert res.exit_code == 1 and "energon-ordering index" in res.output  # no index yet
+    assert res.exit_code == 2 and "energon-ordering index" in res.output  # no index yet
     res = runner.invoke(main, ["index", str(data), "--tokens-per-media", "64"])
     assert res.exit_code == 0, res.output
+    table = res.stdout[res.stdout.index("dataset"):].splitlines()
+    assert table[2].split()[:2] == ["web", "96"], res.stdout
+    assert table[4] == "each index is written to <dataset>/.nv-meta/energon_ordering_lengths.sqlite"
+    assert table[5] == f"datasets in {data.parent}"  # only this line holds a path of yours
+    assert max(map(len, table[:5])) <= 100, res.stdout
     res = runner.invoke(main, ["check-resume", str(data), "--recipe", str(lean), "--cut", "5",
                                "--steps", "20", "--tokens-per-media", "64", "--num-workers", "2"])
     assert res.exit_code == 0, res.output
@@ -221,3 +232,121 @@ def test_lean_pool_user_flow_index_then_check_resume(runner, tmp_path):
                                "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
     assert "pool 32 (batch)" in res.output and "pool off" in res.output
+
+
+# ---- every wrong input: one `Error:` line, exit code 2, no traceback, before any work --------
+
+
+def _one_error_line(res, *needles: str) -> str:
+    """The whole output is one line `Error: ...` (no traceback, no usage, no table before it)."""
+    assert res.exit_code == 2, res.output
+    assert isinstance(res.exception, SystemExit), res.exception  # not an uncaught error
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), res.output
+    assert "Traceback" not in res.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def wrong_inputs(tmp_path, recipe):
+    folder = tmp_path / "just_a_folder"
+    folder.mkdir()
+    (folder / "a.txt").write_text("not a dataset\n")
+    typo = tmp_path / "typo.yaml"
+    demo = yaml.safe_load((RECIPES / "demo.yaml").read_text())
+    phases = demo["mixture_schedule"]["phases"]
+    phases[0]["weights"] = {("captoin" if k == "caption" else k): v
+                            for k, v in phases[0]["weights"].items()}
+    typo.write_text(yaml.safe_dump(demo))
+    odd_pool = tmp_path / "odd_pool.yaml"
+    odd_pool.write_text(recipe.read_text().replace("length_sort_pool_size: 32",
+                                                   "length_sort_pool_size: 30"))
+    no_total = tmp_path / "no_total.yaml"
+    no_total.write_text("mixture_schedule: {phases: [{until: 100, weights: {web: 1}}]}\n")
+    return {"folder": folder, "typo": typo, "odd_pool": odd_pool, "no_total": no_total}
+
+
+def test_a_folder_that_is_not_a_dataset(runner, wrong_inputs, recipe):
+    folder = str(wrong_inputs["folder"])
+    for args in (["inspect", folder, "--recipe", str(recipe)],
+                 ["check-resume", folder, "--recipe", str(recipe), "--cut", "1"],
+                 ["index", folder]):
+        _one_error_line(runner.invoke(main, args), f"{folder} is not a prepared Energon dataset",
+                        "energon prepare")
+    # a metadataset that lists it
+    meta = wrong_inputs["folder"].parent / "meta.yaml"
+    meta.write_text(yaml.safe_dump({"__module__": "megatron.energon", "__class__": "MetadatasetV2",
+                                    "splits": {"train": {"blend": [{"weight": 1, "path": folder}]}}}))
+    _one_error_line(runner.invoke(main, ["inspect", str(meta), "--recipe", str(recipe)]),
+                    f"{meta} is not a prepared Energon dataset", "energon prepare")
+
+
+def test_a_recipe_where_the_metadataset_belongs(runner, recipe):
+    for args in (["inspect", str(recipe), "--recipe", str(recipe)],
+                 ["check-resume", str(recipe), "--recipe", str(recipe), "--cut", "1"],
+                 ["index", str(recipe)],
+                 ["plan", str(recipe), "--global-batch-size", "8", "--metadataset", str(recipe)]):
+        line = _one_error_line(runner.invoke(main, args), f"{recipe} is a recipe",
+                               "energon prepare")
+        assert ("pass it as --recipe" in line) == (args[0] in ("inspect", "check-resume"))
+
+
+def test_a_pool_that_is_not_a_multiple_of_the_micro_batch_fails_before_any_run(
+        runner, three_sources, wrong_inputs, tmp_path):
+    res = runner.invoke(main, ["inspect", str(three_sources), "--recipe",
+                               str(wrong_inputs["odd_pool"]), "--out", str(tmp_path / "o")])
+    _one_error_line(res, "length_sort_pool_size = 30 is not a multiple of",
+                    "--batch-size 4", "28 or 32")
+    assert not (tmp_path / "o").exists()  # nothing ran, nothing written
+    res = runner.invoke(main, ["check-resume", str(three_sources), "--recipe",
+                               str(wrong_inputs["odd_pool"]), "--cut", "2"])
+    _one_error_line(res, "length_sort_pool_size = 30 is not a multiple of")
+    # the demo says so before it writes its dataset
+    res = runner.invoke(main, ["demo", "--out", str(tmp_path / "d"), "--batch-size", "3"])
+    _one_error_line(res, "length_sort_pool_size = 256 is not a multiple of", "--batch-size 3")
+    assert not (tmp_path / "d").exists()
+
+
+def test_plan_rejects_bad_source_sizes_before_printing(runner, recipe, tmp_path):
+    for sizes, needle in (("web=10", "no size for ['code', 'curated']"),
+                          ("web=lots", "expected NAME=SAMPLES"),
+                          (",", "no sizes given")):
+        res = runner.invoke(main, ["plan", str(recipe), "--global-batch-size", "8",
+                                   "--source-sizes", sizes, "--out", str(tmp_path)])
+        _one_error_line(res, needle)
+    assert not (tmp_path / "plan.png").exists()
+
+
+def test_a_typo_in_a_phase_names_the_unknown_source(runner, wrong_inputs, three_sources):
+    res = runner.invoke(main, ["plan", str(wrong_inputs["typo"]), "--global-batch-size", "8"])
+    _one_error_line(res, "phase 0: unknown source 'captoin' (did you mean 'caption'?)")
+    res = runner.invoke(main, ["inspect", str(three_sources), "--recipe", str(wrong_inputs["typo"])])
+    _one_error_line(res, "unknown source 'captoin' (did you mean 'caption'?)")
+
+
+def test_plan_needs_total_steps_from_the_recipe_or_the_flag(runner, wrong_inputs, tmp_path):
+    res = runner.invoke(main, ["plan", str(wrong_inputs["no_total"]), "--global-batch-size", "8"])
+    _one_error_line(res, "has no total_steps", "--total-steps N")
+    res = runner.invoke(main, ["plan", str(wrong_inputs["no_total"]), "--global-batch-size", "8",
+                               "--total-steps", "500", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+
+
+def test_plan_takes_total_steps_from_the_recipe_and_the_flag_overrides_it(runner, tmp_path):
+    demo = str(RECIPES / "demo.yaml")  # total_steps: 300, phase 1 from 0.7 with a 20-step ramp
+    res = runner.invoke(main, ["plan", demo, "--global-batch-size", "32", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    rows = {ln.split()[0]: ln for ln in res.stdout.splitlines() if ln[:1].isdigit()}
+    assert "last step of phase 0" in rows["209"]
+    assert "phase 1: ramp of 20 steps starts" in rows["210"]
+    assert "ramp ends: phase 1 weights" in rows["229"] and "0.400" in rows["229"]
+    assert "last step" in rows["299"]
+    assert "Mixture schedule of demo.yaml" in res.stdout
+    res = runner.invoke(main, ["plan", demo, "--global-batch-size", "32", "--total-steps", "1000",
+                               "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    rows = {ln.split()[0]: ln for ln in res.stdout.splitlines() if ln[:1].isdigit()}
+    assert "last step of phase 0" in rows["699"] and "ramp ends" in rows["719"]  # 0.7 of 1,000
+    assert "last step" in rows["999"]

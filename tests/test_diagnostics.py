@@ -96,6 +96,39 @@ def test_low_discrepancy_blend_has_low_dispersion():
     assert histogram_dispersion(_stream(round_robin), ["a", "b"]) == 0.0
 
 
+def test_sources_by_step_groups_every_rank_and_micro_batch_of_a_step():
+    from types import SimpleNamespace as B
+
+    from energon_ordering.inspect.diagnostics import sources_by_step
+
+    records = [[B(sources=("a", "a")), B(sources=("b",)), B(sources=("c",))],
+               [B(sources=("x",)), B(sources=("y",)), B(sources=("z",)), B(sources=("w",))]]
+    assert sources_by_step(records) == [["a", "a", "x"], ["b", "y"], ["c", "z"]]
+    # two micro-batches per step: only whole steps that every rank ran
+    assert sources_by_step(records, 2) == [["a", "a", "b", "x", "y"]]
+    with pytest.raises(ValueError, match="micro_batches_per_step = 0"):
+        sources_by_step(records, 0)
+
+
+def test_dispersion_against_a_changing_target():
+    import numpy as np
+
+    from energon_ordering.inspect.diagnostics import histogram_dispersion
+
+    # Exactly the target at every step: no dispersion against it, but a lot against the
+    # overall share, which the change of the target inflates.
+    groups = [["a"] * 8 + ["b"] * 2] * 10 + [["a"] * 2 + ["b"] * 8] * 10
+    target = np.array([[0.8, 0.2]] * 10 + [[0.2, 0.8]] * 10)
+    assert histogram_dispersion(groups, ["a", "b"], target) == 0.0
+    assert histogram_dispersion(groups, ["a", "b"]) == pytest.approx(3.6)  # 9 / (10 * .25)
+    # Independent draws from the target: about 1.
+    rng = np.random.default_rng(0)
+    drawn = [["a" if rng.random() < w[0] else "b" for _ in range(10)] for w in target for _ in range(50)]
+    assert 0.8 < histogram_dispersion(drawn, ["a", "b"], np.repeat(target, 50, axis=0)) < 1.2
+    with pytest.raises(ValueError, match=r"expected has shape \(1, 2\), need \(20, 2\)"):
+        histogram_dispersion(groups, ["a", "b"], target[:1])
+
+
 def test_histogram_errors():
     from energon_ordering.inspect.diagnostics import autocorrelation, source_histograms
 

@@ -193,6 +193,10 @@ def test_schedule_and_metadataset_must_name_the_same_sources(three_sources):
     bad = {"sources": {"web": {"weight": 1}, "books": {"weight": 1}}}
     with pytest.raises(OrderingConfigError, match=r"no dataset for \['books'\].*not in the schedule: \['code', 'curated'\]"):
         build_train_loader(three_sources, ordering=OrderingConfig(mixture_schedule=bad))
+    typo = {"sources": {"web": {"weight": 1}, "code": {"weight": 1}, "curatd": {"weight": 1}}}
+    with pytest.raises(OrderingConfigError, match=r"no dataset for \['curatd'\].*unknown source "
+                                                  r"'curatd' \(did you mean 'curated'\?\)"):
+        build_train_loader(three_sources, ordering=OrderingConfig(mixture_schedule=typo))
 
 
 def test_restore_under_another_schedule_raises_unless_allowed(three_sources):

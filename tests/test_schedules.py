@@ -140,9 +140,9 @@ def _phases(*phases, total=100):
                  {"until": 0.5, "weights": {"a": 1, "b": 1}}),
          r"phase 1: until = 0.5 \(step 50\) does not come after.*step 90"),
         (_phases({"until": 0.5, "weights": {"a": 1, "b": 1}},
-                 {"until": 1.0, "weights": {"a": 1}}), r"phase 1: .*missing \['b'\]"),
+                 {"until": 1.0, "weights": {"a": 1}}), r"phase 1: source 'b' is missing"),
         (_phases({"until": 0.5, "weights": {"a": 1, "b": 1}},
-                 {"until": 1.0, "weights": {"a": 1, "b": 1, "c": 1}}), r"phase 1: .*unknown \['c'\]"),
+                 {"until": 1.0, "weights": {"a": 1, "b": 1, "c": 1}}), r"phase 0: source 'c' is missing"),
         (_phases({"until": 0.5, "weights": {"a": 0, "b": 0}}), r"phase 0: all weights are 0"),
         (_phases({"until": 0.5, "weights": {"a": 1, "b": -2}}), r"phase 0 source 'b': weight -2.0"),
         (_phases({"until": 1.5, "weights": {"a": 1}}), r"phase 0: until = 1.5: a float is a fraction"),
@@ -157,6 +157,37 @@ def _phases(*phases, total=100):
 def test_bad_definitions(d, match):
     with pytest.raises(OrderingConfigError, match=match):
         MixtureSchedule.from_dict(d)
+
+
+DEMO_SOURCES = {"caption": 0.5, "vqa": 0.25, "ocr": 0.15, "curated": 0.1}
+
+
+def _renamed(weights, old, new):
+    return {(new if k == old else k): v for k, v in weights.items()}
+
+
+@pytest.mark.parametrize("typo_phase", [0, 1])
+def test_a_typo_is_named_as_the_unknown_source(typo_phase):
+    # The case: the typo in phase 0 of two; and a typo in the middle one of three.
+    phases = [{"until": 100, "weights": DEMO_SOURCES}, {"until": 200, "weights": DEMO_SOURCES}]
+    if typo_phase == 1:
+        phases.append({"until": 300, "weights": DEMO_SOURCES})
+    phases[typo_phase] = {**phases[typo_phase],
+                          "weights": _renamed(DEMO_SOURCES, "caption", "captoin")}
+    with pytest.raises(OrderingConfigError,
+                       match=rf"phase {typo_phase}: unknown source 'captoin' \(did you mean "
+                             r"'caption'\?\)\. Every phase must weight the same sources") as e:
+        MixtureSchedule.from_dict({"phases": phases})
+    assert "missing" not in str(e.value)
+
+
+def test_an_unrelated_name_lists_the_known_sources():
+    phases = [{"until": 10, "weights": {"web": 1, "code": 1}},
+              {"until": 20, "weights": {"web": 1, "code": 1}},
+              {"until": 30, "weights": {"web": 1, "zzz": 1}}]
+    with pytest.raises(OrderingConfigError, match=r"phase 2: unknown source 'zzz' \(known: "
+                                                  r"\['code'\]\)"):
+        MixtureSchedule.from_dict({"phases": phases})
 
 
 def test_knot_steps_from_json_may_be_strings():

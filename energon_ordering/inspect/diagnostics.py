@@ -12,6 +12,7 @@ Definitions (DESIGN.md, "What fast and correct are measured by"):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "autocorrelation",
@@ -19,6 +20,7 @@ __all__ = [
     "detect_sawtooth",
     "histogram_dispersion",
     "source_histograms",
+    "sources_by_step",
     "padding_waste",
     "rank_overlap",
     "straggler_idle",
@@ -135,13 +137,40 @@ def source_histograms(batch_sources: Sequence[Sequence[str]], sources: Sequence[
     return out
 
 
-def histogram_dispersion(batch_sources: Sequence[Sequence[str]], sources: Sequence[str]) -> float:
+def sources_by_step(records: Sequence[Sequence[Any]], micro_batches_per_step: int = 1) -> list[list[str]]:
+    """``records[rank][micro-batch]`` -> the sources of every sample of each optimizer step.
+
+    A step's group holds every micro-batch of every rank in that step: micro-batches
+    ``[k * m, (k + 1) * m)`` of each rank for ``m = micro_batches_per_step``. Only whole steps
+    that every rank ran are returned.
+    """
+    if micro_batches_per_step < 1:
+        raise ValueError(f"sources_by_step: micro_batches_per_step = {micro_batches_per_step} must be >= 1.")
+    m = micro_batches_per_step
+    steps = min(len(r) for r in records) // m if records else 0
+    return [[s for rank in records for b in rank[k * m:(k + 1) * m] for s in b.sources]
+            for k in range(steps)]
+
+
+def histogram_dispersion(
+    batch_sources: Sequence[Sequence[str]],
+    sources: Sequence[str],
+    expected: Any = None,
+) -> float:
     """How much the per-batch source histogram swings, relative to independent draws.
 
     For each source, the variance of its per-batch count divided by the binomial variance
     ``B p (1 - p)`` that independent draws with its overall share p would give; averaged over
     the sources with 0 < p < 1. About 1 for a well-mixed stream (or less, for a low-discrepancy
-    blend); well above 1 when batches are clustered by source (the shuffle is not mixing).
+    blend); well above 1 when batches are clumped by source (the shuffle is not mixing).
+
+    Args:
+        batch_sources: The source name of every sample, per batch (or per step's group).
+        sources: All source names.
+        expected: Optional target shares per batch, array ``[n_batches, len(sources)]`` (e.g. a
+            schedule's weights at each step): counts are then compared with ``B_b * w_b``
+            instead of the overall share, so that a schedule that changes over the batches
+            does not count as dispersion. None: the overall share of each source.
     """
     import numpy as np
 
@@ -149,12 +178,21 @@ def histogram_dispersion(batch_sources: Sequence[Sequence[str]], sources: Sequen
     sizes = hist.sum(axis=1)
     if len(hist) < 2 or sizes.min() <= 0:
         raise ValueError("histogram_dispersion: need at least two non-empty batches.")
-    p = hist.sum(axis=0) / sizes.sum()
-    ratios = [
-        hist[:, i].var() / (sizes.mean() * p[i] * (1 - p[i]))
-        for i in range(len(sources))
-        if 0 < p[i] < 1
-    ]
+    if expected is None:
+        p = hist.sum(axis=0) / sizes.sum()
+        ratios = [
+            hist[:, i].var() / (sizes.mean() * p[i] * (1 - p[i]))
+            for i in range(len(sources))
+            if 0 < p[i] < 1
+        ]
+        return float(np.mean(ratios)) if ratios else 0.0
+    w = np.asarray(expected, dtype=np.float64)
+    if w.shape != hist.shape:
+        raise ValueError(f"histogram_dispersion: expected has shape {w.shape}, need {hist.shape}.")
+    mean = sizes[:, None] * w
+    binomial = (mean * (1 - w)).mean(axis=0)
+    excess = ((hist - mean) ** 2).mean(axis=0)
+    ratios = [excess[i] / binomial[i] for i in range(len(sources)) if binomial[i] > 0]
     return float(np.mean(ratios)) if ratios else 0.0
 
 

@@ -21,9 +21,11 @@ from energon_ordering.inspect.diagnostics import (
     histogram_dispersion,
     padding_waste,
     rank_overlap,
+    sources_by_step,
     straggler_idle,
 )
 from energon_ordering.errors import OrderingConfigError
+from energon_ordering.mixture.schedule import MixtureSchedule
 from energon_ordering.inspect.rank_simulation import (
     BatchRecord,
     build_train_loader,
@@ -44,20 +46,43 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Measurement:
-    """Diagnostics of one simulated run (``records[rank][step]``)."""
+    """Diagnostics of one simulated run (``records[rank][step]``).
+
+    ``histogram_dispersion`` is :func:`~energon_ordering.inspect.diagnostics.histogram_dispersion`
+    over each rank's micro-batches (averaged over ranks); ``step_histogram_dispersion`` the same
+    over optimizer steps, a step's group being every micro-batch of every rank in that step
+    (:func:`~energon_ordering.inspect.diagnostics.sources_by_step`), against the schedule's
+    weights at each step when there is one. Both are 1 for independent draws, higher when
+    groups are clumped by source.
+    """
 
     straggler_idle: float
     padding_waste: float
     tokens_per_step: float
     histogram_dispersion: float
+    step_histogram_dispersion: float
     overlapping_keys: int
     sawtooth: bool
     sawtooth_autocorrelation: dict[str, float]
     sources: tuple[str, ...]
 
 
-def measure(records: list[list[BatchRecord]], period_batches: int) -> Measurement:
-    """Computes the diagnostics table of a run."""
+def measure(
+    records: list[list[BatchRecord]],
+    period_batches: int,
+    micro_batches_per_step: int = 1,
+    schedule: MixtureSchedule | None = None,
+) -> Measurement:
+    """Computes the diagnostics table of a run.
+
+    Args:
+        records: ``records[rank][micro_batch]``.
+        period_batches: The shard length in micro-batches (the sawtooth's period).
+        micro_batches_per_step: Groups micro-batches into optimizer steps for the per-step
+            dispersion.
+        schedule: The mixture schedule; the per-step dispersion then measures the counts
+            against its weights at each step (else against the run's overall shares).
+    """
     step_lengths = lengths_by_step(records)
     steps = len(step_lengths)
     sources = tuple(sorted({s for rank in records for b in rank for s in b.sources}))
@@ -71,11 +96,19 @@ def measure(records: list[list[BatchRecord]], period_batches: int) -> Measuremen
         dispersion = float(np.mean([histogram_dispersion(rs, sources) for rs in per_rank_sources]))
     else:
         sawtooth, ac, dispersion = False, {}, float("nan")
+    step_groups = sources_by_step(records, micro_batches_per_step)
+    expected = None
+    if schedule is not None and set(schedule.sources) >= set(sources):
+        table = schedule.weights_table(np.arange(len(step_groups)))
+        expected = table[:, [schedule.sources.index(s) for s in sources]]
+    step_dispersion = (histogram_dispersion(step_groups, sources, expected)
+                       if sources and len(step_groups) > 1 else float("nan"))
     return Measurement(
         straggler_idle=straggler_idle(step_lengths),
         padding_waste=padding_waste([b.lengths for b in all_batches]),
         tokens_per_step=float(np.mean([sum(sum(x) for x in st) for st in step_lengths])),
         histogram_dispersion=dispersion,
+        step_histogram_dispersion=step_dispersion,
         overlapping_keys=len(rank_overlap([[k for b in rank for k in b.keys] for rank in records])),
         sawtooth=sawtooth,
         sawtooth_autocorrelation=ac,

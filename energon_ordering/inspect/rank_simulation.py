@@ -112,7 +112,19 @@ def build_train_loader(
         max_samples_per_sequence=max_samples_per_sequence,
         repeat=repeat,
     )
-    return get_savable_loader(ds, **loader_kwargs)
+    loader = get_savable_loader(ds, **loader_kwargs)
+    if not _has_accelerator():
+        # Energon always asks torch to pin batches; without a GPU there is nothing to pin to
+        # and torch warns at every iterator it creates.
+        loader.pin_memory = False
+    return loader
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
 @contextmanager

@@ -229,6 +229,7 @@ class MixtureSchedule:
     def _from_phases(cls, phases: Any, total: int | None) -> MixtureSchedule:
         if not isinstance(phases, Sequence) or isinstance(phases, str) or not phases:
             raise _err("phases", f"{phases!r} must be a non-empty list of {{until, weights}}.")
+        _check_same_sources(phases)
         names: tuple[str, ...] | None = None
         parsed: list[Phase] = []
         prev_end = -1
@@ -251,15 +252,6 @@ class MixtureSchedule:
                 raise _err(where, f"weights {w!r} must be a non-empty mapping source -> weight.")
             if names is None:
                 names = tuple(str(n) for n in w)
-            else:
-                missing = [n for n in names if n not in w]
-                unknown = [n for n in w if n not in names]
-                if missing or unknown:
-                    raise _err(
-                        where,
-                        f"sources differ from phase 0 (missing {missing}, unknown {unknown}); every "
-                        "phase must weight the same sources (use 0 to switch one off).",
-                    )
             values = tuple(_weight_value(f"{where} source {n!r}", w[n]) for n in names)
             if sum(values) <= 0:
                 raise _err(where, f"all weights are 0 ({dict(w)}); give one source a weight > 0.")
@@ -373,6 +365,56 @@ class MixtureSchedule:
     def __repr__(self) -> str:
         form = "sources" if self.knots is not None else f"{len(self.phases or ())} phases"
         return f"MixtureSchedule({list(self.sources)}, {form}, fingerprint={self.fingerprint})"
+
+
+def unknown_source_message(name: str, known: Sequence[str]) -> str:
+    """``"unknown source 'captoin' (did you mean 'caption'?)"``: names a source that is not
+    among ``known`` and, if one is close, the source it was probably meant to be."""
+    close = _closest(name, known)
+    hint = f" (did you mean {close!r}?)" if close else f" (known: {sorted(map(str, known))})"
+    return f"unknown source {name!r}{hint}"
+
+
+def _closest(name: str, known: Sequence[str]) -> str | None:
+    import difflib
+
+    close = difflib.get_close_matches(name, [str(k) for k in known], n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _check_same_sources(phases: Sequence[Any]) -> None:
+    """Every phase must weight the same sources. A name is judged against the names most
+    phases use (on a tie, the larger set, then the later phases'), so a typo is reported as the unknown name with
+    the name it was probably meant to be, not the other way round."""
+    named = [
+        [str(n) for n in ph["weights"]]
+        for ph in phases
+        if isinstance(ph, Mapping) and isinstance(ph.get("weights"), Mapping)
+    ]
+    if len(named) < 2:
+        return
+    votes: dict[frozenset[str], list[int]] = {}
+    for i, names in enumerate(named):
+        votes.setdefault(frozenset(names), []).append(i)
+    if len(votes) == 1:
+        return
+    # The reference: the name set of the most phases; on a tie the larger set (a source left
+    # out is likelier than one added), then the one used last.
+    reference = max(votes, key=lambda k: (len(votes[k]), len(k), max(votes[k])))
+    problems = []
+    for i, names in enumerate(named):
+        unknown = [n for n in names if n not in reference]
+        missing = [n for n in reference if n not in names]
+        meant = {_closest(n, missing) for n in unknown}
+        problems += [f"phase {i}: {unknown_source_message(n, missing or sorted(reference))}"
+                     for n in unknown]
+        problems += [f"phase {i}: source {n!r} is missing" for n in missing if n not in meant]
+    others = ", ".join(str(i) for i in votes[reference])
+    raise _err(
+        "phases",
+        f"{'; '.join(problems)}. Every phase must weight the same sources as phase(s) {others} "
+        "(use 0 to switch one off).",
+    )
 
 
 def _positive_int(name: str, value: Any) -> int:

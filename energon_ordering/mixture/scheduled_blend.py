@@ -16,7 +16,7 @@ from megatron.energon.wrappers.base import BaseWrapperDataset
 
 from energon_ordering.mixture.policy import BLEND_POLICIES, deterministic_choice
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, StateMismatchError
-from energon_ordering.mixture.schedule import MixtureSchedule
+from energon_ordering.mixture.schedule import MixtureSchedule, unknown_source_message
 from energon_ordering.source_tag import tag_source
 from energon_ordering.state_stamp import stamp_differences
 
@@ -109,10 +109,11 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         missing = [s for s in schedule.sources if s not in names]
         unknown = [n for n in names if n not in schedule.sources]
         if missing or unknown:
+            typos = "".join(f"; {unknown_source_message(s, names)}" for s in missing)
             raise OrderingConfigError(
                 f"ScheduledBlendDataset: the datasets {names} do not match the schedule's sources "
                 f"{list(schedule.sources)} (no dataset for {missing}; not in the schedule: "
-                f"{unknown}). Name each dataset entry like its schedule source (metadataset "
+                f"{unknown}{typos}). Name each dataset entry like its schedule source (metadataset "
                 "`subflavors: {source: NAME}`), or add it to the schedule."
             )
         if policy not in BLEND_POLICIES:
