@@ -10,7 +10,7 @@ import torch
 from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_train_dataset, stateless
 
 from energon_ordering import OrderingConfig, OrderingConfigError, OrderingTaskEncoder, StateMismatchError
-from energon_ordering.errors import SampleLengthError
+from energon_ordering.errors import SampleLengthError, SeqLenOverflowError
 from energon_ordering.inspect.diagnostics import (
     pack_source_summary,
     packing_efficiency,
@@ -366,3 +366,50 @@ def test_pack_pool_is_in_the_pipeline(small_dataset):
                            task_encoder=te, shuffle_buffer_size=None, max_samples_per_sequence=16)
     assert "PackingDataset(" in str(ds) and "LengthPoolSortDataset(" in str(ds) and "PackPoolSortDataset(" not in str(ds)
     assert isinstance(PackPoolSortDataset, type) and isinstance(PackCapDataset, type)
+
+
+class BigImages(SyntheticTaskEncoder):
+    def __init__(self):
+        super().__init__(image_tokens=300)  # more media tokens than the first pack targets (256..)
+
+
+class SomeBigImages(SyntheticTaskEncoder):
+    def media_tokens(self, sample):  # every third sample has a 300-token image
+        return 300 if int(sample.__key__.rsplit("-", 1)[1]) % 3 == 0 else 64
+
+
+@pytest.mark.parametrize("overflow", ["keep", "drop", "error"])
+def test_overflow_policy_with_packing(small_dataset, overflow):
+    cfg = OrderingConfig(
+        micro_batches_per_step=2, seq_length_warmup=WARMUP, seq_length_overflow=overflow,
+        packing_buffer_size=16, pack_seq_length=2048)
+    te = SomeBigImages if overflow == "drop" else BigImages
+    loader = build_train_loader(small_dataset, ordering=cfg, batch_size=2, task_encoder_factory=te)
+    if overflow == "error":
+        with pytest.raises(SeqLenOverflowError, match=r"300 media tokens, more than the pack target of 256 tokens at step 0"):
+            next(iter(loader))
+        close_loader(loader)
+        return
+    batches = list(itertools.islice(loader, 4))
+    state = loader.save_state_rank()
+    close_loader(loader)
+    counts = warmup_counts(state)
+    if overflow == "keep":
+        assert counts["kept_over_cap"] > 0 and counts["dropped"] == 0
+        # an over-long document (media alone above the target) is packed alone, uncut
+        assert all(len(p) == 1 and p[0] >= 300 for b in batches for p in b.pack_lengths)
+        assert all((b.tokens == IMAGE_TOKEN_ID).sum() == 300 * len(b.keys) for b in batches)
+    else:
+        assert counts["dropped"] > 0 and counts["kept_over_cap"] == 0
+        for index, b in enumerate(batches):  # nothing above the target was packed
+            assert all(sum(p) <= pack_target(index // 2, 2048, SeqLenWarmup(**WARMUP)) for p in b.pack_lengths)
+            assert all(int(k.rsplit("-", 1)[1]) % 3 for k in b.keys)  # the big images were dropped
+
+
+def test_dropping_every_sample_raises_instead_of_looping(small_dataset):
+    cfg = OrderingConfig(micro_batches_per_step=2, seq_length_warmup=WARMUP, seq_length_overflow="drop",
+                         packing_buffer_size=16, pack_seq_length=2048)
+    loader = build_train_loader(small_dataset, ordering=cfg, batch_size=2, task_encoder_factory=BigImages)
+    with pytest.raises(SeqLenOverflowError, match=r"1000 samples in a row were dropped at step 0"):
+        next(iter(loader))
+    close_loader(loader)

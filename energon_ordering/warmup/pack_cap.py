@@ -47,6 +47,9 @@ STATE_VERSION = 1
 
 _LOG_FIRST = 10
 
+#: With ``overflow="drop"``, this many samples dropped in a row is an error, not an endless loop.
+MAX_CONSECUTIVE_DROPS = 1000
+
 
 def pack_target(step: int, pack_seq_length: int | None, warmup: SeqLenWarmup | None) -> int | None:
     """Tokens a pack built at optimizer ``step`` may hold (None: no limit known).
@@ -149,6 +152,7 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
         self._stamp = self._expected_stamp()
         self._counts = {"seen": 0, "truncated": 0, "truncated_tokens": 0, "kept_over_cap": 0, "dropped": 0}
         self._pending_error: SeqLenOverflowError | None = None
+        self._dropped_in_a_row = 0
 
     def len_worker(self, worker_idx: int | None = None) -> int:
         return self.dataset.len_worker(worker_idx)
@@ -179,6 +183,7 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
             self._counts["seen"] += 1
             result = truncate_sample(sample, target, self.layout)
             if not result.overflow:
+                self._dropped_in_a_row = 0
                 if result.cut_tokens:
                     self._counts["truncated"] += 1
                     self._counts["truncated_tokens"] += result.cut_tokens
@@ -206,7 +211,19 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
                     what, "packed alone, uncut" if self.overflow == "keep" else "dropped", n,
                 )
             if self.overflow == "keep":
+                self._dropped_in_a_row = 0
                 out.append(sample)
+                continue
+            self._dropped_in_a_row += 1
+            if self._dropped_in_a_row >= MAX_CONSECUTIVE_DROPS:
+                self._pending_error = SeqLenOverflowError(
+                    f"Sequence packing: {self._dropped_in_a_row} samples in a row were dropped at "
+                    f"step {self.current_step()} (pack target {target} tokens): their media tokens "
+                    "alone exceed the target, so no pack can be built. Raise "
+                    "seq_length_warmup.start above the media tokens per sample, or use overflow "
+                    "'keep'."
+                )
+                raise self._pending_error
         return out
 
     def __iter__(self) -> Iterator[T_sample]:
