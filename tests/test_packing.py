@@ -138,6 +138,36 @@ def test_config_packing_fields():
         OrderingConfig(length_sort_pool_size=8, packing_buffer_size=8, length_sort_placement="pre-encode")
 
 
+def test_pack_diagnostics():
+    packs = [["web", "code"], ["web", "web", "curated"], ["code"], ["curated", "web"]]
+    summary = pack_source_summary(packs, ["web", "code", "curated"])
+    assert summary["share:web"] == pytest.approx(4 / 8) and summary["share:code"] == pytest.approx(2 / 8)
+    assert summary["single_source_packs"] == 0.0  # every multi-document pack mixes sources
+    assert summary["same_source_neighbours"] == pytest.approx(1 / 4)
+    assert summary["expected_same_source_neighbours"] == pytest.approx(0.25 + 1 / 16 + 1 / 16)
+    assert packing_efficiency([2048, 1024], [2048, 2048]) == 0.75
+    with pytest.raises(ValueError, match=r"one target per pack"):
+        packing_efficiency([1], [])
+    with pytest.raises(ValueError, match=r"not in"):
+        pack_source_summary([["books"]], ["web"])
+
+
+class StatefulPackTE(SyntheticTaskEncoder):
+    def select_samples_to_pack(self, samples):
+        return [[s] for s in samples]
+
+    def pack_selected_samples(self, samples):  # not @stateless
+        return SequencePack(__key__=samples[0].__key__, __restore_key__=(), samples=samples,
+                            lengths=[s.total_len for s in samples])
+
+
+def test_pool_of_packs_needs_a_stateless_final_packer(small_dataset):
+    from energon_ordering.errors import NotRestorableError
+
+    with pytest.raises(NotRestorableError, match=r"pack_selected_samples\) is not marked stateless.*@stateless"):
+        build_train_loader(small_dataset, ordering=_cfg(), batch_size=2, task_encoder_factory=StatefulPackTE)
+
+
 # ---- real pipelines ---------------------------------------------------------------------------
 
 WARMUP = dict(start=256, full=2048, warmup_steps=6)  # 12 micro-batches with 2 per step
