@@ -443,3 +443,16 @@ def test_dropping_every_sample_raises_instead_of_looping(small_dataset):
     with pytest.raises(SeqLenOverflowError, match=r"1000 samples in a row were dropped at step 0"):
         next(iter(loader))
     close_loader(loader)
+
+
+def test_pool_of_packs_aligns_the_ranks_pack_costs(small_dataset):
+    from energon_ordering.inspect.diagnostics import straggler_idle
+    from energon_ordering.inspect.rank_simulation import lengths_by_step, run_ranks
+
+    base = dict(packing_buffer_size=32, pack_seq_length=4096, seed=5)
+    idle = {}
+    for name, cfg in (("off", OrderingConfig(**base)),
+                      ("packs", OrderingConfig(**base, length_sort_pool_size=24))):
+        records = run_ranks(small_dataset, ordering=cfg, world_size=4, steps=24, batch_size=1)
+        idle[name] = straggler_idle(lengths_by_step(records))
+    assert idle["packs"] < 0.6 * idle["off"], idle
