@@ -91,9 +91,10 @@ class OrderingTaskEncoder:
     Your ``select_samples_to_pack`` / ``pack_selected_samples`` are used unchanged; an encoder
     without them packs with :meth:`ordering_select_samples_to_pack` (first-fit decreasing to
     :meth:`ordering_pack_target`) and :meth:`ordering_pack_selected_samples` (a
-    :class:`~energon_ordering.pool.sequence_pack.SequencePack`). With the warmup the target of a
-    pack is the cap of the step it is built in (see :mod:`energon_ordering.warmup.pack_cap`);
-    your own packer should read :meth:`ordering_pack_target` instead of a constant.
+    :class:`~energon_ordering.pool.sequence_pack.SequencePack`). With the warmup the default
+    packer gives each pack the cap of the micro-batch it is emitted in (with the pool of packs:
+    of the step its buffer is packed in); see :mod:`energon_ordering.warmup.pack_cap`. Your own
+    packer should read :meth:`ordering_pack_target` instead of a constant.
     """
 
     #: The ordering configuration; the default turns every stage off.
@@ -492,6 +493,8 @@ class OrderingTaskEncoder:
     ) -> SavableDataset:
         """Pack cap -> Energon's PackingDataset (the encoder's packers) -> [pool of packs] ->
         Energon's batching."""
+        pool_of_packs = cfg.length_sort_enabled and cfg.pack_pool_placement == "packs"
+        default_packer = isinstance(getattr(self, "select_samples_to_pack"), _DefaultPacker)
         cap = PackCapDataset(
             dataset,
             worker_config=worker_config,
@@ -500,6 +503,9 @@ class OrderingTaskEncoder:
             micro_batches_per_step=cfg.micro_batches_per_step,
             overflow=cfg.seq_length_overflow,
             layout=self.ordering_token_layout,
+            batch_size=batch_size or 1,
+            # packs go straight to the batcher in creation order: each gets its own step's cap
+            per_pack_targets=default_packer and not pool_of_packs,
         )
         # Energon builds the PackingDataset exactly as without ordering (batch_size=None: the
         # packs only); the pre-packer is then wrapped to cut the buffer to the pack target.
@@ -507,8 +513,14 @@ class OrderingTaskEncoder:
             cap, batch_size=None, worker_config=worker_config,
             packing_buffer_size=packing_buffer_size,
         )
-        packed.pre_packer = PackCapPrePacker(packed.pre_packer, cap)
-        if cfg.length_sort_enabled and cfg.pack_pool_placement == "packs":
+        if default_packer:
+            packed.pre_packer = PackCapPrePacker(
+                packed.pre_packer, cap, length_fn=self.ordering_sample_length,
+                bin_packer=first_fit_decreasing,
+            )
+        else:
+            packed.pre_packer = PackCapPrePacker(packed.pre_packer, cap)
+        if pool_of_packs:
             packed = PackPoolSortDataset(
                 packed,
                 pool_size=cfg.length_sort_pool_size,

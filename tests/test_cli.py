@@ -63,7 +63,7 @@ def test_plan_with_source_sizes(runner, tmp_path):
     assert "warning: implied epochs above 4.0" in res.output
     assert "max_seq_len" in res.output and "2,048" in res.output
     assert "Sequence packing: buffer of 256 samples, packs of 2,048 tokens" in res.output
-    assert "600 packs per loader worker after packing" in res.output
+    assert "500 packs per loader worker after packing" in res.output
     _png_ok(tmp_path / "plan.png")
 
 

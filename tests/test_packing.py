@@ -83,6 +83,36 @@ def test_first_fit_decreasing_against_brute_force():
     assert worse < 30  # FFD is optimal on nearly all small inputs
 
 
+def _ffd_reference_caps(lengths, caps):
+    bins = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for k, b in enumerate(bins):
+            if sum(lengths[j] for j in b) + lengths[i] <= caps[k]:
+                b.append(i)
+                break
+        else:
+            bins.append([i])
+    return bins
+
+
+def test_first_fit_decreasing_with_growing_per_pack_capacities():
+    rng = random.Random(1)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        caps = sorted(rng.randint(8, 24) for _ in range(n))
+        lengths = [rng.randint(1, 24) for _ in range(n)]
+        bins = first_fit_decreasing(lengths, caps)
+        assert bins == _ffd_reference_caps(lengths, caps)
+        assert sorted(i for b in bins for i in b) == list(range(n))
+        for k, b in enumerate(bins):  # within its own capacity, or a single over-long document
+            assert sum(lengths[i] for i in b) <= caps[k] or len(b) == 1
+    assert first_fit_decreasing([300, 300, 200, 100], [256, 300, 400, 500]) == [[0], [1], [2, 3]]
+    with pytest.raises(ValueError, match=r"2 per-pack capacities for 3 documents"):
+        first_fit_decreasing([1, 2, 3], [4, 5])
+    with pytest.raises(ValueError, match=r"non-decreasing"):
+        first_fit_decreasing([1, 2], [5, 4])
+
+
 def test_first_fit_decreasing_edge_cases():
     assert first_fit_decreasing([], 8) == []
     assert first_fit_decreasing([9, 3, 5], 8) == [[0], [2, 1]]  # over-long: a pack of its own

@@ -4,10 +4,15 @@ With Energon's sequence packing the warmup cap applies to a whole pack: a pack b
 optimizer step s holds at most ``target(s) = min(pack_seq_length, warmup.max_seq_len(s))``
 tokens. Energon's ``PackingDataset`` calls the task encoder's ``select_samples_to_pack`` on a
 full buffer while the loader builds a micro-batch; that step is the emission step of the first
-pack of the round. The round's later packs go out in the next micro-batches, whose caps are
-never smaller (the warmup only grows), so every pack fits the cap of the step it is emitted in;
-a round spans ``packs_per_round / micro_batch_size`` micro-batches, so the cap grows by at most
-``(full - start) / warmup_steps`` tokens per step while packs of one round go out.
+pack of the round; the round's later packs go out in the next micro-batches, one micro-batch
+per ``micro_batch_size`` packs. With the default packer and nothing between the packing and the
+batcher, the k-th pack of a round gets the target of micro-batch ``k // micro_batch_size`` after
+the current one (:meth:`PackCapDataset.pack_targets`; first-fit decreasing with per-pack
+capacities), which is the cap of its emission step, or of the step before it if the micro-batch
+being built already held packs. With a user's packer, or a pool of packs (which reorders
+packs), every pack of a round gets the target of the step the round is built in: caps never
+shrink, so every pack still fits the cap of its emission step, but packs emitted later are
+filled to an older, smaller cap.
 
 :class:`PackCapPrePacker` wraps ``select_samples_to_pack``: it first cuts every sample longer
 than the target (text only, from the end; media never, see
@@ -98,6 +103,8 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
         micro_batches_per_step: int = 1,
         overflow: str = "keep",
         layout: TokenLayout | None = None,
+        batch_size: int | None = None,
+        per_pack_targets: bool = False,
     ):
         """Construct a PackCapDataset.
 
@@ -111,7 +118,16 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
             overflow: ``"keep"``, ``"drop"`` or ``"error"`` for a sample whose media alone
                 exceed the target.
             layout: How to cut the sample type; None = :class:`TokenLayout` defaults.
+            batch_size: Packs per micro-batch (for per-pack targets).
+            per_pack_targets: The k-th pack of a round is emitted ``k // batch_size``
+                micro-batches after the current one (packs go straight to the batcher), so it
+                gets that micro-batch's target; False: every pack gets the current target.
         """
+        if per_pack_targets and (batch_size is None or batch_size < 1):
+            raise OrderingConfigError(
+                f"PackCapDataset: per_pack_targets needs batch_size >= 1 (packs per micro-batch), "
+                f"got {batch_size!r}."
+            )
         if warmup is not None and not isinstance(warmup, SeqLenWarmup):
             raise OrderingTypeError(f"PackCapDataset: warmup = {warmup!r} must be a SeqLenWarmup or None.")
         if pack_seq_length is not None and (
@@ -137,6 +153,8 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
         self.micro_batches_per_step = micro_batches_per_step
         self.overflow = overflow
         self.layout = layout
+        self.batch_size = batch_size
+        self.per_pack_targets = bool(per_pack_targets)
         self.reset_state_own()
 
     def _expected_stamp(self) -> dict[str, Any]:
@@ -146,6 +164,8 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
             "warmup": None if self.warmup is None else self.warmup.to_dict(),
             "overflow": self.overflow,
             "micro_batches_per_step": self.micro_batches_per_step,
+            "per_pack_targets": self.per_pack_targets,
+            "batch_size": self.batch_size if self.per_pack_targets else None,
         }
 
     def reset_state_own(self) -> None:
@@ -165,8 +185,42 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
         """The pack target of the micro-batch being built, in tokens (None: no limit)."""
         return pack_target(self.current_step(), self.pack_seq_length, self.warmup)
 
-    def cut_for_packing(self, samples: list[T_sample]) -> list[T_sample]:
-        """Cuts each sample to the current target; applies the overflow policy.
+    def pack_targets(self, n: int) -> list[int] | None:
+        """Targets of the first ``n`` packs of a round built now, in emission order (tokens).
+
+        With ``per_pack_targets`` pack k gets the target of the micro-batch ``k // batch_size``
+        after the one being built (this worker's micro-batches are ``num_workers`` apart in the
+        rank's batch index); else all get :meth:`current_target`. None: no target.
+        """
+        if not self.per_pack_targets:
+            target = self.current_target()
+            return None if target is None else [target] * n
+        index = self.worker_config.active_worker_batch_index
+        stride = max(1, self.worker_config.num_workers)
+        assert self.batch_size is not None
+        out = []
+        for k in range(n):
+            step = (index + (k // self.batch_size) * stride) // self.micro_batches_per_step
+            target = pack_target(step, self.pack_seq_length, self.warmup)
+            if target is None:
+                return None
+            out.append(target)
+        return out
+
+    def cut_one(self, sample: T_sample, cap: int) -> T_sample:
+        """``sample`` cut to ``cap`` tokens (text only; unchanged if its media exceed it)."""
+        result = truncate_sample(sample, cap, self.layout)
+        if result.overflow or not result.cut_tokens:
+            return sample
+        self._counts["truncated"] += 1
+        self._counts["truncated_tokens"] += result.cut_tokens
+        return add_sample_restore_key(result.sample, cap, src=self)
+
+    def cut_for_packing(
+        self, samples: list[T_sample], target: int | None = None, media_limit: int | None = None
+    ) -> list[T_sample]:
+        """Cuts each sample to ``target`` (default: the current target); applies the overflow
+        policy to samples whose media exceed ``media_limit`` (default: ``target``).
 
         Returns:
             The samples to pack, in their order: cut ones replaced by their cut version (whose
@@ -175,13 +229,18 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
         Raises:
             SeqLenOverflowError: ``overflow="error"`` and a sample's media exceed the target.
         """
-        target = self.current_target()
+        target = self.current_target() if target is None else target
         if target is None:
             return samples
+        media_limit = target if media_limit is None else media_limit
         out = []
         for sample in samples:
             self._counts["seen"] += 1
             result = truncate_sample(sample, target, self.layout)
+            if not result.overflow and media_limit < target:
+                n_media = truncate_sample(sample, media_limit, self.layout)
+                if n_media.overflow:
+                    result = n_media
             if not result.overflow:
                 self._dropped_in_a_row = 0
                 if result.cut_tokens:
@@ -193,7 +252,7 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
                 continue
             what = (
                 f"sample {sample_key(sample)!r} has {result.media_tokens} media tokens, more than "
-                f"the pack target of {target} tokens at step {self.current_step()}"
+                f"the pack target of {media_limit} tokens at step {self.current_step()}"
             )
             if self.overflow == "error":
                 self._pending_error = SeqLenOverflowError(
@@ -282,18 +341,49 @@ class PackCapPrePacker:
     Args:
         packer: The task encoder's ``select_samples_to_pack`` (the user's, or the default).
         stage: The :class:`PackCapDataset` below the ``PackingDataset``.
+        length_fn: Set for the default packer: the length of a sample in tokens. The wrapper
+            then packs itself with ``bin_packer`` and the per-pack targets of
+            :meth:`PackCapDataset.pack_targets` (a document that fits no pack is cut to the
+            target of the pack it opens), and ``packer`` is not called.
+        bin_packer: ``(lengths, per-pack capacities) -> packs of indices`` (first-fit
+            decreasing), with ``length_fn``.
     """
 
-    def __init__(self, packer: Callable[[list[Any]], list[list[Any]]], stage: PackCapDataset):
+    def __init__(
+        self,
+        packer: Callable[[list[Any]], list[list[Any]]],
+        stage: PackCapDataset,
+        length_fn: Callable[[Any], float] | None = None,
+        bin_packer: Callable[[list[float], list[int]], list[list[int]]] | None = None,
+    ):
+        if (length_fn is None) != (bin_packer is None):
+            raise OrderingTypeError("PackCapPrePacker: give both length_fn and bin_packer, or neither.")
         self.packer = packer
         self.stage = stage
+        self.length_fn = length_fn
+        self.bin_packer = bin_packer
         self.__qualname__ = f"PackCapPrePacker({SavableDataset._function_config(packer)})"
 
     def __call__(self, samples: list[Any]) -> list[list[Any]]:
-        samples = self.stage.cut_for_packing(samples)
+        if self.length_fn is None or self.bin_packer is None:
+            samples = self.stage.cut_for_packing(samples)
+            if not samples:
+                return []
+            return self.packer(samples)
+        targets = self.stage.pack_targets(len(samples))
+        if targets is None:
+            return self.packer(samples)  # no target: the default packer explains what to set
+        samples = self.stage.cut_for_packing(samples, target=targets[-1], media_limit=targets[0])
         if not samples:
             return []
-        return self.packer(samples)
+        bins = self.bin_packer([self.length_fn(s) for s in samples], targets)
+        packs = []
+        for k, members in enumerate(bins):
+            pack = [samples[i] for i in members]
+            if len(pack) == 1 and self.length_fn(pack[0]) > targets[k]:
+                pack = [self.stage.cut_one(pack[0], targets[k])]
+            packs.append(pack)
+        return packs
 
     def __repr__(self) -> str:
         return self.__qualname__
