@@ -8,7 +8,10 @@ samples) and the pure ordering functions behind them, grouped by concern:
   similar lengths at the same step.
 - ``mixture/``: :class:`MixtureSchedule` (weights as a pure function of the step) and
   :class:`ScheduledBlendDataset`.
-- ``warmup/``: :class:`SeqLenWarmup` and :class:`SeqLenWarmupDataset` (length caps at batch time).
+- ``warmup/``: :class:`SeqLenWarmup` and :class:`SeqLenWarmupDataset` (length caps at batch time),
+  :class:`PackCapDataset` (the cap of a pack with Energon's sequence packing).
+- packing: :class:`PackPoolSortDataset` (a pool of packs sorted by attention cost), the default
+  packer :func:`first_fit_decreasing` and its :class:`SequencePack`.
 - ``length_index/``: per-sample lengths next to a prepared dataset, for the lean pool.
 - :class:`OrderingTaskEncoder` wires the stages into Energon's training pipeline from one
   :class:`OrderingConfig`; ``integrations/`` adapts it to host frameworks (Megatron-LM,
@@ -35,8 +38,12 @@ from energon_ordering.mixture.scheduled_blend import ScheduledBlendDataset
 from energon_ordering.packaged_recipes import recipe_names, resolve_recipe
 from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
 from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
+from energon_ordering.pool.ffd_pack import first_fit_decreasing
+from energon_ordering.pool.pack_pool_sort import PackPoolSortDataset
+from energon_ordering.pool.sequence_pack import SequencePack
 from energon_ordering.task_encoder import OrderingTaskEncoder
 from energon_ordering.warmup.schedule import SeqLenWarmup
+from energon_ordering.warmup.pack_cap import PackCapDataset
 from energon_ordering.warmup.seq_warmup import SeqLenWarmupDataset
 from energon_ordering.warmup.token_layout import TokenLayout
 
@@ -53,14 +60,18 @@ __all__ = [
     "OrderingError",
     "OrderingTaskEncoder",
     "OrderingTypeError",
+    "PackCapDataset",
+    "PackPoolSortDataset",
     "SampleLengthError",
     "ScheduledBlendDataset",
     "SeqLenOverflowError",
     "SeqLenWarmup",
     "SeqLenWarmupDataset",
+    "SequencePack",
     "StateMismatchError",
     "TokenLayout",
     "__version__",
+    "first_fit_decreasing",
     "implied_epochs",
     "recipe_names",
     "resolve_recipe",

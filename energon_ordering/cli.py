@@ -340,9 +340,20 @@ def plan(recipe: str, total_steps: int | None, global_batch_size: int, metadatas
         click.echo(_table(["step", "max_seq_len"], [[f"{m:,}", f"{w.max_seq_len(m):,}"] for m in marks]))
     else:
         click.echo("\nNo sequence-length warmup.")
+    packing = cfg.packing_buffer_size is not None or cfg.pack_seq_length is not None
+    if packing:
+        target = f"{cfg.pack_seq_length:,} tokens" if cfg.pack_seq_length else "the warmup cap"
+        click.echo(f"\nSequence packing: buffer of {cfg.packing_buffer_size or '(get_train_dataset)'} "
+                   f"samples, packs of {target}"
+                   + (" (min(pack_seq_length, max_seq_len) of the step during the warmup)" if w else "")
+                   + ", default packer first-fit decreasing.")
     if cfg.length_sort_enabled:
-        click.echo(f"\nLength pool: {cfg.length_sort_pool_size} samples per loader worker, "
-                   f"mode {cfg.length_sort_mode}.")
+        if packing and cfg.pack_pool_placement == "packs":
+            click.echo(f"\nLength pool: {cfg.length_sort_pool_size} packs per loader worker after "
+                       f"packing, sorted by cost sum(L + L^2/4096), mode {cfg.length_sort_mode}.")
+        else:
+            click.echo(f"\nLength pool: {cfg.length_sort_pool_size} samples per loader worker"
+                       + (", before packing" if packing else "") + f", mode {cfg.length_sort_mode}.")
     Path(out).mkdir(parents=True, exist_ok=True)
     png = plot_plan(Path(out) / "plan.png", total_steps=total_steps, schedule=sched, warmup=w,
                     name=name)

@@ -16,13 +16,16 @@ from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES
 from energon_ordering.yaml_file import load_yaml
 
-__all__ = ["PLACEMENTS", "POOL_HOLDS", "OrderingConfig"]
+__all__ = ["PACK_POOL_PLACEMENTS", "PLACEMENTS", "POOL_HOLDS", "OrderingConfig"]
 
 #: Where the length pool can sit: after ``encode_sample`` (pooling encoded samples) or before
 #: decoding (pooling restore keys and lengths only).
 PLACEMENTS = ("post-encode", "pre-encode")
 #: What the pre-encode pool keeps per sample: its restore key and length, or its raw files.
 POOL_HOLDS = ("keys", "raw")
+#: Where the length pool sits when packing: sorting samples before packing, or a pool of packs
+#: sorted by cost after packing.
+PACK_POOL_PLACEMENTS = ("samples", "packs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +72,17 @@ class OrderingConfig:
             overflow]}`` (``overflow`` sets ``seq_length_overflow``). None: off.
         seq_length_overflow: For a sample whose media tokens alone exceed the warmup cap:
             ``"keep"`` (emit uncut, counted), ``"drop"`` (skip, counted) or ``"error"``.
+        packing_buffer_size: Samples per packing buffer (Energon's ``packing_buffer_size``,
+            Megatron's ``--packing-buffer-size``); turns sequence packing on for
+            ``get_train_dataset`` calls that do not pass it. None: as ``get_train_dataset`` says.
+        pack_seq_length: Tokens per pack (Megatron's ``--packing-seq-length``): the target of
+            the default first-fit-decreasing packer and the length samples are cut to before
+            packing. With ``seq_length_warmup`` the target of a pack built at step s is
+            ``min(pack_seq_length, max_seq_len(s))``. None: the warmup's ``full``, else no cut.
+        pack_pool_placement: With packing and the length pool: ``"packs"`` (default; a pool of
+            ``length_sort_pool_size`` packs after packing, sorted by attention cost
+            ``sum(L + L^2/4096)`` and permuted with the rank-independent seed) or ``"samples"``
+            (the pool sorts samples before packing, as without packing). See README, "Packing".
     """
 
     length_sort_pool_size: int = 0
@@ -84,6 +98,9 @@ class OrderingConfig:
     allow_schedule_change: bool = False
     seq_length_warmup: SeqLenWarmup | None = None
     seq_length_overflow: str = "keep"
+    packing_buffer_size: int | None = None
+    pack_seq_length: int | None = None
+    pack_pool_placement: str = "packs"
 
     def __post_init__(self) -> None:
         for name in ("length_sort_pool_size", "seed", "micro_batches_per_step", "total_steps"):
@@ -158,6 +175,34 @@ class OrderingConfig:
                 f"OrderingConfig.length_sort_pool_holds = {self.length_sort_pool_holds!r} applies "
                 "to the pre-encode pool only (the post-encode pool holds encoded samples); set "
                 "length_sort_placement = 'pre-encode' or drop length_sort_pool_holds."
+            )
+        for name in ("packing_buffer_size", "pack_seq_length"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise OrderingTypeError(
+                    f"OrderingConfig.{name} = {value!r} ({type(value).__name__}) must be an int "
+                    "or null."
+                )
+            if value < 1:
+                raise OrderingConfigError(
+                    f"OrderingConfig.{name} = {value} must be >= 1 (or null for none)."
+                )
+        if self.pack_pool_placement not in PACK_POOL_PLACEMENTS:
+            raise OrderingConfigError(
+                f"OrderingConfig.pack_pool_placement = {self.pack_pool_placement!r} is unknown; "
+                f"use one of {list(PACK_POOL_PLACEMENTS)}."
+            )
+        if (
+            self.pack_pool_placement == "packs"
+            and self.length_sort_placement == "pre-encode"
+            and self.packing_buffer_size is not None
+        ):
+            raise OrderingConfigError(
+                "OrderingConfig.pack_pool_placement = 'packs' pools packs after packing, so it "
+                "cannot also sit before encoding (length_sort_placement = 'pre-encode'); use "
+                "pack_pool_placement = 'samples' with the pre-encode pool."
             )
         if self.length_sort_mode not in POOL_ORDERS:
             raise OrderingConfigError(

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import types
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
+from megatron.energon import TaskEncoder, stateless
 from megatron.energon.flavors.base_dataset import SavableDataset
 from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers import (
@@ -21,9 +25,14 @@ from energon_ordering.pool.deferred_load import Defer, DeferredLength, Materiali
 from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
 from energon_ordering.length_index.index import LengthIndex, index_path, task_encoder_label
 from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
+from energon_ordering.pool.ffd_pack import first_fit_decreasing
+from energon_ordering.pool.pack_pool_sort import PackPoolSortDataset
+from energon_ordering.pool.sequence_pack import SequencePack, pack_doc_lengths
 from energon_ordering.pool.sample_length import default_sample_length
 from energon_ordering.mixture.scheduled_blend import ScheduledBlendDataset
+from energon_ordering.warmup.pack_cap import PackCapDataset, PackCapPrePacker, pack_target
 from energon_ordering.warmup.seq_warmup import SeqLenWarmupDataset
+from energon_ordering.sample_fields import sample_field, sample_key
 from energon_ordering.source_tag import SOURCE_KEY
 from energon_ordering.warmup.token_layout import TokenLayout
 
@@ -69,8 +78,23 @@ class OrderingTaskEncoder:
     tokens are never cut). The pool sorts by the UNCAPPED length: the cap is applied after the
     pool, at batch time, so the warmup changes batch shapes but never which samples meet in a
     micro-batch or in which order they come; a sample's rank in the pool does not move when its
-    cap changes. Packing and ``batch_group_criterion`` are not supported together with the pool
-    or the warmup.
+    cap changes. ``batch_group_criterion`` is not supported together with the pool or the warmup.
+
+    With sequence packing (``packing_buffer_size`` given to ``get_train_dataset``, or
+    ``OrderingConfig.packing_buffer_size``) the training pipeline becomes::
+
+        ... -> encode_sample -> [LengthPoolSortDataset]     (pack_pool_placement = "samples")
+        -> PackCapDataset -> Energon's PackingDataset        cut to the pack target, then pack
+        -> [PackPoolSortDataset]                             (pack_pool_placement = "packs")
+        -> batch -> encode_batch
+
+    Your ``select_samples_to_pack`` / ``pack_selected_samples`` are used unchanged; an encoder
+    without them packs with :meth:`ordering_select_samples_to_pack` (first-fit decreasing to
+    :meth:`ordering_pack_target`) and :meth:`ordering_pack_selected_samples` (a
+    :class:`~energon_ordering.pool.sequence_pack.SequencePack`). With the warmup the default
+    packer gives each pack the cap of the micro-batch it is emitted in (with the pool of packs:
+    of the step its buffer is packed in); see :mod:`energon_ordering.warmup.pack_cap`. Your own
+    packer should read :meth:`ordering_pack_target` instead of a constant.
     """
 
     #: The ordering configuration; the default turns every stage off.
@@ -83,10 +107,92 @@ class OrderingTaskEncoder:
     #: While a pre-encode pipeline is built: per source, its load functions and length source.
     _ordering_deferred: list[tuple[list[Any], Any]] | None = None
     _ordering_batch_size: int | None = None
+    _ordering_packing_buffer_size: int | None = None
 
     def ordering_sample_length(self, sample: Any) -> float:
         """Length of an encoded sample in tokens; the key the pool sorts by."""
         return default_sample_length(sample)
+
+    def ordering_pack_lengths(self, pack: Any) -> list[int]:
+        """Per-document lengths of a packed sample, in tokens; the pool of packs costs packs by
+        them. Default: :func:`~energon_ordering.pool.sequence_pack.pack_doc_lengths`
+        (``SequencePack.lengths``, or a ``cu_lengths`` / ``cu_seqlens`` field)."""
+        return pack_doc_lengths(pack)
+
+    def ordering_pack_target(self) -> int | None:
+        """Tokens the pack being built may hold: ``OrderingConfig.pack_seq_length``, capped by
+        the warmup's ``max_seq_len`` of the step being built (None: no target configured).
+        Call it from your ``select_samples_to_pack`` (it runs in the loader worker)."""
+        cfg = self._ordering_config()
+        if cfg.seq_length_warmup is None:
+            return cfg.pack_seq_length
+        wc = WorkerConfig.active_worker_config
+        if wc is None:
+            raise OrderingConfigError(
+                f"{type(self).__name__}.ordering_pack_target() is only defined inside an Energon "
+                "loader worker (the target depends on the step being built)."
+            )
+        step = wc.active_worker_batch_index // cfg.micro_batches_per_step
+        return pack_target(step, cfg.pack_seq_length, cfg.seq_length_warmup)
+
+    def ordering_select_samples_to_pack(self, samples: list[Any]) -> list[list[Any]]:
+        """Default ``select_samples_to_pack``: first-fit decreasing (by
+        :meth:`ordering_sample_length`) into packs of :meth:`ordering_pack_target` tokens."""
+        target = self.ordering_pack_target()
+        if target is None:
+            raise OrderingConfigError(
+                "OrderingConfig.pack_seq_length = None: the default packer needs a target; set "
+                "pack_seq_length (Megatron: --packing-seq-length) or seq_length_warmup."
+            )
+        lengths = [self.ordering_sample_length(s) for s in samples]
+        return [[samples[i] for i in pack] for pack in first_fit_decreasing(lengths, target)]
+
+    @stateless
+    def ordering_pack_selected_samples(self, samples: list[Any]) -> SequencePack:
+        """Default ``pack_selected_samples``: a :class:`SequencePack` of the documents."""
+        sources = [sample_field(s, "__sources__") for s in samples]
+        return SequencePack(
+            __key__=",".join(str(sample_key(s)) for s in samples),
+            __restore_key__=(),
+            __subflavors__=None,
+            __sources__=tuple(x for src in sources if src for x in src) or None,
+            samples=list(samples),
+            lengths=[int(self.ordering_sample_length(s)) for s in samples],
+        )
+
+    def _ordering_own(self, name: str) -> bool:
+        """True if the encoder defines Energon method ``name`` itself (not only TaskEncoder)."""
+        return self._is_overridden(getattr(self, name))  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def _ordering_default_packers(self) -> Iterator[None]:
+        """Installs the default packing functions where the encoder has none, for one build."""
+        installed = []
+        for name, default in (
+            ("select_samples_to_pack", _DefaultPacker(self, "ordering_select_samples_to_pack")),
+            ("pack_selected_samples", _DefaultPacker(self, "ordering_pack_selected_samples")),
+        ):
+            if not self._ordering_own(name):
+                setattr(self, name, default)
+                installed.append(name)
+        try:
+            yield
+        finally:
+            for name in installed:
+                delattr(self, name)
+
+    @contextlib.contextmanager
+    def _ordering_postencode_done(self) -> Iterator[None]:
+        """Hides ``postencode_sample`` from Energon's batching while the packs (which already ran
+        it inside ``PackingDataset``) are batched."""
+        if not self._ordering_own("postencode_sample"):
+            yield
+            return
+        self.postencode_sample = types.MethodType(TaskEncoder.postencode_sample, self)
+        try:
+            yield
+        finally:
+            del self.postencode_sample
 
     def ordering_raw_sample_length(self, raw: dict[str, Any]) -> float:
         """Length in tokens of a RAW sample, for ``length_sort_placement = "pre-encode"``
@@ -107,6 +213,8 @@ class OrderingTaskEncoder:
             self._ordering_building_train
             and cfg.length_sort_enabled
             and cfg.length_sort_placement == "pre-encode"
+            and not (self._ordering_packing_buffer_size is not None
+                     and cfg.pack_pool_placement == "packs")
         )
 
     def _ordering_config(self) -> OrderingConfig:
@@ -125,13 +233,36 @@ class OrderingTaskEncoder:
             stages.append(f"length_sort_pool_size = {cfg.length_sort_pool_size}")
         if cfg.seq_length_warmup is not None:
             stages.append("seq_length_warmup")
-        if stages:
-            if kwargs.get("packing_buffer_size") is not None:
+        packing = kwargs.get("packing_buffer_size")
+        if cfg.packing_buffer_size is not None:
+            if packing is not None and packing != cfg.packing_buffer_size:
                 raise OrderingConfigError(
-                    f"OrderingConfig.{' and '.join(stages)} cannot be combined with packing "
-                    f"(packing_buffer_size = {kwargs['packing_buffer_size']}) yet; set one of "
-                    "them off."
+                    f"OrderingConfig.packing_buffer_size = {cfg.packing_buffer_size} contradicts "
+                    f"get_train_dataset(packing_buffer_size={packing}); give it once (Megatron: "
+                    "--packing-buffer-size)."
                 )
+            packing = kwargs["packing_buffer_size"] = cfg.packing_buffer_size
+        if packing is not None:
+            if cfg.length_sort_enabled and cfg.pack_pool_placement == "packs" and (
+                cfg.length_sort_placement == "pre-encode"
+            ):
+                raise OrderingConfigError(
+                    "OrderingConfig.pack_pool_placement = 'packs' pools packs after packing, so "
+                    "it cannot also sit before encoding (length_sort_placement = 'pre-encode'); "
+                    "use pack_pool_placement = 'samples' with the pre-encode pool."
+                )
+            if (
+                not self._ordering_own("select_samples_to_pack")
+                and cfg.pack_seq_length is None
+                and cfg.seq_length_warmup is None
+            ):
+                raise OrderingConfigError(
+                    f"{type(self).__name__} has no select_samples_to_pack, so packing "
+                    f"(packing_buffer_size = {packing}) uses the default first-fit-decreasing "
+                    "packer, which needs OrderingConfig.pack_seq_length (Megatron: "
+                    "--packing-seq-length); set it or define select_samples_to_pack."
+                )
+        if stages:
             if self._is_overridden(self.batch_group_criterion):  # type: ignore[attr-defined]
                 raise OrderingConfigError(
                     f"OrderingConfig.{' and '.join(stages)} cannot be combined with "
@@ -147,6 +278,7 @@ class OrderingTaskEncoder:
         self._ordering_building_train = True
         self._ordering_deferred = []
         self._ordering_batch_size = batch_size
+        self._ordering_packing_buffer_size = packing
         try:
             if cfg.mixture_schedule is not None:
                 return self._build_scheduled_train(cfg, batch_size=batch_size, **kwargs)
@@ -154,6 +286,7 @@ class OrderingTaskEncoder:
         finally:
             self._ordering_building_train = False
             self._ordering_deferred = None
+            self._ordering_packing_buffer_size = None
 
     def _load_dataset(
         self, dataset: Any, worker_rotation_offset: int, worker_config: WorkerConfig
@@ -303,11 +436,15 @@ class OrderingTaskEncoder:
         *,
         batch_size: int | None,
         worker_config: WorkerConfig,
+        packing_buffer_size: int | None = None,
         **kwargs: Any,
     ) -> SavableDataset:
         cfg = self._ordering_config()
-        if self._ordering_building_train and cfg.length_sort_placement == "post-encode" and (
-            cfg.length_sort_enabled
+        train = self._ordering_building_train
+        packing = train and packing_buffer_size is not None
+        pool_of_packs = packing and cfg.pack_pool_placement == "packs"
+        if train and cfg.length_sort_placement == "post-encode" and cfg.length_sort_enabled and (
+            not pool_of_packs
         ):
             dataset = LengthPoolSortDataset(
                 dataset,
@@ -318,7 +455,19 @@ class OrderingTaskEncoder:
                 key_fn=self.ordering_sample_length,
                 seed=cfg.seed,
             )
-        if self._ordering_building_train and cfg.seq_length_warmup is not None:
+        if packing:
+            with self._ordering_default_packers():
+                if not (cfg.length_sort_enabled or cfg.seq_length_warmup is not None
+                        or cfg.pack_seq_length is not None):
+                    return super().build_batch(  # type: ignore[misc]
+                        dataset, batch_size=batch_size, worker_config=worker_config,
+                        packing_buffer_size=packing_buffer_size, **kwargs
+                    )
+                return self._ordering_build_packing(
+                    cfg, dataset, batch_size=batch_size, worker_config=worker_config,
+                    packing_buffer_size=packing_buffer_size, **kwargs
+                )
+        if train and cfg.seq_length_warmup is not None:
             dataset = SeqLenWarmupDataset(
                 dataset,
                 warmup=cfg.seq_length_warmup,
@@ -328,8 +477,83 @@ class OrderingTaskEncoder:
                 layout=self.ordering_token_layout,
             )
         return super().build_batch(  # type: ignore[misc]
-            dataset, batch_size=batch_size, worker_config=worker_config, **kwargs
+            dataset, batch_size=batch_size, worker_config=worker_config,
+            packing_buffer_size=packing_buffer_size, **kwargs
         )
+
+    def _ordering_build_packing(
+        self,
+        cfg: OrderingConfig,
+        dataset: SavableDataset,
+        *,
+        batch_size: int | None,
+        worker_config: WorkerConfig,
+        packing_buffer_size: int,
+        **kwargs: Any,
+    ) -> SavableDataset:
+        """Pack cap -> Energon's PackingDataset (the encoder's packers) -> [pool of packs] ->
+        Energon's batching."""
+        pool_of_packs = cfg.length_sort_enabled and cfg.pack_pool_placement == "packs"
+        default_packer = isinstance(getattr(self, "select_samples_to_pack"), _DefaultPacker)
+        cap = PackCapDataset(
+            dataset,
+            worker_config=worker_config,
+            pack_seq_length=cfg.pack_seq_length,
+            warmup=cfg.seq_length_warmup,
+            micro_batches_per_step=cfg.micro_batches_per_step,
+            overflow=cfg.seq_length_overflow,
+            layout=self.ordering_token_layout,
+            batch_size=batch_size or 1,
+            # packs go straight to the batcher in creation order: each gets its own step's cap
+            per_pack_targets=default_packer and not pool_of_packs,
+        )
+        # Energon builds the PackingDataset exactly as without ordering (batch_size=None: the
+        # packs only); the pre-packer is then wrapped to cut the buffer to the pack target.
+        packed = super().build_batch(  # type: ignore[misc]
+            cap, batch_size=None, worker_config=worker_config,
+            packing_buffer_size=packing_buffer_size,
+        )
+        if default_packer:
+            packed.pre_packer = PackCapPrePacker(
+                packed.pre_packer, cap, length_fn=self.ordering_sample_length,
+                bin_packer=first_fit_decreasing,
+            )
+        else:
+            packed.pre_packer = PackCapPrePacker(packed.pre_packer, cap)
+        if pool_of_packs:
+            packed = PackPoolSortDataset(
+                packed,
+                pool_size=cfg.length_sort_pool_size,
+                worker_config=worker_config,
+                mode=cfg.length_sort_mode,
+                batch_size=batch_size,
+                doc_lengths=self.ordering_pack_lengths,
+                seed=cfg.seed,
+            )
+        with self._ordering_postencode_done():
+            return super().build_batch(  # type: ignore[misc]
+                packed, batch_size=batch_size, worker_config=worker_config,
+                packing_buffer_size=None, **kwargs
+            )
+
+
+class _DefaultPacker:
+    """One of the encoder's default packing functions, handed to Energon's PackingDataset for an
+    encoder without its own (a plain callable, so Energon takes it as provided; it keeps the
+    encoder, not a method name, so it survives pickling into loader workers)."""
+
+    def __init__(self, encoder: OrderingTaskEncoder, method: str):
+        self.encoder = encoder
+        self.method = method
+        self.__qualname__ = f"{type(encoder).__qualname__}.{method}"
+        fn = getattr(type(encoder), method)
+        self.__stateless__ = bool(getattr(fn, "__stateless__", False))
+
+    def __call__(self, samples: list[Any]) -> Any:
+        return getattr(self.encoder, self.method)(samples)
+
+    def __repr__(self) -> str:
+        return self.__qualname__
 
 
 def _source_name(loaded: Any) -> str:

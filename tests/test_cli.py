@@ -58,10 +58,12 @@ def test_plan_with_source_sizes(runner, tmp_path):
                                "web=40000000,code=5000000,books=2000000,curated=200000",
                                "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
-    assert "17,165" in res.output and "17,166" in res.output  # the anneal boundary, both sides
+    assert "17,164" in res.output and "17,165" in res.output  # the anneal boundary, both sides
     assert "curated" in res.output and "!" in res.output  # curated repeats > 4 epochs
     assert "warning: implied epochs above 4.0" in res.output
     assert "max_seq_len" in res.output and "2,048" in res.output
+    assert "Sequence packing: buffer of 256 samples, packs of 2,048 tokens" in res.output
+    assert "500 packs per loader worker after packing" in res.output
     _png_ok(tmp_path / "plan.png")
 
 

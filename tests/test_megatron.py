@@ -47,6 +47,9 @@ MEGATRON_FLAGS = {
     "--pipeline-model-parallel-size": dict(type=int, default=1),
     "--context-parallel-size": dict(type=int, default=1),
     "--eval-iters": dict(type=int, default=100),
+    # examples/multimodal/multimodal_args.py: sequence packing
+    "--packing-buffer-size": dict(type=int, default=None),
+    "--packing-seq-length": dict(type=int, default=0),
 }
 
 
@@ -101,6 +104,16 @@ def test_placement_flag_overrides_the_recipe(tmp_path):
     cfg = ordering_config_from_args(
         _parse(f"{base} --data-mixture-schedule {recipe} --length-sort-placement post-encode", 8))
     assert cfg.length_sort_placement == "post-encode"
+
+
+def test_megatron_packing_flags_are_honoured():
+    base = "--seq-length 4096 --micro-batch-size 1 --global-batch-size 8"
+    cfg = ordering_config_from_args(_parse(f"{base} --packing-buffer-size 100 --packing-seq-length 4096", 8))
+    assert cfg.packing_buffer_size == 100 and cfg.pack_seq_length == 4096
+    cfg = ordering_config_from_args(_parse(base, 8))  # Megatron's defaults: packing off
+    assert cfg.packing_buffer_size is None and cfg.pack_seq_length is None
+    with pytest.raises(OrderingConfigError, match=r"--packing-buffer-size = -1: must be an int > 0"):
+        ordering_config_from_args(_parse(f"{base} --packing-buffer-size -1", 8))
 
 
 def test_megatron_defaults_and_train_samples():

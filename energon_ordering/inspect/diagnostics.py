@@ -6,7 +6,11 @@ Definitions (DESIGN.md, "What fast and correct are measured by"):
   and a quadratic one for attention, with 4,096 tokens as the crossover);
 - straggler idle of a step: ``1 - mean_r(cost_r) / max_r(cost_r)`` over the data-parallel ranks,
   i.e. the fraction of GPU time the ranks spend waiting for the slowest one; averaged over steps;
-- padding waste of a micro-batch: ``1 - sum(L) / (B * max(L))``; averaged over micro-batches.
+- padding waste of a micro-batch: ``1 - sum(L) / (B * max(L))``; averaged over micro-batches;
+- with sequence packing: packing efficiency ``real tokens / (packs * target)``, and per pack the
+  histogram of its documents' sources (:func:`pack_source_histograms`); the cost of a packed
+  micro-batch is the sum over its documents, so :func:`straggler_idle` takes the documents'
+  lengths.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ __all__ = [
     "batch_cost",
     "detect_sawtooth",
     "histogram_dispersion",
+    "pack_source_histograms",
+    "pack_source_summary",
+    "packing_efficiency",
     "source_histograms",
     "sources_by_step",
     "padding_waste",
@@ -104,7 +111,8 @@ def switch_lag(realized: Sequence[float], target: Sequence[float]) -> float:
 
 def warmup_counts(loader_state: object) -> dict[str, int]:
     """Sums the sequence-length warmup counters (seen, truncated, truncated_tokens,
-    kept_over_cap, dropped) over every worker in a ``save_state_rank()`` result."""
+    kept_over_cap, dropped) over every worker in a ``save_state_rank()`` result (of the batch-time
+    warmup, or of the pack-time cut with packing)."""
     import dataclasses
 
     total: dict[str, int] = {}
@@ -112,7 +120,7 @@ def warmup_counts(loader_state: object) -> dict[str, int]:
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
-            if node.get("__class__") == "SeqLenWarmupDataset" and "_counts" in node:
+            if node.get("__class__") in ("SeqLenWarmupDataset", "PackCapDataset") and "_counts" in node:
                 for k, v in node["_counts"].items():
                     total[k] = total.get(k, 0) + int(v)
             stack.extend(node.values())
@@ -238,3 +246,56 @@ def detect_sawtooth(
     noise = 3 / np.sqrt(len(batch_sources))
     periodic = any(v > max(threshold, noise) for v in ac.values())
     return periodic and histogram_dispersion(batch_sources, sources) > min_dispersion, ac
+
+
+def packing_efficiency(pack_totals: Sequence[float], targets: Sequence[float]) -> float:
+    """Real tokens over pack capacity: ``sum(tokens) / sum(target)`` over the packs.
+
+    Args:
+        pack_totals: Tokens in each pack.
+        targets: The target (capacity) of each pack, in tokens (e.g. the warmup cap of its step).
+    """
+    if len(pack_totals) != len(targets) or not targets:
+        raise ValueError("packing_efficiency: need one target per pack and at least one pack.")
+    return float(sum(pack_totals) / sum(targets))
+
+
+def pack_source_histograms(pack_sources: Sequence[Sequence[str]], sources: Sequence[str]):
+    """Per-pack source histogram: array ``[n_packs, len(sources)]`` of document counts.
+
+    ``pack_sources[p]`` lists the source of each document of pack p (e.g.
+    ``PackedSyntheticBatch.pack_sources``, flattened over micro-batches).
+    """
+    return source_histograms(pack_sources, sources)
+
+
+def pack_source_summary(pack_sources: Sequence[Sequence[str]], sources: Sequence[str]) -> dict[str, float]:
+    """How packs mix sources.
+
+    Returns:
+        ``share:<source>``: each source's share of the packed documents (compare with the
+        schedule); ``single_source_packs``: fraction of packs with >= 2 documents that hold one
+        source only; ``expected_single_source``: that fraction if documents were drawn
+        independently with the realised shares (a pack built from neighbours of one shard
+        would be far above it); ``same_source_neighbours`` and its independent-draw
+        expectation ``expected_same_source_neighbours`` (``sum p**2``) for adjacent documents.
+    """
+    import numpy as np
+
+    hist = pack_source_histograms(pack_sources, sources)
+    total = hist.sum()
+    if total == 0:
+        raise ValueError("pack_source_summary: no documents.")
+    p = hist.sum(axis=0) / total
+    multi = [i for i, names in enumerate(pack_sources) if len(names) >= 2]
+    single = [int((hist[i] > 0).sum() == 1) for i in multi]
+    expected_single = [float((p ** len(pack_sources[i])).sum()) for i in multi]
+    pairs = [(a, b) for names in pack_sources for a, b in zip(names, names[1:])]
+    out = {f"share:{s}": float(p[k]) for k, s in enumerate(sources)}
+    out["single_source_packs"] = float(np.mean(single)) if single else 0.0
+    out["expected_single_source"] = float(np.mean(expected_single)) if expected_single else 0.0
+    out["same_source_neighbours"] = (
+        float(np.mean([a == b for a, b in pairs])) if pairs else 0.0
+    )
+    out["expected_same_source_neighbours"] = float((p**2).sum())
+    return out

@@ -15,12 +15,14 @@ from typing import Any
 import torch
 from megatron.energon import Batch, CaptioningSample, DefaultTaskEncoder, Sample, stateless
 
+from energon_ordering.pool.sequence_pack import SequencePack
 from energon_ordering.task_encoder import OrderingTaskEncoder
 from energon_ordering.warmup.token_layout import TokenLayout
 
 __all__ = [
     "IMAGE_TOKEN_ID",
     "IndexedSyntheticTaskEncoder",
+    "PackedSyntheticBatch",
     "SyntheticBatch",
     "SyntheticTaskEncoder",
     "TokenizedSample",
@@ -56,6 +58,21 @@ class SyntheticBatch(Batch):
     keys: list[str]
     sources: list[str]
     lengths: list[int]
+    tokens: torch.Tensor
+    images: torch.Tensor
+
+
+@dataclasses.dataclass
+class PackedSyntheticBatch(Batch):
+    """A padded batch of packs: ``tokens`` is (B, longest pack); per document (flattened over
+    the packs, in order) ``keys``, ``sources`` and ``lengths``; per pack ``pack_lengths`` and
+    ``pack_sources`` (its documents' lengths and sources)."""
+
+    keys: list[str]
+    sources: list[str]
+    lengths: list[int]
+    pack_lengths: list[list[int]]
+    pack_sources: list[list[str]]
     tokens: torch.Tensor
     images: torch.Tensor
 
@@ -118,7 +135,9 @@ class SyntheticTaskEncoder(
         )
 
     @stateless
-    def batch(self, samples: list[TokenizedSample]) -> SyntheticBatch:
+    def batch(self, samples: list[TokenizedSample] | list[SequencePack]) -> SyntheticBatch | PackedSyntheticBatch:
+        if samples and isinstance(samples[0], SequencePack):
+            return self._batch_packs(samples)
         max_len = max(s.total_len for s in samples)
         tokens = torch.zeros((len(samples), max_len), dtype=torch.int32)
         for i, s in enumerate(samples):
@@ -132,9 +151,30 @@ class SyntheticTaskEncoder(
             images=torch.stack([s.image for s in samples]),
         )
 
+    def _batch_packs(self, packs: list[SequencePack]) -> PackedSyntheticBatch:
+        """Each pack's documents concatenated into one row (the default packer's packs)."""
+        width = max(p.total_len for p in packs)
+        tokens = torch.zeros((len(packs), width), dtype=torch.int32)
+        for i, p in enumerate(packs):
+            if p.samples:
+                row = torch.cat([s.tokens for s in p.samples])
+                tokens[i, : len(row)] = row
+        docs = [s for p in packs for s in p.samples]
+        return PackedSyntheticBatch.from_samples(
+            packs,
+            keys=[s.__key__ for s in docs],
+            sources=[s.source for s in docs],
+            lengths=[s.total_len for s in docs],
+            pack_lengths=[list(p.lengths) for p in packs],
+            pack_sources=[[s.source for s in p.samples] for p in packs],
+            tokens=tokens,
+            images=torch.stack([s.image for s in docs]),
+        )
+
 
 class IndexedSyntheticTaskEncoder(SyntheticTaskEncoder):
     """:class:`SyntheticTaskEncoder` without a raw length function: with the pre-encode pool its
     lengths must come from the dataset's length index (tests and benchmarks of that path)."""
 
     ordering_raw_sample_length = OrderingTaskEncoder.ordering_raw_sample_length
+

@@ -135,7 +135,7 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
     Megatron's own args are used where they exist: ``--seq-length`` (warmup target),
     ``--seed`` (default ordering seed), ``--micro-batch-size``, ``--global-batch-size`` and the
     data-parallel size (micro-batches per step), ``--train-iters`` or ``--train-samples`` (total
-    steps). Settings come from the recipe given with ``--data-mixture-schedule`` first, explicit
+    steps), ``--packing-buffer-size`` and ``--packing-seq-length`` (sequence packing). Settings come from the recipe given with ``--data-mixture-schedule`` first, explicit
     flags override them.
 
     Raises:
@@ -183,6 +183,18 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
         raise _err("--length-sort-pool-size", pool,
                    f"must be a multiple of --micro-batch-size ({mbs}) with --length-sort-mode "
                    f"batch; use {max(1, pool // mbs) * mbs}.")
+    # Megatron's own packing flags (examples/multimodal: --packing-buffer-size, default None =
+    # off; --packing-seq-length, default 0 = unset); not duplicated here, only read.
+    packing = getattr(args, "packing_buffer_size", None)
+    if packing is not None and (not isinstance(packing, int) or packing < 0):
+        raise _err("--packing-buffer-size", packing, "must be an int > 0 (or unset: no packing).")
+    if packing:
+        base["packing_buffer_size"] = packing
+    pack_len = getattr(args, "packing_seq_length", None)
+    if pack_len is not None and (not isinstance(pack_len, int) or pack_len < 0):
+        raise _err("--packing-seq-length", pack_len, "must be an int > 0 (0 = unset).")
+    if pack_len:
+        base["pack_seq_length"] = pack_len
     base["micro_batches_per_step"] = micro_batches_per_step(args)
     total = _total_steps(args)
     if total is not None:

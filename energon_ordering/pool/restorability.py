@@ -50,6 +50,13 @@ def explain_not_restorable(dataset: SavableDataset) -> NotRestorableError | None
             f"`@stateless(restore_seeds=True)` if it draws random numbers) and make its output "
             f"depend on the sample only. {why}"
         )
+    if type(culprit).__name__ == "PackingDataset":
+        fn = SavableDataset._function_config(culprit.final_packer)
+        return NotRestorableError(
+            f"{fn} (pack_selected_samples) is not marked stateless, so packs cannot be restored "
+            f"by key. Decorate it with `@stateless` (`from megatron.energon import stateless`) "
+            f"and make its output depend on the selected samples only. {why}"
+        )
     return NotRestorableError(
         f"{type(culprit).__name__} cannot restore samples by key ({culprit}). {why}"
     )
