@@ -473,7 +473,7 @@ def advise(dataset: str, ranks: int, micro_batch: int, num_workers: int, memory_
            task_encoder: str | None, tokens_per_media: int) -> None:
     """Predicted idle, padding and source mix for pool sizes 1k..1M at 8..1,024 ranks; recommends one setting."""
     from energon_ordering.inspect.advise import advise as run_advise
-    from energon_ordering.inspect.advise import plot_advice
+    from energon_ordering.inspect.advise import plot_advice, source_mix_note
 
     budget = _parse_bytes(memory_per_worker)
     factory = _task_encoder_factory(task_encoder, tokens_per_media)
@@ -494,6 +494,9 @@ def advise(dataset: str, ranks: int, micro_batch: int, num_workers: int, memory_
                    f"length_sort_placement: {placement}"
                    + (f", length_sort_pool_holds: {holds}" if placement == "pre-encode" else "")
                    + f"\n  ({adv.reason})")
+    note = source_mix_note(adv)
+    if note:
+        click.echo(f"  {note}")
     click.echo(f"wrote {plot_advice(Path(out) / 'advise.png', adv)}")
 
 

@@ -20,6 +20,7 @@ from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.pool.deferred_load import Defer, DeferredLength, Materialize, split_loader
 from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
 from energon_ordering.pool.index_fill import index_fill_problem, index_filled
+from energon_ordering.pool.order import BATCHED_MODES
 from energon_ordering.length_index.index import LengthIndex, index_path, task_encoder_label
 from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
 from energon_ordering.pool.sample_length import default_sample_length
@@ -145,9 +146,9 @@ class OrderingTaskEncoder:
                     "turn the ordering stage off."
                 )
         if cfg.length_sort_enabled:
-            if cfg.length_sort_mode == "batch" and batch_size is None:
+            if cfg.length_sort_mode in BATCHED_MODES and batch_size is None:
                 raise OrderingConfigError(
-                    "OrderingConfig.length_sort_mode = 'batch' needs batching; pass batch_size "
+                    f"OrderingConfig.length_sort_mode = {cfg.length_sort_mode!r} needs batching; pass batch_size "
                     "to get_train_dataset or use length_sort_mode = 'sample'."
                 )
         self._ordering_building_train = True

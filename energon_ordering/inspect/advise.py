@@ -70,6 +70,8 @@ __all__ = [
     "order_positions",
     "plot_advice",
     "predict_order",
+    "recommend",
+    "source_mix_note",
     "vector_straggler_idle",
 ]
 
@@ -503,6 +505,26 @@ def recommend(
     )
 
 
+def source_mix_note(advice: Advice, limit: float = 1.5) -> str | None:
+    """If the recommended setting clusters sources per optimizer step (dispersion above
+    ``limit``), the ``stratified`` alternative at the same pool size and its cost in idle."""
+    if advice.recommended is None:
+        return None
+    _, _, mode, size = advice.recommended
+    pick = {(p.mode, p.pool_size): p for p in advice.predictions}
+    rec, alt = pick.get((mode, size)), pick.get(("stratified", size))
+    if rec is None or alt is None or not rec.dispersion_step > limit or mode == "stratified":
+        return None
+    r = advice.ranks
+    return (
+        f"sources cluster per optimizer step: dispersion {rec.dispersion_step:.2f} per step "
+        f"(> {limit}) with {mode} mode. length_sort_mode: stratified keeps the ranks in sync and "
+        f"mixes sources: dispersion {alt.dispersion_step:.2f} per step, idle at {r} ranks "
+        f"{100 * alt.idle[r]:.1f}% instead of {100 * rec.idle[r]:.1f}%, padding "
+        f"{100 * alt.padding:.1f}% instead of {100 * rec.padding:.1f}% (use it with packing)."
+    )
+
+
 def advise(
     path: str | Path,
     *,
@@ -576,7 +598,7 @@ def plot_advice(path: str | Path, advice: Advice) -> Path:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, r in enumerate(advice.rank_counts):
         color = colors[i % len(colors)]
-        for mode, style in (("batch", "-"), ("sample", "--")):
+        for mode, style in (("batch", "-"), ("sample", "--"), ("stratified", "-.")):
             pts = sorted((p.pool_size, p.idle[r]) for p in advice.predictions if p.mode == mode)
             if pts:
                 xs, ys = zip(*pts)
@@ -587,8 +609,8 @@ def plot_advice(path: str | Path, advice: Advice) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("pool size (samples per loader worker)")
     ax.set_ylabel("predicted straggler idle (%)")
-    ax.set_title(f"micro-batch {advice.batch_size}: batch mode (solid), sample mode (dashed), "
-                 "no pool (dotted)", fontsize=9)
+    ax.set_title(f"micro-batch {advice.batch_size}: batch (solid), sample (dashed), stratified "
+                 "(dash-dot), no pool (dotted)", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     out = Path(path)

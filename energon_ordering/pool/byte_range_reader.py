@@ -10,8 +10,8 @@ machine, of which ~0.25 ms is the ``.tar.idx`` lookup (a fresh reader per miss) 
 header walk and the per-member reads.
 
 This reader answers the same question with one ``os.pread`` of the sample's byte range and slices
-the parts out of it at the offsets the index holds. Shard tables (keys and byte ranges of one
-shard, ordered by sample index) are cached per process, a bounded number of shards at a time.
+the parts out of it at the offsets the index holds. Sample keys are fetched from the index in
+blocks of neighbouring samples and cached per process, a bounded number at a time.
 The samples it returns are equal to Energon's (same ``__key__``, ``__shard__``,
 ``__restore_key__``, ``__sources__`` and part bytes; ``part_filter`` and ``sample_filter``
 applied the same way), which a test checks sample by sample.
@@ -27,13 +27,15 @@ import sqlite3
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from energon_ordering.errors import OrderingConfigError
 
-__all__ = ["ByteRangeReader", "ShardTable", "energon_index_path"]
+__all__ = ["KEY_BLOCK", "ByteRangeReader", "energon_index_path"]
+
+#: Sample keys fetched from the index at a time (loader slices read neighbouring samples).
+KEY_BLOCK = 64
 
 #: Energon's index of a prepared dataset, relative to the dataset folder.
 ENERGON_INDEX = Path(".nv-meta") / "index.sqlite"
@@ -42,23 +44,6 @@ ENERGON_INDEX = Path(".nv-meta") / "index.sqlite"
 def energon_index_path(dataset: Path) -> Path:
     """Energon's ``index.sqlite`` of the prepared dataset folder ``dataset``."""
     return Path(dataset) / ENERGON_INDEX
-
-
-@dataclass(frozen=True)
-class ShardTable:
-    """Keys and byte ranges of one shard's samples, ordered by sample index within the shard.
-
-    Attributes:
-        name: Shard file name (relative to the dataset folder).
-        keys: Sample keys (``__key__``).
-        offsets: Byte offset of each sample's first tar header in the shard file.
-        sizes: Bytes of each sample (all its tar members).
-    """
-
-    name: str
-    keys: tuple[str, ...]
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
 
 
 class ByteRangeReader:
@@ -71,7 +56,8 @@ class ByteRangeReader:
         shards: ``(shard name, sample count)`` in the order of Energon's reader.
         part_filter: Energon's part filter (file extension -> keep), or None.
         sample_filter: Energon's sample filter (``"<shard>/<key>"`` -> keep), or None.
-        cache_shards: Shard tables (and open shard files) kept per process.
+        cache_shards: Open shard files kept per process.
+        cache_keys: Sample keys kept per process (in blocks of :data:`KEY_BLOCK`).
 
     Raises:
         OrderingConfigError: The dataset has no ``index.sqlite`` with per-part byte ranges
@@ -86,12 +72,14 @@ class ByteRangeReader:
         part_filter: Callable[[str], bool] | None = None,
         sample_filter: Callable[[str], bool] | None = None,
         cache_shards: int = 32,
+        cache_keys: int = 65_536,
     ):
         self.base_path = Path(base_path)
         self.shards = [(str(name), int(count)) for name, count in shards]
         self.part_filter = part_filter
         self.sample_filter = sample_filter
         self.cache_shards = max(1, int(cache_shards))
+        self.cache_blocks = max(1, int(cache_keys) // KEY_BLOCK)
         self.index_path = energon_index_path(self.base_path)
         self._cumsum = [0]
         for _, count in self.shards:
@@ -116,7 +104,7 @@ class ByteRangeReader:
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
         self._con: sqlite3.Connection | None = None
-        self._tables: OrderedDict[int, ShardTable] = OrderedDict()
+        self._blocks: dict[tuple[int, int], tuple[str, ...]] = {}
         self._files: OrderedDict[int, int] = OrderedDict()
 
     def _check_process(self) -> None:
@@ -163,43 +151,42 @@ class ByteRangeReader:
             raise IndexError(f"ByteRangeReader: sample index {index} outside [0, {len(self)}).")
         return shard, index - self._cumsum[shard]
 
-    def shard_table(self, shard: int) -> ShardTable:
-        """The (cached) key and byte-range table of shard number ``shard``."""
-        self._check_process()
-        table = self._tables.get(shard)
-        if table is not None:
-            self._tables.move_to_end(shard)
-            return table
-        name, count = self.shards[shard]
-        rows = self._connection().execute(
-            "SELECT sample_key, byte_offset, byte_size FROM samples WHERE tar_file_id = ? "
-            "ORDER BY sample_index",
-            (self._tar_ids[name],),
-        ).fetchall()
-        if len(rows) < count:
-            raise OrderingConfigError(
-                f"ByteRangeReader: {self.index_path} lists {len(rows)} samples for shard {name}, "
-                f"the dataset's split reads {count}; prepare the dataset again."
-            )
-        keys, offsets, sizes = zip(*rows) if rows else ((), (), ())
-        table = ShardTable(name, tuple(keys), tuple(offsets), tuple(sizes))
-        self._tables[shard] = table
-        while len(self._tables) > self.cache_shards:
-            self._tables.popitem(last=False)
-        return table
+    def _key_block(self, shard: int, block: int) -> tuple[str, ...]:
+        keys = self._blocks.get((shard, block))
+        if keys is None:
+            self._check_process()
+            name = self.shards[shard][0]
+            rows = self._connection().execute(
+                "SELECT sample_key FROM samples WHERE tar_file_id = ? AND sample_index >= ? "
+                "AND sample_index < ? ORDER BY sample_index",
+                (self._tar_ids[name], block * KEY_BLOCK, (block + 1) * KEY_BLOCK),
+            ).fetchall()
+            keys = tuple(r[0] for r in rows)
+            self._blocks[(shard, block)] = keys
+            if len(self._blocks) > self.cache_blocks:
+                del self._blocks[next(iter(self._blocks))]  # oldest first
+        return keys
 
     def key(self, index: int) -> str:
-        """The ``__key__`` of sample ``index``, without reading the shard."""
+        """The ``__key__`` of sample ``index``, from the index (no shard read)."""
         shard, local = self.locate(index)
-        return self.shard_table(shard).keys[local]
+        keys = self._key_block(shard, local // KEY_BLOCK)
+        if local % KEY_BLOCK >= len(keys):
+            raise OrderingConfigError(
+                f"ByteRangeReader: sample {local} of shard {self.shards[shard][0]} is not in "
+                f"{self.index_path}; prepare the dataset again (`energon prepare`)."
+            )
+        return keys[local % KEY_BLOCK]
+
+    def shard_name(self, index: int) -> str:
+        """The shard file name of sample ``index``."""
+        return self.shards[self.locate(index)[0]][0]
 
     def keep(self, index: int) -> bool:
         """False if Energon's ``sample_filter`` excludes sample ``index``."""
         if self.sample_filter is None:
             return True
-        shard, local = self.locate(index)
-        table = self.shard_table(shard)
-        return bool(self.sample_filter(f"{table.name}/{table.keys[local]}"))
+        return bool(self.sample_filter(f"{self.shard_name(index)}/{self.key(index)}"))
 
     def _fd(self, shard: int) -> int:
         fd = self._files.get(shard)
@@ -270,7 +257,7 @@ class ByteRangeReader:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_con=None, _tables=OrderedDict(), _files=OrderedDict(), _pid=None)
+        state.update(_con=None, _blocks={}, _files=OrderedDict(), _pid=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ size-weighted random choice among ``parallel_slice_iters`` open slices per sampl
 re-implementing that walk (and following every Energon change to it), :class:`IndexFilledLoader`
 runs Energon's own walk unchanged and swaps only what a visit reads:
 
-- while iterating, a visit reads the sample's key from the index (a per-shard table, cached):
+- while iterating, a visit reads the sample's key from the index (fetched in blocks of neighbouring samples, cached):
   a key-only ``FilteredSample`` with ``__key__``, ``__shard__`` and ``__restore_key__``;
 - ``restore_sample`` (how the pool fetches a sample when it emits it, and how every buffer is
   refilled after a restore) reads the full sample with one ``pread`` of its byte range
@@ -89,12 +89,11 @@ class IndexFilledLoader(WebdatasetSampleLoaderDataset):
     def _get_sample(self, index: int) -> RawSampleData:
         # Called by Energon's walk for every visited sample: the key, no payload.
         reader = self.byte_reader
-        shard, local = reader.locate(index)
-        table = reader.shard_table(shard)
-        key = table.keys[local]
-        keep = reader.sample_filter is None or reader.sample_filter(f"{table.name}/{key}")
+        key = reader.key(index)
+        shard = reader.shard_name(index)
+        keep = reader.sample_filter is None or reader.sample_filter(f"{shard}/{key}")
         sample = (
-            {"__key__": key, "__shard__": table.name, "__restore_key__": ("Webdataset", index),
+            {"__key__": key, "__shard__": shard, "__restore_key__": ("Webdataset", index),
              "__sources__": ()}
             if keep
             else None
