@@ -145,10 +145,20 @@ def _random_reads(path: Path, n: int) -> list[list[str]]:
 @click.option("--out", type=click.Path(file_okay=False), default="bench_data", help="Data folder.")
 @click.option("--steps", default=1000, help="Micro-batches per rank in the model.")
 @click.option("--validate-steps", default=200, help="Micro-batches per real rank (8 ranks).")
-def main(quick: bool, out: str, steps: int, validate_steps: int) -> None:
+@click.option("--samples", type=int, default=None,
+              help="Dataset size (default 20,000 with --quick, else 120,000); a pool larger than "
+                   "the dataset fills from the repeated stream.")
+@click.option("--real-pools", default=None,
+              help="Pool sizes of the real loaders, e.g. 1000,10000,100000.")
+def main(quick: bool, out: str, steps: int, validate_steps: int, samples: int | None,
+         real_pools: str | None) -> None:
     """Idle/padding vs ranks and pool (model + 8-rank validation), real-loader costs, reads."""
-    n = 20_000 if quick else 120_000
-    real_pools = (1_000, 10_000) if quick else (1_000, 10_000, 100_000)
+    n = samples or (20_000 if quick else 120_000)
+    if real_pools:
+        pools = tuple(int(x) for x in real_pools.split(","))
+    else:
+        pools = (1_000, 10_000) if quick else (1_000, 10_000, 100_000)
+    real_pools = pools
     path = _dataset(Path(out), n)
     pop = load_population(path)
     click.echo(f"dataset {path}: {len(pop.lengths):,} samples, mean length "
