@@ -163,3 +163,12 @@ def test_advise_cli_rejects_a_bad_memory_size(two_sources):
                                        "--micro-batch", "4", "--memory-per-worker", "lots"])
     assert result.exit_code == 2
     assert "'lots': expected a size like 2GiB" in result.output
+
+
+def test_without_a_length_index_lengths_are_the_estimate_inspect_uses(small_dataset):
+    pop = load_population(small_dataset, estimate_samples=256,
+                          task_encoder_factory=IndexedSyntheticTaskEncoder)
+    assert pop.origin.startswith("estimate (256 samples, IndexedSyntheticTaskEncoder")
+    assert len(pop.lengths) == 256 and np.all(np.diff(pop.lengths) >= 0)
+    # The synthetic encoder's length: 64 image tokens + caption words.
+    assert pop.lengths.min() >= 64

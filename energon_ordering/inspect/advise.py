@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from energon_ordering.config import OrderingConfig
-from energon_ordering.errors import OrderingConfigError
+from energon_ordering.errors import OrderingConfigError, OrderingError
 from energon_ordering.inspect.diagnostics import (
     ATTENTION_CROSSOVER_TOKENS,
     histogram_dispersion,
@@ -419,7 +419,7 @@ def measure_costs(
         try:
             loader = build_train_loader(path, ordering=cfg, batch_size=batch_size,
                                         task_encoder_factory=factory)
-        except Exception as e:  # noqa: BLE001 - reported per placement, e.g. no length index
+        except OrderingError as e:  # reported per placement, e.g. no length index
             costs.append(CostPerSample(placement, holds, float("nan"), float("nan"), pool_size,
                                        note=str(e).split("\n")[0][:160]))
             continue

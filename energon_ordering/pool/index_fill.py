@@ -24,6 +24,10 @@ The RNG draws, the saved state and the restore keys are Energon's, so the pool s
 sequence of (restore key, length) and emits the identical sequence; resume is Energon's. Samples
 that ``sample_filter`` (split excludes) drops are dropped during the walk exactly as Energon does.
 
+The swap overrides ``WebdatasetSampleLoaderDataset._get_sample`` (Energon 7.4), the one method
+through which both the walk and ``restore_sample`` read; ``tests/test_index_fill.py`` compares
+the emitted sequence with Energon's unmodified loader, so a change there is caught.
+
 Only valid where nothing between the loader and the pool looks at the payload: the task
 encoder uses it for sources whose lengths come from a length index, with ``holds = "keys"``.
 """
