@@ -168,3 +168,20 @@ def test_no_index_fill_where_the_payload_is_needed(indexed):
     assert index_fill_problem(loader) == "it joins 2 datasets"
     with pytest.raises(OrderingConfigError, match="cannot fill from the indexes.*joins 2"):
         index_filled(loader)
+
+
+def test_an_index_without_byte_ranges_falls_back_to_the_payload_fill(indexed, tmp_path):
+    import shutil
+    import sqlite3
+
+    copy = tmp_path / "web"
+    shutil.copytree(indexed.parent / "web", copy)
+    con = sqlite3.connect(copy / ".nv-meta" / "index.sqlite")
+    con.execute("DROP TABLE sample_parts")
+    con.commit()
+    con.close()
+    loader = _energon_loader(copy)
+    assert "no byte ranges per part" in index_fill_problem(loader)
+    with pytest.raises(OrderingConfigError, match="has no tables samples and sample_parts"):
+        ByteRangeReader(copy, [(s.name, s.count) for s in loader.join_readers[0].shard_infos])
+    _make(copy, _cfg("batch", 64), 0, IndexedSyntheticTaskEncoder, False)()

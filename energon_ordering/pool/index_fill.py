@@ -34,6 +34,7 @@ encoder uses it for sources whose lengths come from a length index, with ``holds
 
 from __future__ import annotations
 
+import sqlite3
 from typing import Any
 
 from megatron.energon.flavors.webdataset.itar_reader import ShardInfosITarReader
@@ -61,8 +62,16 @@ def index_fill_problem(loader: WebdatasetSampleLoaderDataset) -> str | None:
         return f"its reader is a {type(reader).__name__}, not a ShardInfosITarReader"
     if not reader.base_path.is_local():
         return f"{reader.base_path} is not on a local file system"
-    if not energon_index_path(reader.base_path.local_path()).is_file():
+    index = energon_index_path(reader.base_path.local_path())
+    if not index.is_file():
         return f"{reader.base_path} has no .nv-meta/index.sqlite"
+    con = sqlite3.connect(f"file:{index}?mode=ro", uri=True)
+    try:
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    finally:
+        con.close()
+    if not {"samples", "sample_parts"} <= tables:
+        return f"{index} has no byte ranges per part (prepared by an older Energon)"
     return None
 
 
