@@ -35,8 +35,9 @@ class OrderingConfig:
     Args:
         length_sort_pool_size: Samples per length pool, per loader worker; 0 turns the pool off.
         length_sort_mode: ``"sample"`` (reference: permute sorted samples) or ``"batch"``
-            (permute sorted micro-batch-sized chunks; near padding-free). See
-            :mod:`energon_ordering.pool.order`.
+            (permute sorted micro-batch-sized chunks; near padding-free) or ``"stratified"``
+            (one sample per length band in every micro-batch: sources mixed per step, padding
+            like ``"sample"``). See :mod:`energon_ordering.pool.order`.
         length_sort_placement: Where the length pool sits. ``"post-encode"`` (default, the
             reference behaviour): after ``encode_sample``, pooling encoded samples. ``"pre-encode"``:
             before decoding, as the lean :class:`~energon_ordering.pool.key_pool_sort.KeyPoolSortDataset`

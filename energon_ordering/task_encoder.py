@@ -23,6 +23,8 @@ from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.pool.deferred_load import Defer, DeferredLength, Materialize, split_loader
 from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
+from energon_ordering.pool.index_fill import index_fill_problem, index_filled
+from energon_ordering.pool.order import BATCHED_MODES
 from energon_ordering.length_index.index import LengthIndex, index_path, task_encoder_label
 from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
 from energon_ordering.pool.ffd_pack import first_fit_decreasing
@@ -102,6 +104,11 @@ class OrderingTaskEncoder:
 
     #: How the sequence-length warmup cuts this encoder's samples (override per task encoder).
     ordering_token_layout: TokenLayout = TokenLayout()
+
+    #: Fill a key pool (``length_sort_pool_holds = "keys"``) of a source with a length index
+    #: from the indexes, reading no payload (:mod:`energon_ordering.pool.index_fill`); the
+    #: emitted order is the same either way. False reads every sample during the fill.
+    ordering_index_fill: bool = True
 
     _ordering_building_train: bool = False
     #: While a pre-encode pipeline is built: per source, its load functions and length source.
@@ -270,9 +277,9 @@ class OrderingTaskEncoder:
                     "turn the ordering stage off."
                 )
         if cfg.length_sort_enabled:
-            if cfg.length_sort_mode == "batch" and batch_size is None:
+            if cfg.length_sort_mode in BATCHED_MODES and batch_size is None:
                 raise OrderingConfigError(
-                    "OrderingConfig.length_sort_mode = 'batch' needs batching; pass batch_size "
+                    f"OrderingConfig.length_sort_mode = {cfg.length_sort_mode!r} needs batching; pass batch_size "
                     "to get_train_dataset or use length_sort_mode = 'sample'."
                 )
         self._ordering_building_train = True
@@ -301,7 +308,16 @@ class OrderingTaskEncoder:
         assert self._ordering_deferred is not None
         raw, load_fns = split_loader(loaded)
         source_index = len(self._ordering_deferred)
-        self._ordering_deferred.append((load_fns, self._ordering_length_source(dataset.dataset)))
+        length_source = self._ordering_length_source(dataset.dataset)
+        self._ordering_deferred.append((load_fns, length_source))
+        if (
+            self.ordering_index_fill
+            and self._ordering_config().length_sort_pool_holds == "keys"
+            and hasattr(length_source, "length")
+            and index_fill_problem(raw) is None
+        ):
+            # Lengths come from the length index: the fill reads keys only (pool/index_fill.py).
+            raw = index_filled(raw)
         return MapDataset(
             raw,
             Defer(source_index),

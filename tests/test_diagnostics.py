@@ -103,6 +103,7 @@ def test_sources_by_step_groups_every_rank_and_micro_batch_of_a_step():
 
     records = [[B(sources=("a", "a")), B(sources=("b",)), B(sources=("c",))],
                [B(sources=("x",)), B(sources=("y",)), B(sources=("z",)), B(sources=("w",))]]
+    records = [[b.sources for b in rank] for rank in records]
     assert sources_by_step(records) == [["a", "a", "x"], ["b", "y"], ["c", "z"]]
     # two micro-batches per step: only whole steps that every rank ran
     assert sources_by_step(records, 2) == [["a", "a", "b", "x", "y"]]

@@ -145,19 +145,36 @@ def source_histograms(batch_sources: Sequence[Sequence[str]], sources: Sequence[
     return out
 
 
-def sources_by_step(records: Sequence[Sequence[Any]], micro_batches_per_step: int = 1) -> list[list[str]]:
-    """``records[rank][micro-batch]`` -> the sources of every sample of each optimizer step.
+def sources_by_step(
+    batch_sources: Sequence[Sequence[Sequence[str]]], micro_batches_per_step: int = 1
+) -> list[list[str]]:
+    """Groups the sources of every micro-batch of every rank by optimizer step.
 
-    A step's group holds every micro-batch of every rank in that step: micro-batches
-    ``[k * m, (k + 1) * m)`` of each rank for ``m = micro_batches_per_step``. Only whole steps
-    that every rank ran are returned.
+    What the optimizer sees is the step: all micro-batches of all data-parallel ranks. The
+    groups feed :func:`histogram_dispersion` to measure the per-step mix.
+
+    Args:
+        batch_sources: ``batch_sources[rank][micro_batch]`` is the list of sample sources of
+            that rank's micro-batch.
+        micro_batches_per_step: Micro-batches per rank per optimizer step (gradient
+            accumulation), >= 1.
+
+    Returns:
+        ``groups[step]``: the sources of every sample of that step, over the whole steps that
+        every rank completed.
     """
     if micro_batches_per_step < 1:
-        raise ValueError(f"sources_by_step: micro_batches_per_step = {micro_batches_per_step} must be >= 1.")
-    m = micro_batches_per_step
-    steps = min(len(r) for r in records) // m if records else 0
-    return [[s for rank in records for b in rank[k * m:(k + 1) * m] for s in b.sources]
-            for k in range(steps)]
+        raise ValueError(
+            f"sources_by_step: micro_batches_per_step = {micro_batches_per_step}; give an int >= 1."
+        )
+    if not batch_sources:
+        return []
+    steps = min(len(rank) for rank in batch_sources) // micro_batches_per_step
+    groups = []
+    for step in range(steps):
+        lo, hi = step * micro_batches_per_step, (step + 1) * micro_batches_per_step
+        groups.append([s for rank in batch_sources for batch in rank[lo:hi] for s in batch])
+    return groups
 
 
 def histogram_dispersion(

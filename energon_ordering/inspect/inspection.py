@@ -96,7 +96,7 @@ def measure(
         dispersion = float(np.mean([histogram_dispersion(rs, sources) for rs in per_rank_sources]))
     else:
         sawtooth, ac, dispersion = False, {}, float("nan")
-    step_groups = sources_by_step(records, micro_batches_per_step)
+    step_groups = sources_by_step([[b.sources for b in rank] for rank in records], micro_batches_per_step)
     expected = None
     if schedule is not None and set(schedule.sources) >= set(sources):
         table = schedule.weights_table(np.arange(len(step_groups)))

@@ -101,7 +101,7 @@ def plot_plan(
 
 def _step_shares(records: list[list[BatchRecord]], sources: list[str], m: int) -> np.ndarray:
     """Share of each source per optimizer step (all micro-batches of all ranks in the step)."""
-    hist = source_histograms(sources_by_step(records, m), sources)
+    hist = source_histograms(sources_by_step([[b.sources for b in rank] for rank in records], m), sources)
     return hist / np.maximum(hist.sum(axis=1, keepdims=True), 1)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, SampleLengthError
-from energon_ordering.pool.order import ORDER_VERSION, POOL_ORDERS, pool_seed
+from energon_ordering.pool.order import BATCHED_MODES, ORDER_VERSION, POOL_ORDERS, pool_seed
 from energon_ordering.pool.restorability import explain_not_restorable
 from energon_ordering.sample_fields import sample_key
 from energon_ordering.state_stamp import check_stamp, check_writer
@@ -61,16 +61,16 @@ class PoolSettings:
             )
         if self.batch_size is not None:
             check_int(owner, "batch_size", self.batch_size, minimum=1)
-        if self.mode == "batch":
+        if self.mode in BATCHED_MODES:
             if self.batch_size is None:
                 raise OrderingConfigError(
-                    f"{owner}: mode = 'batch' needs batch_size (the micro-batch size, in "
+                    f"{owner}: mode = {self.mode!r} needs batch_size (the micro-batch size, in "
                     "samples); pass batch_size=<micro-batch size>."
                 )
             if self.pool_size % self.batch_size != 0:
                 raise OrderingConfigError(
                     f"{owner}: pool_size = {self.pool_size} is not a multiple of batch_size = "
-                    f"{self.batch_size} (mode='batch'); use pool_size = "
+                    f"{self.batch_size} (mode={self.mode!r}); use pool_size = "
                     f"{max(1, self.pool_size // self.batch_size) * self.batch_size}."
                 )
         check_int(owner, "seed", self.seed)
@@ -97,7 +97,7 @@ class PoolSettings:
             "order_version": ORDER_VERSION,
             "pool_size": self.pool_size,
             "mode": self.mode,
-            "batch_size": self.batch_size if self.mode == "batch" else None,
+            "batch_size": self.batch_size if self.mode in BATCHED_MODES else None,
             "seed": self.seed,
             **extra,
         }

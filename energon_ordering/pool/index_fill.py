@@ -1,0 +1,165 @@
+"""Filling a key pool from the indexes: Energon's visiting order, no payload read.
+
+A key pool (:class:`~energon_ordering.pool.key_pool_sort.KeyPoolSortDataset`, ``holds = "keys"``)
+keeps only each sample's restore key and length, and fetches the sample again when it is
+emitted. When the lengths come from a length index, the fill needs nothing but the sample keys,
+and the keys are in Energon's ``.nv-meta/index.sqlite``; the payload read during the fill is
+wasted (4.9 s for a pool of 10,000 before this module).
+
+Which samples arrive, in which order, is decided by Energon's
+:class:`~megatron.energon.flavors.webdataset.sample_loader.WebdatasetSampleLoaderDataset`: a pure
+function of its slice plan (``workers_slice_offsets``) and its worker RNG (slice shuffle, then a
+size-weighted random choice among ``parallel_slice_iters`` open slices per sample). Rather than
+re-implementing that walk (and following every Energon change to it), :class:`IndexFilledLoader`
+runs Energon's own walk unchanged and swaps only what a visit reads:
+
+- while iterating, a visit reads the sample's key from the index (fetched in blocks of neighbouring samples, cached):
+  a key-only ``FilteredSample`` with ``__key__``, ``__shard__`` and ``__restore_key__``;
+- ``restore_sample`` (how the pool fetches a sample when it emits it, and how every buffer is
+  refilled after a restore) reads the full sample with one ``pread`` of its byte range
+  (:class:`~energon_ordering.pool.byte_range_reader.ByteRangeReader`), equal to what Energon's
+  reader returns.
+
+The RNG draws, the saved state and the restore keys are Energon's, so the pool sees the identical
+sequence of (restore key, length) and emits the identical sequence; resume is Energon's. Samples
+that ``sample_filter`` (split excludes) drops are dropped during the walk exactly as Energon does.
+
+The swap overrides ``WebdatasetSampleLoaderDataset._get_sample`` (Energon 7.4), the one method
+through which both the walk and ``restore_sample`` read; ``tests/test_index_fill.py`` compares
+the emitted sequence with Energon's unmodified loader, so a change there is caught.
+
+Only valid where nothing between the loader and the pool looks at the payload: the task
+encoder uses it for sources whose lengths come from a length index, with ``holds = "keys"``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+from megatron.energon.flavors.webdataset.itar_reader import ShardInfosITarReader
+from megatron.energon.flavors.webdataset.sample_loader import (
+    RawSampleData,
+    WebdatasetSampleLoaderDataset,
+)
+
+from megatron.energon.state import FlexState
+
+from energon_ordering.errors import OrderingConfigError
+from energon_ordering.pool.byte_range_reader import ByteRangeReader, energon_index_path
+
+__all__ = ["IndexFilledLoader", "index_fill_problem", "index_filled"]
+
+_ENERGON_LOADER = WebdatasetSampleLoaderDataset.__name__
+
+
+def index_fill_problem(loader: WebdatasetSampleLoaderDataset) -> str | None:
+    """Why ``loader`` cannot be filled from the indexes, or None if it can."""
+    if len(loader.join_readers) != 1:
+        return f"it joins {len(loader.join_readers)} datasets"
+    reader = loader.join_readers[0]
+    if not isinstance(reader, ShardInfosITarReader):
+        return f"its reader is a {type(reader).__name__}, not a ShardInfosITarReader"
+    if not reader.base_path.is_local():
+        return f"{reader.base_path} is not on a local file system"
+    index = energon_index_path(reader.base_path.local_path())
+    if not index.is_file():
+        return f"{reader.base_path} has no .nv-meta/index.sqlite"
+    con = sqlite3.connect(f"file:{index}?mode=ro", uri=True)
+    try:
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    finally:
+        con.close()
+    if not {"samples", "sample_parts"} <= tables:
+        return f"{index} has no byte ranges per part (prepared by an older Energon)"
+    return None
+
+
+class IndexFilledLoader(WebdatasetSampleLoaderDataset):
+    """Energon's sample loader whose iteration yields key-only samples (no payload read) and
+    whose ``restore_sample`` reads a sample from its byte range.
+
+    Same slice plan, RNG, state and restore keys as the loader it is built from; see the
+    module docstring. Build it with :func:`index_filled`.
+    """
+
+    def __init__(self, loader: WebdatasetSampleLoaderDataset, reader: ByteRangeReader):
+        """Construct an IndexFilledLoader.
+
+        Args:
+            loader: Energon's loader of one prepared dataset (see :func:`index_fill_problem`).
+            reader: Byte-range access to the same shards, in the same order.
+        """
+        super().__init__(
+            loader.join_readers,
+            loader.workers_slice_offsets,
+            worker_config=loader.worker_config,
+            shuffle_over_epochs=loader.shuffle_over_epochs,
+            parallel_slice_iters=loader.parallel_slice_iters,
+        )
+        self.byte_reader = reader
+
+    def _get_sample(self, index: int) -> RawSampleData:
+        # Called by Energon's walk for every visited sample: the key, no payload.
+        reader = self.byte_reader
+        key = reader.key(index)
+        shard = reader.shard_name(index)
+        keep = reader.sample_filter is None or reader.sample_filter(f"{shard}/{key}")
+        sample = (
+            {"__key__": key, "__shard__": shard, "__restore_key__": ("Webdataset", index),
+             "__sources__": ()}
+            if keep
+            else None
+        )
+        return RawSampleData(__restore_key__=("Webdataset", index), data=(sample,))
+
+    def restore_sample(self, restore_key: tuple[Any, ...]) -> RawSampleData:
+        kind, index = restore_key
+        if kind != "Webdataset" or not isinstance(index, int):
+            raise OrderingConfigError(
+                f"IndexFilledLoader: restore key {restore_key!r} is not ('Webdataset', index)."
+            )
+        return RawSampleData(
+            __restore_key__=("Webdataset", index), data=(self.byte_reader.read(index),)
+        )
+
+    def save_state(self) -> FlexState:
+        # The state is Energon's loader state, field for field: written under Energon's class
+        # name, so a checkpoint restores into either loader (e.g. after switching what the pool
+        # holds, which switches the index fill on or off).
+        state = super().save_state()
+        state["__class__"] = _ENERGON_LOADER
+        return state
+
+    def restore_state(self, state: FlexState) -> None:
+        if state is not None and state.get("__class__") == _ENERGON_LOADER:
+            state = FlexState(**{**state, "__class__": type(self).__name__})
+        super().restore_state(state)
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "fill": "index", "reader": "byte-range"}
+
+    def __str__(self) -> str:
+        return f"IndexFilledLoader({self.byte_reader}, parallel_slice_iters={self.parallel_slice_iters})"
+
+
+def index_filled(loader: WebdatasetSampleLoaderDataset) -> IndexFilledLoader:
+    """``loader`` filled from the indexes.
+
+    Raises:
+        OrderingConfigError: :func:`index_fill_problem` names a reason it cannot be.
+    """
+    problem = index_fill_problem(loader)
+    if problem is not None:
+        raise OrderingConfigError(
+            f"index fill: cannot fill from the indexes of {loader}: {problem}."
+        )
+    reader = loader.join_readers[0]
+    byte_reader = ByteRangeReader(
+        reader.base_path.local_path(),
+        [(shard.name, shard.count) for shard in reader.shard_infos],
+        part_filter=reader.part_filter,
+        sample_filter=reader.sample_filter,
+        cache_shards=max(4, 2 * loader.parallel_slice_iters),
+    )
+    return IndexFilledLoader(loader, byte_reader)

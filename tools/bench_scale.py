@@ -1,0 +1,228 @@
+#!/usr/bin/env python
+"""Benchmark of pools at scale, every figure measured in this run.
+
+On a synthetic trimodal dataset with a length index (micro-batch 4), prints:
+
+1. **Idle and padding against ranks and pool size** (8 to 1,024 ranks, pools 1k to 1M, both
+   modes), predicted by :mod:`energon_ordering.inspect.advise` from the real lengths of the
+   index: the order depends only on lengths, so no pipeline per rank is needed;
+2. **Validation at 8 ranks**: the same prediction against 8 real rank pipelines
+   (``WorkerConfig(rank=r, world_size=8)``, what ``inspect`` measures), side by side;
+3. **Real loaders**: time to first batch and pool memory per loader worker for the key pool
+   filled from the indexes (up to 100k), the key pool filled by reading the payload (the fill
+   before issue 16), the raw pool and the encoded pool; samples/s against no pool, side by side;
+4. **Random reads**: Energon's random access against the byte-range reader, ms per sample, and
+   where Energon's time goes (``.tar.idx`` lookup vs tar header walk).
+
+Usage:
+    python tools/bench_scale.py --quick          # 20k samples, real pools 1k / 10k
+    python tools/bench_scale.py                  # 120k samples, real pools 1k / 10k / 100k
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from energon_ordering import OrderingConfig
+from energon_ordering.inspect.advise import load_population, predict_order
+from energon_ordering.inspect.inspection import measure
+from energon_ordering.inspect.pool_memory import find_stage, pool_holdings, resident_bytes
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, run_ranks
+from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
+from energon_ordering.length_index.build import build_length_index
+from energon_ordering.length_index.index import index_path
+from energon_ordering.pool.byte_range_reader import ByteRangeReader
+from energon_ordering.pool.index_fill import IndexFilledLoader
+from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
+from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
+
+BATCH = 4
+
+
+def _dataset(out: Path, n: int) -> Path:
+    path = out / f"trimodal_{n}" / "web"
+    if not (path / ".nv-meta" / "index.uuid").exists():
+        click.echo(f"writing {n:,} trimodal samples to {path.parent} (energon prepare) ...")
+        make_synthetic_dataset(path.parent, [SourceSpec("web", n, "trimodal")], shard_size=256)
+    if not index_path(path).exists():
+        click.echo("building the length index ...")
+        build_length_index(path, task_encoder=IndexedSyntheticTaskEncoder())
+    return path
+
+
+def _table(headers, rows) -> str:
+    cells = [[str(c) for c in r] for r in [headers, *rows]]
+    w = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    fmt = lambda r: "  ".join(c.rjust(w[i]) if i else c.ljust(w[i]) for i, c in enumerate(r))  # noqa: E731
+    return "\n".join([fmt(cells[0]), "  ".join("-" * x for x in w), *map(fmt, cells[1:])])
+
+
+def _te(index_fill: bool):
+    def make():
+        te = IndexedSyntheticTaskEncoder()
+        te.ordering_index_fill = index_fill
+        return te
+
+    return make
+
+
+SETTINGS = {
+    # name: (placement, holds, index fill)
+    "keys, index fill": ("pre-encode", "keys", True),
+    "keys, payload fill": ("pre-encode", "keys", False),
+    "raw": ("pre-encode", "raw", False),
+    "encoded (post-encode)": ("post-encode", "raw", False),
+}
+
+
+def _real_loader(path: Path, setting: str | None, pool: int, samples: int) -> dict[str, float]:
+    """Time to first batch, pool bytes, and samples/s over ``samples`` samples from the start."""
+    if setting is None:
+        cfg, te = OrderingConfig(), _te(True)
+    else:
+        placement, holds, fill = SETTINGS[setting]
+        cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode="batch", seed=0,
+                             length_sort_placement=placement, length_sort_pool_holds=holds)
+        te = _te(fill)
+    loader = build_train_loader(path, ordering=cfg, batch_size=BATCH, task_encoder_factory=te)
+    if setting is not None:
+        assert (find_stage(loader.dataset, IndexFilledLoader) is not None) == SETTINGS[setting][2]
+    gc.collect()
+    t0 = time.perf_counter()
+    it = iter(loader)
+    next(it)
+    first = time.perf_counter() - t0
+    held = float("nan")
+    if setting is not None:
+        stage = find_stage(loader.dataset, (KeyPoolSortDataset, LengthPoolSortDataset))
+        n, objs = pool_holdings(stage)
+        held = resident_bytes(objs)
+        del stage, objs
+    for _ in range(samples // BATCH - 1):
+        next(it)
+    total = time.perf_counter() - t0
+    del it
+    close_loader(loader)
+    return {"first": first, "bytes": held, "rate": samples / total}
+
+
+def _random_reads(path: Path, n: int) -> list[list[str]]:
+    from megatron.energon import WorkerConfig
+    from megatron.energon.metadataset.loader import load_dataset
+
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    ds = load_dataset(path).get_datasets(
+        training=True, split_part="train", worker_config=wc, max_samples_per_sequence=16,
+        shuffle_over_epochs_multiplier=1).datasets[0].dataset
+    reader = ds.build().dataset.join_readers[0]
+    mine = ByteRangeReader(path, [(s.name, s.count) for s in reader.shard_infos],
+                           part_filter=reader.part_filter, sample_filter=reader.sample_filter)
+    rng = random.Random(0)
+    idx = [rng.randrange(len(mine)) for _ in range(n)]
+    timings = {}
+    for name, fn in (
+        ("Energon ShardInfosITarReader[i]", reader.__getitem__),
+        ("  of which .tar.idx lookup", reader._get_itar_sample_pointer),
+        ("ByteRangeReader.read(i)", mine.read),
+    ):
+        t = time.perf_counter()
+        for i in idx:
+            fn(i)
+        timings[name] = (time.perf_counter() - t) / n * 1e3
+    base = timings["Energon ShardInfosITarReader[i]"]
+    return [[k, f"{v:.3f}", f"{v / base:.2f}"] for k, v in timings.items()]
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--quick", is_flag=True, help="20k samples; real pools up to 10k.")
+@click.option("--out", type=click.Path(file_okay=False), default="bench_data", help="Data folder.")
+@click.option("--steps", default=1000, help="Micro-batches per rank in the model.")
+@click.option("--validate-steps", default=200, help="Micro-batches per real rank (8 ranks).")
+@click.option("--samples", type=int, default=None,
+              help="Dataset size (default 20,000 with --quick, else 120,000); a pool larger than "
+                   "the dataset fills from the repeated stream.")
+@click.option("--real-pools", default=None,
+              help="Pool sizes of the real loaders, e.g. 1000,10000,100000.")
+def main(quick: bool, out: str, steps: int, validate_steps: int, samples: int | None,
+         real_pools: str | None) -> None:
+    """Idle/padding vs ranks and pool (model + 8-rank validation), real-loader costs, reads."""
+    n = samples or (20_000 if quick else 120_000)
+    if real_pools:
+        pools = tuple(int(x) for x in real_pools.split(","))
+    else:
+        pools = (1_000, 10_000) if quick else (1_000, 10_000, 100_000)
+    real_pools = pools
+    path = _dataset(Path(out), n)
+    pop = load_population(path)
+    click.echo(f"dataset {path}: {len(pop.lengths):,} samples, mean length "
+               f"{pop.lengths.mean():,.0f} tokens; micro-batch {BATCH}\n")
+
+    click.echo("1. predicted straggler idle (padding) vs ranks and pool size")
+    ranks = (8, 64, 256, 1024)
+    rows = []
+    for mode in ("off", "batch", "sample", "stratified"):
+        pools = (0,) if mode == "off" else (1_000, 10_000, 100_000, 1_000_000)
+        for pool in pools:
+            p = predict_order(pop, mode=mode, pool_size=pool, batch_size=BATCH, ranks=ranks,
+                              step_ranks=8, steps=steps)
+            rows.append([f"{mode} {pool:,}" if pool else "pool off",
+                         *(f"{100 * p.idle[r]:.2f}%" for r in ranks), f"{100 * p.padding:.1f}%"])
+    click.echo(_table(["order", *(f"{r} ranks" for r in ranks), "padding"], rows) + "\n")
+
+    click.echo(f"2. validation at 8 ranks: model vs 8 real pipelines ({validate_steps} micro-batches)")
+    rows = []
+    for mode, pool in (("off", 0), ("batch", 1024), ("sample", 1024)):
+        if pool * 8 * 2 > n:
+            continue
+        cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode=mode if pool else "sample")
+        records = run_ranks(path, ordering=cfg, world_size=8, steps=validate_steps,
+                            batch_size=BATCH, task_encoder_factory=IndexedSyntheticTaskEncoder)
+        m = measure(records, period_batches=64)
+        p = predict_order(pop, mode=mode, pool_size=pool, batch_size=BATCH, ranks=(8,),
+                          step_ranks=8, steps=4000)
+        rows.append([f"{mode} {pool:,}" if pool else "pool off",
+                     f"{100 * m.straggler_idle:.2f}%", f"{100 * p.idle[8]:.2f}%",
+                     f"{100 * (p.idle[8] - m.straggler_idle):+.2f}",
+                     f"{100 * m.padding_waste:.1f}%", f"{100 * p.padding:.1f}%"])
+    click.echo(_table(["order", "measured idle", "predicted", "diff (points)", "measured pad",
+                       "predicted pad"], rows) + "\n")
+
+    click.echo("3. real loaders, one worker, in-process, batch mode: time to first batch and "
+               "pool memory")
+    rows = []
+    for pool in real_pools:
+        for setting in SETTINGS:
+            if pool >= 100_000 and setting != "keys, index fill":
+                continue  # the others take minutes (payload) or gigabytes (raw, encoded)
+            r = _real_loader(path, setting, pool, BATCH)
+            rows.append([setting, f"{pool:,}", f"{r['first']:.2f}",
+                         f"{r['bytes'] / 2**20:,.1f}", f"{r['bytes'] / pool:,.0f}"])
+    click.echo(_table(["pool", "size", "first batch (s)", "pool MiB / worker", "bytes / sample"],
+                      rows) + "\n")
+
+    tp_pool, tp_samples = real_pools[0], max(8 * real_pools[0], 8_000)
+    click.echo(f"3b. throughput: samples/s over {tp_samples:,} samples from the start (fills "
+               f"included), pool {tp_pool:,}, against no pool in the same run")
+    base = _real_loader(path, None, 0, tp_samples)
+    rows = [["no pool", f"{base['rate']:,.0f}", "1.00"]]
+    for setting in SETTINGS:
+        r = _real_loader(path, setting, tp_pool, tp_samples)
+        rows.append([setting, f"{r['rate']:,.0f}", f"{r['rate'] / base['rate']:.2f}"])
+    again = _real_loader(path, None, 0, tp_samples)
+    rows.append(["no pool (again, drift check)", f"{again['rate']:,.0f}",
+                 f"{again['rate'] / base['rate']:.2f}"])
+    click.echo(_table(["pool", "samples/s", "vs no pool"], rows) + "\n")
+
+    click.echo("4. random reads of one sample (ms), 3,000 random indexes")
+    click.echo(_table(["reader", "ms / sample", "vs Energon"], _random_reads(path, 3000)))
+
+
+if __name__ == "__main__":
+    main()
