@@ -273,14 +273,14 @@ def _dist_worker(rank: int, world: int, init_file: str, data: str, phase: str, o
         length_sort_pool_size=32, length_sort_mode="batch", data_mixture_schedule=None,
         data_blend_policy=None, seq_length_warmup_steps=10, seq_length_warmup_start=256,
         seq_length_warmup_multiple_of=None, seq_length_warmup_overflow=None, ordering_seed=None,
-        allow_dataloader_restart=False, data_parallel_size=world,
+        allow_dataloader_restart=False, data_parallel_size=world, dataloader_type="external",
     )
     result: dict = {"rank": dp}
     try:
         if phase == "resume":
             args.load, args.iteration = str(Path(out) / "ckpt"), steps // mbps
         train, _, _ = train_valid_test_dataloaders_provider(None, SyntheticTaskEncoder(), args=args,
-                                                            repeat=repeat)
+                                                            repeat=repeat, image_decode=None)
         if phase == "first":
             result["before"] = [list(next(train).keys) for _ in range(steps)]
             path = dataloader_state_path(args.dataloader_save, steps // mbps, dp)
