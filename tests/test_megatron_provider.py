@@ -287,3 +287,36 @@ def test_a_recipe_warmup_above_the_model_length_is_refused(tmp_path):
         ordering_config_from_args(args)
     args.decoder_seq_length = 8192
     assert ordering_config_from_args(args).seq_length_warmup.full == 8192
+
+
+# ---- check-resume on dict batches (Megatron's encode_batch) -------------------------------------
+
+
+def test_record_batch_reads_dict_batches():
+    from energon_ordering.errors import OrderingTypeError
+    from energon_ordering.inspect.rank_simulation import BatchRecord, record_batch
+
+    megatron_dict = {"__key__": ["a", "b"], "__restore_key__": [(), ()], "__subflavor__": None,
+                     "tokens": torch.zeros(2, 8), "num_tiles": torch.ones(2)}
+    assert record_batch(megatron_dict) == BatchRecord(("a", "b"), (), ())
+    assert record_batch({"__keys__": ["a"], "total_len": torch.tensor([5])}) == BatchRecord(("a",), (5,), ())
+    with pytest.raises(OrderingTypeError, match=r"a dict batch has no keys .*`__key__`"):
+        record_batch({"tokens": torch.zeros(1)})
+
+
+class _DictBatchTE(SyntheticTaskEncoder):
+    """encode_batch returns a dict, as Megatron-LM's multimodal TaskEncoder does."""
+
+    def encode_batch(self, batch):
+        return {"__key__": list(batch.keys), "tokens": batch.tokens}
+
+
+def test_check_resume_passes_on_dict_batches(small_dataset):
+    from click.testing import CliRunner
+
+    from energon_ordering.cli import main
+
+    res = CliRunner().invoke(main, ["check-resume", str(small_dataset), "--recipe", str(Path(__file__).parent.parent / "recipes" / "length_sync_batch.yaml"),
+                                    "--cut", "5", "--steps", "12", "--task-encoder",
+                                    "tests.test_megatron_provider:_DictBatchTE"])
+    assert res.exit_code == 0, res.output
