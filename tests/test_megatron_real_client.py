@@ -98,7 +98,6 @@ def _worker(rank: int, phase: str, num_workers: int, data: str, out: str) -> Non
     try:
         import torch
         import torch.distributed as dist
-        from dataset_helpers import TaskEncoder  # Megatron-LM's own, unmodified
         from megatron.core import parallel_state
         from megatron.core.rerun_state_machine import RerunDataIterator
         from megatron.training.arguments import parse_args, validate_args
@@ -106,7 +105,6 @@ def _worker(rank: int, phase: str, num_workers: int, data: str, out: str) -> Non
         from megatron.training.global_vars import set_global_variables
         from multimodal_args import add_multimodal_extra_args
 
-        from energon_ordering import OrderingTaskEncoder
         from energon_ordering.integrations.megatron_lm import add_energon_ordering_args, train_valid_test_dataloaders_provider
         from energon_ordering.warmup.schedule import SeqLenWarmup
 
@@ -119,8 +117,7 @@ def _worker(rank: int, phase: str, num_workers: int, data: str, out: str) -> Non
         dist.init_process_group("gloo", init_method=f"file://{out}/init_{phase}", rank=rank, world_size=WORLD)
         parallel_state.initialize_model_parallel(1, 1)
 
-        class TE(OrderingTaskEncoder, TaskEncoder):
-            pass
+        from megatron_example_te import TE
 
         te = TE()
         train, valid, _ = train_valid_test_dataloaders_provider(None, te)
@@ -146,6 +143,17 @@ def _worker(rank: int, phase: str, num_workers: int, data: str, out: str) -> Non
         result["evals"] = evals
         result["layout"] = [te.ordering_token_layout.media_token_id, te.ordering_token_layout.media_embeddings]
         result["img_token_id"], result["emb"] = te.img_token_id, emb
+        if phase == "first" and rank == 0:  # check-resume on Megatron's encoder (dict batches)
+            from click.testing import CliRunner
+
+            from energon_ordering.cli import main
+
+            recipe = Path(out) / "recipe.yaml"
+            recipe.write_text("length_sort_pool_size: 16\nlength_sort_mode: batch\nseed: 3\n")
+            res = CliRunner().invoke(main, ["check-resume", data, "--recipe", str(recipe), "--cut", "5",
+                                            "--steps", "10", "--batch-size", "2", "--num-workers", str(num_workers),
+                                            "--task-encoder", "megatron_example_te:TEForCheckResume"])
+            result["check_resume"] = [res.exit_code, res.output[-2000:]]
         dist.barrier()
         dist.destroy_process_group()
     except Exception as e:  # reported to the test
@@ -206,5 +214,6 @@ def test_megatron_multimodal_encoder_builds_cuts_and_resumes(captioning_data, tm
         assert any(m > r["cap"] - 40 for r in rows for m in r["model"])  # the caps bind
         # the same validation batches at every evaluation, before and after the resume
         assert a["evals"][0] == a["evals"][1] == b["evals"][0]
+    assert first[0]["check_resume"][0] == 0, first[0]["check_resume"][1]
     keys = [{k for r in res["before"] + res["after"] for k in r["keys"]} for res in first]
     assert not keys[0] & keys[1]  # the two data-parallel ranks read disjoint samples
