@@ -137,7 +137,7 @@ def lm_seq_length(args: Any) -> tuple[str, int | None]:
 def _total_steps(args: Any) -> int | None:
     samples = getattr(args, "train_samples", None)
     gbs = getattr(args, "global_batch_size", None)
-    if getattr(args, "rampup_batch_size", None) and samples and gbs:
+    if (getattr(args, "rampup_batch_size", None) or getattr(args, "step_batch_size_schedule", None)) and samples and gbs:
         # Under ramp-up our step is consumed samples // global batch size (see megatron_lm),
         # so the run ends at train_samples // gbs; Megatron's train_iters counts more iterations.
         return int(samples) // int(gbs)

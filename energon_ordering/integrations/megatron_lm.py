@@ -174,33 +174,59 @@ def _find_state_file(save_dir: str | os.PathLike, iteration: int, dp_rank: int) 
     return path
 
 
+def _batch_size_schedule(args: Any) -> dict[str, Any]:
+    """Megatron's batch-size schedule flags that are set: ``--rampup-batch-size`` (core <= 0.18)
+    or ``--step-batch-size-schedule`` (core 0.19)."""
+    out: dict[str, Any] = {}
+    if getattr(args, "rampup_batch_size", None):
+        out["rampup_batch_size"] = list(args.rampup_batch_size)
+    if getattr(args, "step_batch_size_schedule", None):
+        out["step_batch_size_schedule"] = args.step_batch_size_schedule
+    return out
+
+
 def expected_consumed_micro_batches(args: Any, iteration: int) -> int:
     """Micro-batches one data-parallel rank draws in Megatron's first ``iteration`` iterations.
 
-    Without ``--rampup-batch-size``: ``iteration x micro_batches_per_step(args)``. With it, each
-    iteration's count comes from Megatron's own ``RampupBatchsizeNumMicroBatchesCalculator``,
-    updated with the consumed samples as ``megatron/training/training.py`` does before every
-    ``train_step`` (consumed += data-parallel size x micro-batch size x micro-batches).
+    Without a batch-size schedule: ``iteration x micro_batches_per_step(args)``. With
+    ``--rampup-batch-size`` (megatron-core <= 0.18) or ``--step-batch-size-schedule`` (0.19),
+    each iteration's count comes from Megatron's own num-microbatches calculator (a private
+    instance built like ``init_num_microbatches_calculator`` builds the global one), updated with
+    the consumed samples as ``megatron/training/training.py`` does before every ``train_step``
+    (consumed += data-parallel size x micro-batch size x micro-batches).
+
+    Raises:
+        OrderingConfigError: A schedule flag the installed megatron-core does not know.
     """
-    rampup = getattr(args, "rampup_batch_size", None)
-    per_step = micro_batches_per_step(args)
-    if not rampup:
-        return iteration * per_step
-    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+    import inspect
+
+    schedule = _batch_size_schedule(args)
+    if not schedule:
+        return iteration * micro_batches_per_step(args)
+    from megatron.core import num_microbatches_calculator as nmc
 
     from energon_ordering.integrations.megatron_args import _data_parallel_size
 
-    if len(rampup) != 3:
-        raise OrderingConfigError(
-            f"--rampup-batch-size = {rampup!r}: expected <start batch size> <increment> <ramp-up samples>.")
+    build = nmc._build_num_microbatches_calculator
+    params = inspect.signature(build).parameters
+    for name, value in schedule.items():
+        if name not in params:
+            raise OrderingConfigError(
+                f"--{name.replace('_', '-')} = {value!r}: the installed megatron-core has no such "
+                "batch-size schedule (core <= 0.18 has --rampup-batch-size, core 0.19 "
+                "--step-batch-size-schedule)."
+            )
     mbs, dp = int(args.micro_batch_size), _data_parallel_size(args)
-    calc = RampupBatchsizeNumMicroBatchesCalculator(
-        global_batch_size=int(args.global_batch_size), micro_batch_size=mbs, data_parallel_size=dp,
-        decrease_batch_size_if_needed=bool(getattr(args, "decrease_batch_size_if_needed", False)),
-        rank=1,  # not 0: the calculator prints on rank 0
-        start_global_batch_size=int(rampup[0]), batch_size_increment=int(rampup[1]),
-        ramup_samples=int(rampup[2]),
-    )
+    kw: dict[str, Any] = dict(rank=1,  # not 0: the calculator logs on rank 0
+                              global_batch_size=getattr(args, "global_batch_size", None),
+                              micro_batch_size=mbs, data_parallel_size=dp,
+                              decrease_batch_size_if_needed=bool(getattr(args, "decrease_batch_size_if_needed", False)),
+                              **schedule)
+    if "step_batch_size_schedule" in schedule and "seq_length" in params:
+        kw["seq_length"] = getattr(args, "seq_length", None)  # as global_vars.py passes it
+    if "rampup_batch_size" in params:
+        kw.setdefault("rampup_batch_size", None)
+    calc = build(**{k: v for k, v in kw.items() if k in params})
     consumed_samples = total = 0
     for _ in range(iteration):
         calc.update(consumed_samples, consistency_check=False)
@@ -387,8 +413,8 @@ def _restore(loader: Any, *, args: Any, dp_rank: int) -> None:
     consumed = consumed_micro_batches(state)
     if consumed != expected:
         how = (f"Megatron's num-microbatches calculator draws {expected} micro-batches in "
-               f"{iteration} iterations with --rampup-batch-size {getattr(args, 'rampup_batch_size')}"
-               if getattr(args, "rampup_batch_size", None) else
+               f"{iteration} iterations with {_batch_size_schedule(args)}"
+               if _batch_size_schedule(args) else
                f"iteration {iteration} x {micro_batches_per_step(args)} micro-batches per step = {expected}")
         raise DataloaderRestoreError(
             f"The dataloader state for data-parallel rank {dp_rank} was saved after {consumed} "
@@ -416,11 +442,12 @@ def _check_args(args: Any, repeat: bool) -> None:
             "Megatron-LM passes through only with --dataloader-type external (with 'single' or "
             "'cyclic' it wraps them in a torch DataLoader and fails). Add --dataloader-type external."
         )
-    if not repeat and getattr(args, "rampup_batch_size", None):
+    if not repeat and _batch_size_schedule(args):
+        name, value = next(iter(_batch_size_schedule(args).items()))
         raise OrderingConfigError(
-            f"--rampup-batch-size = {args.rampup_batch_size!r} with finite data (repeat=False): the "
+            f"--{name.replace('_', '-')} = {value!r} with finite data (repeat=False): the "
             "lockstep stop needs a constant number of micro-batches per step; use repeating data "
-            "or no batch-size ramp-up."
+            "or no batch-size schedule."
         )
 
 
