@@ -8,6 +8,7 @@ loaders over real prepared datasets.
 from __future__ import annotations
 
 import argparse
+import sys
 import dataclasses
 import inspect
 from pathlib import Path
@@ -320,3 +321,34 @@ def test_check_resume_passes_on_dict_batches(small_dataset):
                                     "--cut", "5", "--steps", "12", "--task-encoder",
                                     "tests.test_megatron_provider:_DictBatchTE"])
     assert res.exit_code == 0, res.output
+
+
+def _core_019() -> bool:
+    from megatron.core.package_info import __version__
+
+    return tuple(int(x) for x in __version__.split(".")[:2]) >= (0, 19)
+
+
+@pytest.mark.py312
+@pytest.mark.skipif(sys.version_info < (3, 12) or not _core_019(), reason="megatron-core 0.19.x (.ci/py312)")
+def test_step_batch_size_schedule_count_is_megatrons_on_core_0_19(tmp_path):
+    """core 0.19 replaced --rampup-batch-size by --step-batch-size-schedule."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    args = _restore_args(tmp_path, micro_batch_size=4, global_batch_size=64, data_parallel_size=2,
+                         step_batch_size_schedule="0:16 128:32 512:64", seq_length=None)
+    nmc.init_num_microbatches_calculator(rank=1, global_batch_size=None, micro_batch_size=4, data_parallel_size=2,
+                                         step_batch_size_schedule=args.step_batch_size_schedule)
+    consumed = total = 0
+    per_iteration = []
+    for _ in range(30):  # megatron/training/training.py: update before each train_step
+        nmc.update_num_microbatches(consumed, consistency_check=True)
+        n = nmc.get_num_microbatches()
+        per_iteration.append(n)
+        total += n
+        consumed += 2 * 4 * n
+    nmc.destroy_num_microbatches_calculator()
+    assert per_iteration[0] == 2 and per_iteration[-1] == 8  # the schedule is real
+    assert expected_consumed_micro_batches(args, 30) == total
+    with pytest.raises(OrderingConfigError, match=r"--rampup-batch-size = \[8, 8, 256\]: the installed megatron-core has no such"):
+        expected_consumed_micro_batches(_restore_args(tmp_path, rampup_batch_size=[8, 8, 256]), 3)
