@@ -286,14 +286,16 @@ def _dist_worker(rank: int, world: int, init_file: str, data: str, phase: str, o
         length_sort_pool_size=32, length_sort_mode="batch", data_mixture_schedule=None,
         data_blend_policy=None, seq_length_warmup_steps=10, seq_length_warmup_start=256,
         seq_length_warmup_multiple_of=None, seq_length_warmup_overflow=None, ordering_seed=None,
-        allow_dataloader_restart=False, data_parallel_size=world,
+        allow_dataloader_restart=False, data_parallel_size=world, dataloader_type="external",
     )
     result: dict = {"rank": dp}
     try:
         if phase == "resume":
             args.load, args.iteration = str(Path(out) / "ckpt"), steps // mbps
+        if phase == "finite_resume":
+            args.load, args.iteration = str(Path(out) / "ckpt"), steps
         train, _, _ = train_valid_test_dataloaders_provider(None, SyntheticTaskEncoder(), args=args,
-                                                            repeat=repeat)
+                                                            repeat=repeat, image_decode=None)
         if phase == "first":
             result["before"] = [list(next(train).keys) for _ in range(steps)]
             path = dataloader_state_path(args.dataloader_save, steps // mbps, dp)
@@ -302,12 +304,22 @@ def _dist_worker(rank: int, world: int, init_file: str, data: str, phase: str, o
             result["after"] = [list(next(train).keys) for _ in range(more)]
         elif phase == "resume":
             result["after"] = [list(next(train).keys) for _ in range(more)]
-        elif phase == "finite":
-            n = 0
-            for _batch in train:
-                n += 1
-                dist.all_reduce(torch.ones(1), group=parallel_state.get_data_parallel_group())
-            result["batches"] = n
+        elif phase in ("finite", "finite_resume"):
+            from megatron.core.rerun_state_machine import RerunDataIterator
+
+            it = RerunDataIterator(train)  # what pretrain() makes of an external loader
+            iteration, drawn = args.iteration, []
+            while iteration < args.train_iters:  # megatron/training/training.py's loop
+                for _ in range(mbps):  # one train_step: forward_backward draws mbps micro-batches
+                    drawn.append(list(next(it).keys))
+                    dist.all_reduce(torch.ones(1), group=parallel_state.get_data_parallel_group())
+                iteration += 1
+                if phase == "finite" and iteration == steps:  # a checkpoint, as checkpointing.py
+                    path = dataloader_state_path(args.dataloader_save, iteration, dp)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    torch.save({"dataloader_state_dict": it.iterable.save_state()}, path)
+                    result["cut_at"] = len(drawn)
+            result.update(batches=len(drawn), drawn=drawn, train_iters=args.train_iters, iteration=iteration)
     except Exception as e:  # reported to the test, which fails with the message
         result["error"] = f"{type(e).__name__}: {e}"
     Path(out, f"{phase}_rank{dp}.json").write_text(json.dumps(result))
@@ -369,10 +381,13 @@ def test_two_processes_refuse_a_corrupted_state(small_dataset, tmp_path):
 
 @needs_mcore
 def test_finite_data_stops_all_ranks_at_the_same_step(tmp_path):
+    """Megatron's loop (``while iteration < args.train_iters``, 2 micro-batches per step, through
+    Megatron's RerunDataIterator) ends after the last step every rank can fill, without an
+    exception; a checkpoint inside the epoch resumes to the same end."""
     from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 
-    # 41 samples: the two ranks' shares end after different numbers of micro-batches of 4
-    make_synthetic_dataset(tmp_path / "data", [SourceSpec("web", 41, "short")], shard_size=10)
+    # 81 samples: the two ranks' shares end after different numbers of micro-batches of 4
+    make_synthetic_dataset(tmp_path / "data", [SourceSpec("web", 81, "short")], shard_size=10)
     path = tmp_path / "data" / "web"
     alone = []
     for rank in range(2):
@@ -381,5 +396,15 @@ def test_finite_data_stops_all_ranks_at_the_same_step(tmp_path):
         alone.append(sum(1 for _ in loader))
         close_loader(loader)
     assert alone[0] != alone[1], alone  # without lockstep one rank would wait in a collective
-    out = _spawn(tmp_path, "finite", data=str(path), repeat=False, timeout=120)
-    assert out[0]["batches"] == out[1]["batches"] == min(alone)
+    out = _spawn(tmp_path, "finite", data=str(path), repeat=False, timeout=120, steps=2)
+    full_steps = min(alone) // 2  # the last step every rank fills
+    assert full_steps > 2
+    for r in out:
+        assert r["batches"] == 2 * full_steps and r["train_iters"] == r["iteration"] == full_steps
+    resumed = _spawn(tmp_path, "finite_resume", data=str(path), repeat=False, timeout=120, steps=2)
+    if any(b["drawn"] != a["drawn"][a["cut_at"]:] for a, b in zip(out, resumed)):
+        # A finite loader restored inside its last pool does not continue with exactly the
+        # remainder (issue 12, "finite epochs"); once that is fixed the
+        # resumed run must draw exactly the rest and end at the same step.
+        pytest.xfail("a restored finite loader does not continue with exactly the remainder (issue 12)")
+    assert all(b["train_iters"] == full_steps for b in resumed)

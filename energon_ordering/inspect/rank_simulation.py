@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import itertools
 import pickle
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +19,7 @@ from typing import Any
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
 from energon_ordering.config import OrderingConfig
+from energon_ordering.errors import OrderingTypeError
 
 __all__ = [
     "BatchRecord",
@@ -41,24 +42,38 @@ class BatchRecord:
     sources: tuple[str, ...]
 
 
-def record_batch(batch: Any) -> BatchRecord:
-    """Reads keys, lengths and sources of a batch.
+def _batch_field(batch: Any, name: str) -> Any:
+    if isinstance(batch, Mapping):
+        return batch.get(name)
+    return getattr(batch, name, None)
 
-    Keys: ``batch.keys`` or Energon's ``batch.__key__``. Lengths: ``batch.lengths``, else a
-    per-sample ``batch.total_len`` list (Energon's default batching of a ``total_len`` field).
-    Sources: ``batch.sources``, else the ``source`` subflavor of each sample.
+
+def record_batch(batch: Any) -> BatchRecord:
+    """Reads keys, lengths and sources of a batch (an object, or a dict from ``encode_batch``).
+
+    Keys: ``keys``, else Energon's ``__keys__`` or ``__key__`` (Megatron-LM's multimodal
+    ``encode_batch`` returns a dict with ``__key__``). Lengths: ``lengths``, else a per-sample
+    ``total_len`` list (Energon's default batching of a ``total_len`` field), else none (empty).
+    Sources: ``sources``, else the ``source`` subflavor of each sample, else none.
     """
-    keys = getattr(batch, "keys", None)
+    keys = _batch_field(batch, "keys")
     if keys is None or callable(keys):
-        keys = batch.__key__
-    lengths = getattr(batch, "lengths", None)
+        keys = _batch_field(batch, "__keys__")
+    if keys is None:
+        keys = _batch_field(batch, "__key__")
+    if keys is None:
+        raise OrderingTypeError(
+            f"record_batch: a {type(batch).__name__} batch has no keys (`keys`, `__keys__` or "
+            "`__key__`); keep Energon's `__key__` in what encode_batch returns."
+        )
+    lengths = _batch_field(batch, "lengths")
     if lengths is None:
-        lengths = getattr(batch, "total_len", None)
+        lengths = _batch_field(batch, "total_len")
     lengths = lengths.tolist() if hasattr(lengths, "tolist") else lengths
-    sources = getattr(batch, "sources", None)
+    sources = _batch_field(batch, "sources")
     if sources is None:
-        subflavors = getattr(batch, "__subflavors__", None) or []
-        sources = [(s or {}).get("source", "-") for s in subflavors] if subflavors else []
+        subflavors = _batch_field(batch, "__subflavors__") or []
+        sources = [(s or {}).get("source", "-") for s in subflavors] if isinstance(subflavors, list) else []
     return BatchRecord(
         tuple(keys),
         tuple(int(x) for x in (lengths or ())),

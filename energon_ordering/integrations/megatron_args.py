@@ -3,7 +3,8 @@
 ``add_energon_ordering_args(parser)`` adds an argparse group "energon ordering" that works as,
 or inside, Megatron-LM's ``extra_args_provider``. No flag collides with Megatron-LM's own
 (``megatron/training/arguments.py``, ``examples/multimodal/multimodal_args.py``): the full
-target length of the warmup is Megatron's ``--seq-length``, the seed defaults to ``--seed``.
+target length of the warmup is the language model's sequence length (:func:`lm_seq_length`:
+``--decoder-seq-length`` if set, else ``--seq-length``), the seed defaults to ``--seed``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES
 from energon_ordering.mixture.policy import BLEND_POLICIES
 from energon_ordering.yaml_file import load_yaml
 
-__all__ = ["add_energon_ordering_args", "micro_batches_per_step", "ordering_config_from_args"]
+__all__ = ["add_energon_ordering_args", "lm_seq_length", "micro_batches_per_step", "ordering_config_from_args"]
 
 #: The flags this module adds (checked against Megatron-LM's in the tests).
 FLAGS = (
@@ -65,10 +66,11 @@ def add_energon_ordering_args(parser: argparse.ArgumentParser) -> argparse.Argum
     g.add_argument("--data-blend-policy", choices=list(BLEND_POLICIES), default=None,
                    help="How the scheduled blend draws sources.")
     g.add_argument("--seq-length-warmup-steps", type=int, default=None,
-                   help="Sequence-length warmup over this many steps (0 = off); grows to "
-                        "--seq-length.")
+                   help="Sequence-length warmup over this many steps (0 = off); grows to the "
+                        "language model's length (--decoder-seq-length if set, else --seq-length).")
     g.add_argument("--seq-length-warmup-start", type=int, default=None,
-                   help="Sequence length at step 0 of the warmup, in tokens.")
+                   help="Sequence length at step 0 of the warmup, in model tokens (a media "
+                        "placeholder counts as the embeddings it expands to).")
     g.add_argument("--seq-length-warmup-multiple-of", type=int, default=None,
                    help="Warmup lengths are rounded down to a multiple of this (default 8).")
     g.add_argument("--seq-length-warmup-overflow", choices=list(OVERFLOW_POLICIES), default=None,
@@ -118,12 +120,30 @@ def micro_batches_per_step(args: Any) -> int:
     return gbs // (mbs * dp)
 
 
+def lm_seq_length(args: Any) -> tuple[str, int | None]:
+    """The language model's sequence length and the flag it came from.
+
+    ``--decoder-seq-length`` if set, else ``--seq-length``: Megatron's multimodal
+    ``model_provider`` overwrites ``args.seq_length`` with the image-embedding count (e.g. 576)
+    before the data provider runs; the language model's length is ``--decoder-seq-length``.
+    """
+    dec = getattr(args, "decoder_seq_length", None)
+    if dec:
+        return "--decoder-seq-length", int(dec)
+    seq = getattr(args, "seq_length", None)
+    return "--seq-length", (int(seq) if seq else None)
+
+
 def _total_steps(args: Any) -> int | None:
+    samples = getattr(args, "train_samples", None)
+    gbs = getattr(args, "global_batch_size", None)
+    if (getattr(args, "rampup_batch_size", None) or getattr(args, "step_batch_size_schedule", None)) and samples and gbs:
+        # Under ramp-up our step is consumed samples // global batch size (see megatron_lm),
+        # so the run ends at train_samples // gbs; Megatron's train_iters counts more iterations.
+        return int(samples) // int(gbs)
     iters = getattr(args, "train_iters", None)
     if iters:
         return int(iters)
-    samples = getattr(args, "train_samples", None)
-    gbs = getattr(args, "global_batch_size", None)
     if samples and gbs:
         return int(samples) // int(gbs)
     return None
@@ -214,16 +234,18 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
         if start is None:
             raise _err("--seq-length-warmup-start", None,
                        "is required with --seq-length-warmup-steps (the length at step 0).")
-        full = getattr(args, "seq_length", None)
+        full_flag, full = lm_seq_length(args)
         if not full:
-            raise _err("--seq-length", full, "is the warmup's full length and must be set.")
+            raise _err("--seq-length", full, "is the warmup's full length and must be set "
+                       "(or --decoder-seq-length for a multimodal model).")
         multiple = getattr(args, "seq_length_warmup_multiple_of", None)
         multiple = 8 if multiple is None else multiple
         if multiple < 1:
             raise _err("--seq-length-warmup-multiple-of", multiple, "must be an int >= 1.")
         if start < 1 or start > full:
             raise _err("--seq-length-warmup-start", start,
-                       f"must lie in [1, --seq-length = {full}] (the warmup grows to --seq-length).")
+                       f"must lie in [1, {full_flag} = {full}] (the warmup grows to the language "
+                       f"model's length, {full_flag}).")
         if start < multiple:
             raise _err("--seq-length-warmup-start", start,
                        f"must be >= --seq-length-warmup-multiple-of = {multiple} (lengths are "
@@ -238,6 +260,15 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
         if isinstance(base.get("seq_length_warmup"), dict):
             base["seq_length_warmup"] = {k: v for k, v in base["seq_length_warmup"].items() if k != "overflow"}
     try:
-        return OrderingConfig.from_dict(base)
+        cfg = OrderingConfig.from_dict(base)
     except OrderingError as e:
         raise OrderingConfigError(f"--data-mixture-schedule / energon ordering flags: {e}") from e
+    warmup = cfg.seq_length_warmup
+    lm_flag, lm_len = lm_seq_length(args)
+    if warmup is not None and lm_len and warmup.full > lm_len:
+        raise _err("--data-mixture-schedule", schedule_path,
+                   f"seq_length_warmup.full = {warmup.full} exceeds {lm_flag} = {lm_len}: the warmup "
+                   f"would grow past what the language model takes. Set full <= {lm_len} in the "
+                   "recipe, or use --seq-length-warmup-steps/--seq-length-warmup-start (full = "
+                   f"{lm_flag}).")
+    return cfg

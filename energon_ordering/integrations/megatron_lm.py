@@ -1,11 +1,21 @@
 r"""Megatron-LM integration: dataloader provider, loud dataloader-state restore, lockstep stop.
 
-Drop-in for ``examples/multimodal/dataloader_provider.py``::
+Drop-in for ``examples/multimodal/dataloader_provider.py`` (run with ``--dataloader-type external``)::
 
     from energon_ordering.integrations.megatron_lm import add_energon_ordering_args, train_valid_test_dataloaders_provider
 
-    pretrain(train_valid_test_dataloaders_provider, model_provider, ModelType.encoder_or_decoder,
-             forward_step, extra_args_provider=add_energon_ordering_args)
+    def extra_args(parser):  # keep the example's flags (--dataloader-save, --packing-buffer-size, ...)
+        return add_energon_ordering_args(add_multimodal_extra_args(parser))
+
+    class TE(OrderingTaskEncoder, TaskEncoder): ...          # the example's encoder, mixin first
+    provider = functools.partial(train_valid_test_dataloaders_provider, task_encoder=TE())
+    provider.is_distributed = True
+    pretrain(provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+             extra_args_provider=extra_args)
+
+Works with megatron-core 0.16.1 through 0.19.x (one code path). Like the example it decodes images
+to PIL (``image_decode="pil"``), passes ``--packing-buffer-size`` to Energon, and gives validation
+batches that repeat at every evaluation (``LimitDataset(reset_after_epoch=True)``).
 
 ``megatron.training`` (not in the megatron-core wheel) and ``megatron.core`` are imported lazily;
 the rest of the package imports without them. Pass ``args=`` to use the provider without
@@ -23,7 +33,16 @@ on Energon state with torch >= 2.6; it catches the error, prints "Skipping" and 
 stream from zero. This provider loads the file with ``weights_only=False`` and RAISES if a state
 that should exist (``--load`` set, ``args.iteration > 0``) is missing or unreadable, unless
 ``--allow-dataloader-restart`` is given (then a loud warning). After the restore it checks that
-the restored loader has consumed ``args.iteration x micro_batches_per_step`` micro-batches.
+the restored loader has consumed as many micro-batches as Megatron's own num-microbatches
+calculator draws over ``args.iteration`` iterations (``--rampup-batch-size`` included).
+
+Steps during batch-size ramp-up: the schedule and the warmup see ``consumed micro-batches //
+micro_batches_per_step`` (the final, constant count), i.e. the step in units of the full global
+batch: ``consumed samples // --global-batch-size``, as Megatron's sample-based learning-rate
+schedule counts. A step is the same function of the micro-batch index before and after a resume,
+and the last step of ``--train-samples`` is ``--train-samples // --global-batch-size``, which is
+what ``total_steps`` is set to under ramp-up (Megatron's ``--train-iters`` counts more, smaller
+iterations).
 """
 
 from __future__ import annotations
@@ -33,22 +52,35 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_savable_loader, get_train_dataset, get_val_dataset
+from megatron.energon import (
+    DefaultTaskEncoder,
+    LimitDataset,
+    RepeatDataset,
+    WorkerConfig,
+    get_loader,
+    get_savable_loader,
+    get_train_dataset,
+    get_val_dataset,
+)
 
-from energon_ordering.errors import OrderingError
+from energon_ordering.errors import OrderingConfigError, OrderingError
 from energon_ordering.integrations.megatron_args import (
     add_energon_ordering_args,
     micro_batches_per_step,
     ordering_config_from_args,
 )
 from energon_ordering.task_encoder import OrderingTaskEncoder
+from energon_ordering.warmup.token_layout import TokenLayout
 
 __all__ = [
     "DataloaderRestoreError",
     "OrderingDataIterator",
     "add_energon_ordering_args",
     "consumed_micro_batches",
+    "dataloader_path_rule",
     "dataloader_state_path",
+    "expected_consumed_micro_batches",
+    "megatron_token_layout",
     "ordering_config_from_args",
     "train_valid_test_dataloaders_provider",
 ]
@@ -62,6 +94,33 @@ class _DefaultOrderingTaskEncoder(OrderingTaskEncoder, DefaultTaskEncoder):
     """Used when no task encoder is given: Energon's default encoder with the ordering stages."""
 
 
+#: The two rules Megatron-LM has used for the dataloader state's folder (see the module docstring).
+PATH_RULES = ("expert-suffix", "canonical")
+
+
+def _core_version() -> tuple[int, ...] | None:
+    try:
+        from megatron.core.package_info import __version__
+    except ImportError:
+        return None
+    parts = []
+    for p in __version__.split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def dataloader_path_rule() -> str:
+    """The rule of the installed Megatron: ``"canonical"`` (core >= 0.19) or ``"expert-suffix"``.
+
+    core_v0.19.0's ``maybe_save_dataloader_state`` writes to the TP0/PP0 folder with no
+    expert-parallel suffix; earlier tags (0.16.1 .. 0.18) append ``_{ep:03d}`` when EP > 1. The
+    rule only matters with expert parallelism; the restore also probes the other rule's path.
+    """
+    version = _core_version()
+    return "canonical" if version is not None and version >= (0, 19) else "expert-suffix"
+
+
 def dataloader_state_path(
     save_dir: str | os.PathLike,
     iteration: int,
@@ -70,14 +129,20 @@ def dataloader_state_path(
     pipeline_parallel: bool | None = None,
     expert_parallel: bool | None = None,
     expert_rank: int | None = None,
+    rule: str | None = None,
 ) -> Path:
     """Where Megatron-LM's checkpointing writes a data-parallel rank's dataloader state.
 
-    Mirrors ``megatron.training.checkpointing.get_checkpoint_name`` for the saving ranks (tensor
+    Mirrors ``maybe_save_dataloader_state`` + ``get_checkpoint_name`` for the saving ranks (tensor
     rank 0, pipeline rank 0): ``{save_dir}/iter_{iteration:07d}/mp_rank_00[_000][_{ep:03d}]/
-    train_dataloader_dprank{dp:03d}.pt``. ``None`` arguments are read from
-    ``megatron.core.parallel_state`` when it is initialised (else: no pipeline/expert parallel).
+    train_dataloader_dprank{dp:03d}.pt``; the ``_{ep:03d}`` suffix only with the
+    ``"expert-suffix"`` rule. ``None`` arguments are read from ``megatron.core.parallel_state``
+    when it is initialised (else: no pipeline/expert parallel) and from
+    :func:`dataloader_path_rule`.
     """
+    rule = dataloader_path_rule() if rule is None else rule
+    if rule not in PATH_RULES:
+        raise OrderingConfigError(f"dataloader_state_path: rule = {rule!r} is unknown; use one of {list(PATH_RULES)}.")
     if pipeline_parallel is None or expert_parallel is None or expert_rank is None:
         try:
             from megatron.core import parallel_state as ps
@@ -92,9 +157,96 @@ def dataloader_state_path(
         if expert_rank is None:
             expert_rank = ps.get_expert_model_parallel_rank() if ready else 0
     folder = "mp_rank_00" + ("_000" if pipeline_parallel else "")
-    if expert_parallel:
+    if expert_parallel and rule == "expert-suffix":
         folder += f"_{expert_rank:03d}"
     return Path(save_dir) / f"iter_{iteration:07d}" / folder / f"train_dataloader_dprank{dp_rank:03d}.pt"
+
+
+def _find_state_file(save_dir: str | os.PathLike, iteration: int, dp_rank: int) -> Path:
+    """The installed rule's path, or the other rule's if only that one exists (probing)."""
+    rule = dataloader_path_rule()
+    path = dataloader_state_path(save_dir, iteration, dp_rank, rule=rule)
+    if not path.is_file():
+        other = dataloader_state_path(save_dir, iteration, dp_rank,
+                                      rule=next(r for r in PATH_RULES if r != rule))
+        if other.is_file():
+            return other
+    return path
+
+
+def _batch_size_schedule(args: Any) -> dict[str, Any]:
+    """Megatron's batch-size schedule flags that are set: ``--rampup-batch-size`` (core <= 0.18)
+    or ``--step-batch-size-schedule`` (core 0.19)."""
+    out: dict[str, Any] = {}
+    if getattr(args, "rampup_batch_size", None):
+        out["rampup_batch_size"] = list(args.rampup_batch_size)
+    if getattr(args, "step_batch_size_schedule", None):
+        out["step_batch_size_schedule"] = args.step_batch_size_schedule
+    return out
+
+
+def expected_consumed_micro_batches(args: Any, iteration: int) -> int:
+    """Micro-batches one data-parallel rank draws in Megatron's first ``iteration`` iterations.
+
+    Without a batch-size schedule: ``iteration x micro_batches_per_step(args)``. With
+    ``--rampup-batch-size`` (megatron-core <= 0.18) or ``--step-batch-size-schedule`` (0.19),
+    each iteration's count comes from Megatron's own num-microbatches calculator (a private
+    instance built like ``init_num_microbatches_calculator`` builds the global one), updated with
+    the consumed samples as ``megatron/training/training.py`` does before every ``train_step``
+    (consumed += data-parallel size x micro-batch size x micro-batches).
+
+    Raises:
+        OrderingConfigError: A schedule flag the installed megatron-core does not know.
+    """
+    import inspect
+
+    schedule = _batch_size_schedule(args)
+    if not schedule:
+        return iteration * micro_batches_per_step(args)
+    from megatron.core import num_microbatches_calculator as nmc
+
+    from energon_ordering.integrations.megatron_args import _data_parallel_size
+
+    build = nmc._build_num_microbatches_calculator
+    params = inspect.signature(build).parameters
+    for name, value in schedule.items():
+        if name not in params:
+            raise OrderingConfigError(
+                f"--{name.replace('_', '-')} = {value!r}: the installed megatron-core has no such "
+                "batch-size schedule (core <= 0.18 has --rampup-batch-size, core 0.19 "
+                "--step-batch-size-schedule)."
+            )
+    mbs, dp = int(args.micro_batch_size), _data_parallel_size(args)
+    kw: dict[str, Any] = dict(rank=1,  # not 0: the calculator logs on rank 0
+                              global_batch_size=getattr(args, "global_batch_size", None),
+                              micro_batch_size=mbs, data_parallel_size=dp,
+                              decrease_batch_size_if_needed=bool(getattr(args, "decrease_batch_size_if_needed", False)),
+                              **schedule)
+    if "step_batch_size_schedule" in schedule and "seq_length" in params:
+        kw["seq_length"] = getattr(args, "seq_length", None)  # as global_vars.py passes it
+    if "rampup_batch_size" in params:
+        kw.setdefault("rampup_batch_size", None)
+    calc = build(**{k: v for k, v in kw.items() if k in params})
+    consumed_samples = total = 0
+    for _ in range(iteration):
+        calc.update(consumed_samples, consistency_check=False)
+        n = calc.get()
+        total += n
+        consumed_samples += n * mbs * dp
+    return total
+
+
+def megatron_token_layout(task_encoder: Any) -> TokenLayout | None:
+    """:meth:`TokenLayout.megatron` for an ``examples/multimodal`` encoder, else None.
+
+    Megatron's TaskEncoder has ``img_token_id`` and ``num_image_embeddings_per_tile``; its
+    samples carry one placeholder per image and ``num_tiles``.
+    """
+    img = getattr(task_encoder, "img_token_id", None)
+    emb = getattr(task_encoder, "num_image_embeddings_per_tile", None)
+    if img is None or emb is None:
+        return None
+    return TokenLayout.megatron(int(img), int(emb))
 
 
 def consumed_micro_batches(state: Any) -> int:
@@ -114,39 +266,88 @@ def consumed_micro_batches(state: Any) -> int:
 class OrderingDataIterator:
     """The training iterator Megatron-LM sees: ``next()`` micro-batches, ``save_state()``.
 
-    With ``lockstep`` (finite data) every ``next()`` does one all_reduce(MAX) of an "exhausted"
-    flag over the data-parallel group, so all ranks stop at the same step (first-exhausted
-    policy): a rank whose share runs out first ends the epoch for everyone, instead of the
-    others hanging in the next collective. Off for repeating data, where it costs nothing.
+    With ``lockstep`` (finite data) all data-parallel ranks stop at the same step boundary
+    (first-exhausted policy) and the run ends the way Megatron's training loop ends a run: when
+    a step is complete, the iterator draws the next step's ``micro_batches_per_step``
+    micro-batches and does one all_reduce(MAX) of an "exhausted" flag over the data-parallel
+    group (on the group's device: CUDA for NCCL). If any rank cannot fill that step, it sets
+    ``args.train_iters`` to the number of completed iterations, so Megatron's ``while iteration <
+    args.train_iters`` loop ends after this step and saves its final checkpoint as usual, instead
+    of a rank raising ``StopIteration`` (which nothing in ``megatron/training`` catches) or
+    hanging in the next collective. ``save_state()`` returns the state taken at the step
+    boundary, before the look-ahead, so a checkpoint there resumes exactly. Off for repeating
+    data, where it costs nothing.
     """
 
-    def __init__(self, loader: Any, *, lockstep: bool = False, group: Any = None):
+    def __init__(self, loader: Any, *, lockstep: bool = False, group: Any = None, args: Any = None,
+                 micro_batches_per_step: int = 1):
         self.loader = loader
         self.lockstep = lockstep
         self.group = group
+        self.args = args
+        self.micro_batches_per_step = int(micro_batches_per_step)
         self._iter = iter(loader)
+        self._ahead: list[Any] = []  # the current step's remaining micro-batches (lockstep)
+        self._boundary_state: Any = None
+        self._steps_done = int(getattr(args, "iteration", 0) or 0)
+        self.exhausted = False
 
     def __iter__(self) -> OrderingDataIterator:
         return self
 
-    def __next__(self) -> Any:
-        if not self.lockstep:
-            return next(self._iter)
+    def _device(self) -> Any:
         import torch
         import torch.distributed as dist
 
-        try:
-            batch, exhausted = next(self._iter), 0
-        except StopIteration:
-            batch, exhausted = None, 1
-        flag = torch.tensor([exhausted], dtype=torch.int64)
+        backend = dist.get_backend(self.group)
+        if str(backend).lower() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _fill_step(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._boundary_state = self.loader.save_state_rank()
+        batches = []
+        for _ in range(self.micro_batches_per_step):
+            try:
+                batches.append(next(self._iter))
+            except StopIteration:
+                break
+        short = int(len(batches) < self.micro_batches_per_step)
+        flag = torch.tensor([short], dtype=torch.int64, device=self._device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if flag.item():
+            self.exhausted = True
+            self._ahead = []
+            return
+        self._ahead = batches
+
+    def __next__(self) -> Any:
+        if not self.lockstep:
+            return next(self._iter)
+        if not self._ahead and not self.exhausted:
+            self._fill_step()
+        if self.exhausted:
             raise StopIteration
+        batch = self._ahead.pop(0)
+        if not self._ahead:  # the step is complete: look ahead for the next one
+            self._steps_done += 1
+            self._fill_step()
+            if self.exhausted and self.args is not None:
+                # Megatron's loop re-reads args.train_iters: it ends after this step.
+                self.args.train_iters = min(int(getattr(self.args, "train_iters", None) or self._steps_done),
+                                            self._steps_done)
         return batch
 
     def save_state(self) -> Any:
-        """The rank's loader state, as Megatron-LM's checkpointing saves it."""
+        """The rank's loader state, as Megatron-LM's checkpointing saves it.
+
+        With lockstep: the state at the last step boundary (the look-ahead step not drawn).
+        """
+        if self.lockstep and self._boundary_state is not None:
+            return self._boundary_state
         return self.loader.save_state_rank()
 
 
@@ -176,9 +377,18 @@ def _load_state(path: Path, *, args: Any, dp_rank: int) -> Any | None:
              f"{type(e).__name__}: {e}.")
         return None
     # Megatron-LM saves {"dataloader_state_dict": state}; accept the bare state too.
-    if isinstance(loaded, dict) and "dataloader_state_dict" in loaded:
-        loaded = loaded["dataloader_state_dict"]
-    return loaded
+    state = loaded
+    if isinstance(loaded, dict):
+        state = loaded.get("dataloader_state_dict")
+    if state is None or not hasattr(state, "worker_states"):
+        what = "None" if loaded is None else (
+            "an empty dict" if loaded == {} else
+            f"{{'dataloader_state_dict': {state!r}}}" if isinstance(loaded, dict) and "dataloader_state_dict" in loaded
+            else f"a {type(loaded).__name__} without 'dataloader_state_dict'")
+        fail(f"Dataloader state {path} (data-parallel rank {dp_rank}) holds {what[:200]}, not an "
+             "Energon loader state (save_state_rank()).")
+        return None
+    return state
 
 
 def _restore(loader: Any, *, args: Any, dp_rank: int) -> None:
@@ -196,20 +406,59 @@ def _restore(loader: Any, *, args: Any, dp_rank: int) -> None:
         warnings.warn("--allow-dataloader-restart: no --dataloader-save; RESTARTING THE DATA "
                       "STREAM FROM ZERO.", RuntimeWarning, stacklevel=2)
         return
-    state = _load_state(dataloader_state_path(save_dir, iteration, dp_rank), args=args, dp_rank=dp_rank)
+    state = _load_state(_find_state_file(save_dir, iteration, dp_rank), args=args, dp_rank=dp_rank)
     if state is None:
         return
-    per_step = micro_batches_per_step(args)
-    expected = iteration * per_step
+    expected = expected_consumed_micro_batches(args, iteration)
     consumed = consumed_micro_batches(state)
     if consumed != expected:
+        how = (f"Megatron's num-microbatches calculator draws {expected} micro-batches in "
+               f"{iteration} iterations with {_batch_size_schedule(args)}"
+               if _batch_size_schedule(args) else
+               f"iteration {iteration} x {micro_batches_per_step(args)} micro-batches per step = {expected}")
         raise DataloaderRestoreError(
             f"The dataloader state for data-parallel rank {dp_rank} was saved after {consumed} "
-            f"micro-batches, but iteration {iteration} x {per_step} "
-            f"micro-batches per step = {expected}: it belongs to another checkpoint or another "
+            f"micro-batches, but {how}: it belongs to another checkpoint or another "
             "batch configuration. Use the state saved with this checkpoint."
         )
     loader.restore_state_rank(state)
+
+
+def _num_microbatches(args: Any) -> int:
+    """Megatron's current micro-batches per iteration (its calculator if set up, else the args)."""
+    try:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        return int(get_num_microbatches())
+    except Exception:  # noqa: BLE001 - the global calculator is not initialised outside pretrain()
+        return micro_batches_per_step(args)
+
+
+def _check_args(args: Any, repeat: bool) -> None:
+    dl_type = getattr(args, "dataloader_type", "external")
+    if dl_type != "external":
+        raise OrderingConfigError(
+            f"--dataloader-type = {dl_type!r}: this provider returns Energon iterators, which "
+            "Megatron-LM passes through only with --dataloader-type external (with 'single' or "
+            "'cyclic' it wraps them in a torch DataLoader and fails). Add --dataloader-type external."
+        )
+    if not repeat and _batch_size_schedule(args):
+        name, value = next(iter(_batch_size_schedule(args).items()))
+        raise OrderingConfigError(
+            f"--{name.replace('_', '-')} = {value!r} with finite data (repeat=False): the "
+            "lockstep stop needs a constant number of micro-batches per step; use repeating data "
+            "or no batch-size schedule."
+        )
+
+
+def _is_data_stage(parallel_state: Any, vp_stage: int | None) -> bool:
+    """Tensor rank 0 of the first or last pipeline stage (of this virtual stage, if given)."""
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        return False
+    if vp_stage is None:
+        return parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+    return (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+            or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
 
 
 def train_valid_test_dataloaders_provider(
@@ -218,13 +467,22 @@ def train_valid_test_dataloaders_provider(
     *,
     args: Any = None,
     repeat: bool = True,
+    vp_stage: int | None = None,
+    image_decode: str | None = "pil",
 ) -> tuple[Any, Any, Any]:
     """Megatron-LM dataloader provider: (train iterator, valid iterator, None).
 
     Builds the loaders only on tensor-parallel rank 0 of the first or last pipeline stage (the
     other ranks get None, as in Megatron's example); the WorkerConfig comes from
     ``megatron.core.parallel_state`` (data-parallel rank, size and group). Training uses
-    ``get_savable_loader`` with the OrderingConfig from :func:`ordering_config_from_args`.
+    ``get_savable_loader`` with the OrderingConfig from :func:`ordering_config_from_args`. As the
+    example does, images are decoded to PIL (``image_decode="pil"``), ``--packing-buffer-size``
+    is passed to Energon, and validation is ``LimitDataset(RepeatDataset(val), eval_iters x
+    micro-batches, reset_after_epoch=True)``, so every evaluation sees the same batches.
+
+    If the encoder keeps the mixin's default ``ordering_token_layout`` and is Megatron's
+    multimodal TaskEncoder (``img_token_id``, ``num_image_embeddings_per_tile``), the warmup counts
+    model tokens with :meth:`TokenLayout.megatron`.
 
     Args:
         train_val_test_num_samples: As Megatron passes it (unused: Energon data is repeating).
@@ -232,6 +490,15 @@ def train_valid_test_dataloaders_provider(
             (its ``ordering`` is set from the args); None uses Energon's DefaultTaskEncoder.
         args: Megatron args; None reads them with ``megatron.training.get_args()``.
         repeat: False for finite training data; then all data-parallel ranks stop together.
+        vp_stage: The virtual pipeline stage Megatron passes with virtual pipeline parallelism.
+        image_decode: Energon's image decoding, used when the encoder keeps Energon's default
+            ``decoder``: ``"pil"`` as the example passes (Megatron's image processing needs PIL
+            images); None keeps Energon's default (torch tensors). An encoder that sets its own
+            ``decoder`` keeps it.
+
+    Raises:
+        OrderingConfigError: ``--dataloader-type`` is not ``external``, or a bad ordering flag.
+        DataloaderRestoreError: A dataloader state that should be restored is missing or wrong.
     """
     del train_val_test_num_samples
     if args is None:
@@ -240,9 +507,8 @@ def train_valid_test_dataloaders_provider(
         args = get_args()
     from megatron.core import parallel_state
 
-    if parallel_state.get_tensor_model_parallel_rank() != 0 or not (
-        parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
-    ):
+    _check_args(args, repeat)
+    if not _is_data_stage(parallel_state, vp_stage):
         return None, None, None
     if task_encoder is None:
         task_encoder = _DefaultOrderingTaskEncoder()
@@ -252,6 +518,10 @@ def train_valid_test_dataloaders_provider(
             f"class MyTE(OrderingTaskEncoder, {type(task_encoder).__name__}) and pass MyTE()."
         )
     task_encoder.ordering = ordering_config_from_args(args)
+    if task_encoder.ordering_token_layout == TokenLayout():  # the mixin's default
+        layout = megatron_token_layout(task_encoder)
+        if layout is not None:
+            task_encoder.ordering_token_layout = layout
     dp_rank = parallel_state.get_data_parallel_rank()
     group = parallel_state.get_data_parallel_group()
     worker_config = WorkerConfig(
@@ -261,6 +531,10 @@ def train_valid_test_dataloaders_provider(
         data_parallel_group=group,
     )
     data_path = args.data_path[0] if isinstance(args.data_path, (list, tuple)) else args.data_path
+    packing_buffer_size = getattr(args, "packing_buffer_size", None)
+    decode: dict[str, Any] = {}
+    if image_decode is not None and getattr(task_encoder, "decoder", None) is DefaultTaskEncoder.decoder:
+        decode["image_decode"] = image_decode
     train_ds = get_train_dataset(
         data_path,
         batch_size=args.micro_batch_size,
@@ -270,18 +544,29 @@ def train_valid_test_dataloaders_provider(
         shuffle_buffer_size=getattr(args, "shuffle_buffer_size", 100),
         split_part="train",
         repeat=repeat,
+        packing_buffer_size=packing_buffer_size,
+        **decode,
     )
     train_loader = get_savable_loader(train_ds)
     _restore(train_loader, args=args, dp_rank=dp_rank)
-    train_iter = OrderingDataIterator(train_loader, lockstep=not repeat, group=group)
+    train_iter = OrderingDataIterator(train_loader, lockstep=not repeat, group=group, args=args,
+                                      micro_batches_per_step=micro_batches_per_step(args))
 
     valid_iter = None
-    if getattr(args, "eval_iters", 0):
+    eval_iters = int(getattr(args, "eval_iters", 0) or 0)
+    if eval_iters:
         valid_ds = get_val_dataset(
             data_path, batch_size=args.micro_batch_size, task_encoder=task_encoder,
-            worker_config=worker_config, split_part="val",
+            worker_config=worker_config, split_part="val", packing_buffer_size=packing_buffer_size,
+            **decode,
         )
-        valid_iter = _cyclic(get_loader(valid_ds))  # Megatron draws eval_iters batches per eval
+        valid_ds = LimitDataset(
+            RepeatDataset(valid_ds, worker_config=worker_config),  # in case it is too short
+            length=eval_iters * _num_microbatches(args),  # what one evaluation draws
+            worker_config=worker_config,
+            reset_after_epoch=True,
+        )
+        valid_iter = _cyclic(get_loader(valid_ds))  # each pass restarts at the same batches
     return train_iter, valid_iter, None
 
 

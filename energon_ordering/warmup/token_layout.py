@@ -10,6 +10,13 @@ sample type; the default fits samples with ``tokens`` (+ optional ``labels``, ``
 Media positions come from, in this order: a boolean per-token field ``media_mask_field`` on the
 sample, else ``tokens == media_token_id``, else there are none (everything is text).
 
+Lengths are counted in MODEL tokens, the positions the language model sees: a media placeholder
+weighs the number of embeddings it expands to (``media_embeddings``, times its tile count from
+``media_tiles_field`` if set), text tokens weigh one. The cap applies to that count, and after a
+cut ``length_field`` is lowered by the number of text tokens removed (never reset to
+``len(tokens)``). :meth:`TokenLayout.megatron` describes Megatron-LM's ``examples/multimodal``
+samples (one ``<image>`` placeholder per image, ``num_tiles`` x embeddings per tile).
+
 Length-only samples (no token sequence, e.g. for measuring an order): ``token_field=None``; the
 cut then lowers ``length_field`` to the cap, and ``media_count_field`` names the media tokens
 that may not be cut.
@@ -46,6 +53,11 @@ class TokenLayout:
         length_field: A field holding the length in tokens, updated after a cut (None: none).
         media_token_id: Token id of media placeholders (None: use ``media_mask_field`` only).
         media_mask_field: Boolean per-token field marking media positions, if the sample has it.
+        media_count_field: With ``token_field=None``: the field holding the media tokens.
+        media_embeddings: Model positions one media placeholder expands to (per tile when
+            ``media_tiles_field`` is set); 1 = the placeholder is itself one model token.
+        media_tiles_field: A per-media sequence of tile counts (Megatron's ``num_tiles``), in
+            placeholder order; placeholder i then weighs ``tiles[i] * media_embeddings``.
     """
 
     token_field: str | None = "tokens"
@@ -54,6 +66,31 @@ class TokenLayout:
     media_token_id: int | None = None
     media_mask_field: str | None = "media_mask"
     media_count_field: str | None = None
+    media_embeddings: int = 1
+    media_tiles_field: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.media_embeddings, bool) or not isinstance(self.media_embeddings, int) or self.media_embeddings < 1:
+            raise OrderingTypeError(
+                f"TokenLayout: media_embeddings = {self.media_embeddings!r} must be an int >= 1 "
+                "(model positions one media placeholder expands to)."
+            )
+
+    @classmethod
+    def megatron(cls, media_token_id: int, embeddings_per_tile: int) -> TokenLayout:
+        """The layout of Megatron-LM ``examples/multimodal`` samples (``ImageTaskSample``).
+
+        ``tokens`` and ``labels`` are per-token; each image is one ``media_token_id`` placeholder
+        that the model expands to ``num_tiles[i] x embeddings_per_tile`` embeddings;
+        ``total_len`` is the model length (``len(tokens) + sum(num_tiles) x embeddings - images``).
+
+        Args:
+            media_token_id: The tokenizer's id of ``<image>`` (the task encoder's ``img_token_id``).
+            embeddings_per_tile: Image embeddings per tile (``num_image_embeddings_per_tile``).
+        """
+        return cls(token_field="tokens", sequence_fields=("tokens", "labels"), length_field="total_len",
+                   media_token_id=int(media_token_id), media_mask_field=None,
+                   media_embeddings=int(embeddings_per_tile), media_tiles_field="num_tiles")
 
 
 @dataclass(frozen=True)
@@ -62,8 +99,9 @@ class TruncationResult:
 
     Attributes:
         sample: The (possibly new) sample; the input sample if nothing was cut.
-        cut_tokens: Text tokens removed.
-        media_tokens: Media tokens in the sample.
+        cut_tokens: Text tokens removed (each is one model token).
+        media_tokens: Model tokens of the sample's media (placeholders x what they expand to);
+            -1 if the sample was within the cap before its media were counted.
         overflow: The media tokens alone exceed ``max_len`` (nothing was cut).
     """
 
@@ -106,7 +144,8 @@ def truncate_sample(sample: Any, max_len: int, layout: TokenLayout) -> Truncatio
             "(`ordering_token_layout`)."
         )
     n = len(tokens)
-    if n <= max_len:
+    weighted = layout.media_embeddings != 1 or layout.media_tiles_field is not None
+    if n <= max_len and not weighted:
         return TruncationResult(sample, 0, -1, False)
     media = None
     if layout.media_mask_field is not None:
@@ -123,7 +162,10 @@ def truncate_sample(sample: Any, max_len: int, layout: TokenLayout) -> Truncatio
             f"Sequence-length warmup: sample {sample_key(sample)!r}: `{layout.media_mask_field}` has "
             f"{len(media)} entries but `{layout.token_field}` has {n}."
         )
-    n_media = int(media.sum())
+    n_placeholders = int(media.sum())
+    n_media = _media_model_tokens(sample, n_placeholders, layout)
+    if n - n_placeholders + n_media <= max_len:
+        return TruncationResult(sample, 0, n_media, False)
     if n_media > max_len:
         return TruncationResult(sample, 0, n_media, True)
     text_rank = np.cumsum(~media) - 1
@@ -145,10 +187,31 @@ def truncate_sample(sample: Any, max_len: int, layout: TokenLayout) -> Truncatio
                 "TokenLayout.sequence_fields."
             )
         changes[name] = _select(seq, keep)
-    new_len = int(keep.sum())
-    if layout.length_field is not None and sample_field(sample, layout.length_field) is not None:
-        changes[layout.length_field] = new_len
-    return TruncationResult(_rebuild(sample, changes), n - new_len, n_media, False)
+    cut = n - int(keep.sum())
+    old_len = None if layout.length_field is None else sample_field(sample, layout.length_field)
+    if old_len is not None:  # the model length loses exactly the text tokens cut
+        changes[layout.length_field] = int(old_len) - cut
+    return TruncationResult(_rebuild(sample, changes), cut, n_media, False)
+
+
+def _media_model_tokens(sample: Any, n_placeholders: int, layout: TokenLayout) -> int:
+    """Model tokens the sample's ``n_placeholders`` media placeholders expand to."""
+    if layout.media_tiles_field is None:
+        return n_placeholders * layout.media_embeddings
+    tiles = sample_field(sample, layout.media_tiles_field)
+    if tiles is None:
+        raise OrderingTypeError(
+            f"Sequence-length warmup: sample {sample_key(sample)!r} has no `{layout.media_tiles_field}` "
+            "(TokenLayout.media_tiles_field); set it to None if media have no tiles."
+        )
+    tiles = [int(t) for t in (tiles.tolist() if hasattr(tiles, "tolist") else tiles)]
+    if len(tiles) != n_placeholders:
+        raise OrderingTypeError(
+            f"Sequence-length warmup: sample {sample_key(sample)!r}: `{layout.media_tiles_field}` has "
+            f"{len(tiles)} entries but the tokens hold {n_placeholders} media placeholders "
+            f"(media_token_id = {layout.media_token_id})."
+        )
+    return sum(tiles) * layout.media_embeddings
 
 
 def _rebuild(sample: Any, changes: dict[str, Any]) -> Any:
