@@ -32,6 +32,7 @@ from energon_ordering.mixture.schedule import MixtureSchedule, implied_epochs
 from energon_ordering.mixture.scheduled_blend import ScheduledBlendDataset
 from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
 from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
+from energon_ordering.state_stamp import check_loader_state, restore_state_rank
 from energon_ordering.task_encoder import OrderingTaskEncoder
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.seq_warmup import SeqLenWarmupDataset
@@ -58,5 +59,7 @@ __all__ = [
     "StateMismatchError",
     "TokenLayout",
     "__version__",
+    "check_loader_state",
     "implied_epochs",
+    "restore_state_rank",
 ]

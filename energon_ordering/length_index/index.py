@@ -14,6 +14,7 @@ Lookups open the file read-only, lazily, once per process (loader workers fork).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 import os
@@ -136,6 +137,7 @@ def write_length_index(
                 ("dataset_uuid", uuid),
                 ("computed_by", computed_by),
                 ("samples", str(count)),
+                ("content_digest", content_digest(con)),
             ],
         )
         con.commit()
@@ -146,6 +148,15 @@ def write_length_index(
     con.close()
     tmp.replace(target)
     return IndexSummary(target, uuid, count, total)
+
+
+def content_digest(con: sqlite3.Connection) -> str:
+    """SHA-256 (first 16 hex digits) of every ``(sample key, length)`` pair, in key order: two
+    indexes with the same digest give the pool the same lengths."""
+    h = hashlib.sha256()
+    for key, length in con.execute("SELECT sample_key, length FROM lengths ORDER BY sample_key"):
+        h.update(f"{key}\t{float(length)!r}\n".encode())
+    return h.hexdigest()[:16]
 
 
 def _insert(
@@ -179,12 +190,21 @@ class LengthIndex:
             built for another ``index.uuid`` (stale); on :meth:`length`, for an unknown key.
     """
 
-    def __init__(self, dataset: Any, path: Path, uuid: str, samples: int, computed_by: str):
+    def __init__(
+        self,
+        dataset: Any,
+        path: Path,
+        uuid: str,
+        samples: int,
+        computed_by: str,
+        digest: str | None = None,
+    ):
         self.dataset = str(dataset)
         self.path = path
         self.uuid = uuid
         self.samples = samples
         self.computed_by = computed_by
+        self.digest = digest
         self._con: sqlite3.Connection | None = None
         self._pid: int | None = None
 
@@ -201,6 +221,8 @@ class LengthIndex:
         try:
             con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
             meta = dict(con.execute("SELECT name, value FROM meta").fetchall())
+            if "content_digest" not in meta:  # written before digests were stored
+                meta["content_digest"] = content_digest(con)
             con.close()
         except sqlite3.Error as e:
             raise LengthIndexError(f"length index: {path} is unreadable ({e}). {rebuild}") from e
@@ -217,7 +239,19 @@ class LengthIndex:
                 f"{meta.get('dataset_uuid')!r}, but {dataset} now has index.uuid = {uuid!r} "
                 f"(the data was prepared again). {rebuild}"
             )
-        return cls(dataset, path, uuid, int(meta.get("samples", 0)), meta.get("computed_by", "?"))
+        return cls(
+            dataset,
+            path,
+            uuid,
+            int(meta.get("samples", 0)),
+            meta.get("computed_by", "?"),
+            meta["content_digest"],
+        )
+
+    def identity(self) -> dict[str, Any]:
+        """What a pool's saved state records about the lengths it sorted by: the dataset's
+        ``index.uuid``, what computed the lengths and a digest of their content."""
+        return {"uuid": self.uuid, "computed_by": self.computed_by, "digest": self.digest}
 
     def _connection(self) -> sqlite3.Connection:
         if self._con is None or self._pid != os.getpid():
