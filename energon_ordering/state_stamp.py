@@ -80,7 +80,7 @@ def stamp_differences(saved: Any, expected: dict[str, Any]) -> str | None:
     if not isinstance(saved, dict):
         return f"saved stamp {saved!r}"
     return "; ".join(
-        f"{k}: saved {saved.get(k)!r}, configured {expected.get(k)!r}"
+        f"{k}: saved {saved.get(k)!r} != configured {expected.get(k)!r}"
         for k in [*expected, *(k for k in saved if k not in expected)]
         if saved.get(k) != expected.get(k)
     )

@@ -21,7 +21,11 @@ from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.pool.finite_shuffle_buffer import FiniteShuffleBufferDataset
 from energon_ordering.pool.deferred_load import Defer, DeferredLength, Materialize, split_loader
 from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
-from energon_ordering.length_index.index import LengthIndex, index_path, task_encoder_label
+from energon_ordering.length_index.index import (
+    LengthIndex,
+    length_index_files,
+    task_encoder_label,
+)
 from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
 from energon_ordering.pool.sample_length import default_sample_length
 from energon_ordering.mixture.scheduled_blend import ScheduledBlendDataset
@@ -208,8 +212,12 @@ class OrderingTaskEncoder:
 
     def _ordering_length_source(self, factory: Any) -> Any:
         """The length index of a source's dataset, else ``ordering_raw_sample_length``."""
+        cfg = self._ordering_config()
         path = getattr(factory, "path", None)
-        has_index = path is not None and index_path(path).exists()
+        has_index = path is not None and (
+            cfg.length_index is not None
+            or bool(length_index_files(path, cfg.length_index_dir))
+        )
         if has_index or not self._ordering_has_raw_length():
             if path is None:
                 raise OrderingConfigError(
@@ -217,16 +225,20 @@ class OrderingTaskEncoder:
                     f"has no dataset path for a length index; override "
                     f"{type(self).__name__}.ordering_raw_sample_length instead."
                 )
-            index = LengthIndex.open(path)  # raises if missing, stale or of another version
+            mine = task_encoder_label(self)
+            # raises if missing, stale, corrupt or of another version
+            index = LengthIndex.open(
+                path, cfg.length_index, prefer=mine, index_dir=cfg.length_index_dir
+            )
             if self._ordering_length_indexes is not None:
                 self._ordering_length_indexes.append(index.identity())
-            mine = task_encoder_label(self)
-            if index.computed_by.startswith("task encoder") and index.computed_by != mine:
+            if index.computed_by != mine:
                 warnings.warn(
                     f"length index {index.path} was computed by {index.computed_by}, not by "
-                    f"{mine}; the pool sorts by those lengths. Rebuild it with `energon-ordering "
-                    f"index {path} --task-encoder {type(self).__module__}:"
-                    f"{type(self).__qualname__}` for exact lengths.",
+                    f"{mine}; the pool sorts by those lengths. For exact lengths build one with "
+                    f"`energon-ordering index {path} --task-encoder {type(self).__module__}:"
+                    f"{type(self).__qualname__}` (it is kept next to the others, named after "
+                    "what computed it).",
                     stacklevel=2,
                 )
             return index

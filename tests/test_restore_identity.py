@@ -91,11 +91,11 @@ def _reprepare(data):
 REFUSED = {
     "rank1-state-on-rank0": (
         dict(cfg=POOL, rank=1, world_size=2), dict(cfg=POOL, rank=0, world_size=2),
-        r"rank: saved 1, configured 0.*another data-parallel rank's",
+        r"rank: saved 1 != configured 0.*another data-parallel rank's",
     ),
     "world-size-3-to-2": (
         dict(cfg=POOL, rank=0, world_size=3), dict(cfg=POOL, rank=0, world_size=2),
-        r"world_size: saved 3, configured 2.*energon checkpoint redist",
+        r"world_size: saved 3 != configured 2.*energon checkpoint redist",
     ),
     "other-dataset-same-shards": (
         dict(cfg=POOL), dict(cfg=POOL, path="b"),
@@ -104,35 +104,35 @@ REFUSED = {
     "lag-compensation-toggled": (
         dict(cfg=SCHED, path="meta"),
         dict(cfg=replace(SCHED, schedule_lag_compensation=False), path="meta"),
-        r"schedule_lag_compensation: saved True, configured False",
+        r"schedule_lag_compensation: saved True != configured False",
     ),
     "micro-batches-per-step-changed": (
         dict(cfg=SCHED, path="meta"), dict(cfg=replace(SCHED, micro_batches_per_step=4), path="meta"),
-        r"micro_batches_per_step: saved 2, configured 4",
+        r"micro_batches_per_step: saved 2 != configured 4",
     ),
     "num-workers-2-to-0": (
         dict(cfg=POOL, num_workers=2), dict(cfg=POOL, num_workers=0),
-        r"num_workers: saved 2, configured 0",
+        r"num_workers: saved 2 != configured 0",
     ),
     "num-workers-2-to-1": (
         dict(cfg=POOL, num_workers=2), dict(cfg=POOL, num_workers=1),
-        r"num_workers: saved 2, configured 1",
+        r"num_workers: saved 2 != configured 1",
     ),
     "num-workers-2-to-3": (
         dict(cfg=POOL, num_workers=2), dict(cfg=POOL, num_workers=3),
-        r"num_workers: saved 2, configured 3",
+        r"num_workers: saved 2 != configured 3",
     ),
     "pool-on-to-off": (
         dict(cfg=POOL), dict(cfg=OrderingConfig()),
-        r"length_sort_pool_size: saved 16, configured 0",
+        r"length_sort_pool_size: saved 16 != configured 0",
     ),
     "schedule-to-none": (
         dict(cfg=SCHED, path="meta"), dict(cfg=replace(SCHED, mixture_schedule=None), path="meta"),
-        r"mixture_schedule: saved \['web', 'code'\], configured None",
+        r"mixture_schedule: saved \['web', 'code'\] != configured None",
     ),
     "max-samples-per-sequence-changed": (
         dict(cfg=POOL), dict(cfg=POOL, max_samples_per_sequence=4),
-        r"max_samples_per_sequence: saved \[8\], configured \[4\]",
+        r"max_samples_per_sequence: saved \[8\] != configured \[4\]",
     ),
 }
 
@@ -203,6 +203,14 @@ def test_unchanged_restore_passes_the_check(data):
     assert resume(make, states[7], 5) == records[7:]
 
 
+def test_supported_change_pool_holds_raw_to_keys_resumes_exactly(data):
+    """A supported change: what the lean pool holds may change across a restart."""
+    raw = replace(POOL, length_sort_placement="pre-encode", length_sort_pool_holds="raw")
+    keys = replace(raw, length_sort_pool_holds="keys")
+    records, states = run_with_cuts(_maker(data["a"], raw), 14, [9])
+    assert resume(_maker(data["a"], keys), states[9], 5) == records[9:]
+
+
 # --- redistribution ----------------------------------------------------------------------------
 
 
@@ -225,7 +233,7 @@ def test_energon_checkpoint_redist_is_refused(data, tmp_path):
     new_state = torch.load(new_file, weights_only=False)
     assert len(new_state.worker_states) == 4
     _refused(_maker(data["a"], POOL, num_workers=4), new_state,
-             r"world_size: saved 2, configured 1.*does not support redistributing.*"
+             r"world_size: saved 2 != configured 1.*does not support redistributing.*"
              r"energon checkpoint redist")
 
 

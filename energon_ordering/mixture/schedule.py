@@ -231,7 +231,7 @@ class MixtureSchedule:
             raise _err("phases", f"{phases!r} must be a non-empty list of {{until, weights}}.")
         names: tuple[str, ...] | None = None
         parsed: list[Phase] = []
-        prev_end = -1
+        prev_end = 0
         for i, ph in enumerate(phases):
             where = f"phase {i}"
             if not isinstance(ph, Mapping):
@@ -243,12 +243,21 @@ class MixtureSchedule:
             if end <= prev_end:
                 raise _err(
                     where,
-                    f"until = {ph['until']!r} (step {end}) does not come after the previous phase's "
-                    f"end (step {prev_end}); list phases in increasing `until`.",
+                    f"until = {ph['until']!r} (step {end}) leaves the phase with zero steps: it "
+                    f"does not come after the previous phase's end (step {prev_end}; a fraction "
+                    "is rounded to a whole step). List phases in increasing `until`, at least one "
+                    "step apart.",
                 )
             w = ph["weights"]
             if not isinstance(w, Mapping) or not w:
                 raise _err(where, f"weights {w!r} must be a non-empty mapping source -> weight.")
+            bad_keys = [n for n in w if not isinstance(n, str)]
+            if bad_keys:
+                raise _err(
+                    where,
+                    f"weights are keyed by {bad_keys!r}; source names must be strings (quote "
+                    "them in YAML, e.g. '2024': 0.5).",
+                )
             if names is None:
                 names = tuple(str(n) for n in w)
             else:
@@ -268,6 +277,13 @@ class MixtureSchedule:
                 raise _err(where, f"ramp_steps = {ramp!r} must be an int >= 0.")
             if ramp and i == 0:
                 raise _err(where, "ramp_steps on the first phase has nothing to ramp from; remove it.")
+            if ramp > end - prev_end:
+                raise _err(
+                    where,
+                    f"ramp_steps = {ramp} is longer than the phase ({end - prev_end} steps, from "
+                    f"step {prev_end} to {end}); use ramp_steps <= {end - prev_end} or a later "
+                    "`until`.",
+                )
             parsed.append(Phase(end, values, int(ramp)))
             prev_end = end
         assert names is not None
