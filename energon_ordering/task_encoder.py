@@ -57,8 +57,11 @@ class OrderingTaskEncoder:
         -> encode_sample -> LengthPoolSortDataset        (only with length_sort_pool_size > 0)
         -> SeqLenWarmupDataset                           (only with seq_length_warmup)
         -> batch -> encode_batch
+        -> PipelineStampDataset                          (always: what a restore is checked
+                                                          against; see state_stamp)
 
-    With ``length_sort_placement = "pre-encode"`` the pool moves before loading::
+    Energon's shuffle buffer is replaced by :class:`FiniteShuffleBufferDataset` (same order; a
+    finite epoch resumes exactly). With ``length_sort_placement = "pre-encode"`` the pool moves before loading::
 
         per source: raw tar reader -> Defer          (+ repeat / shuffle buffer / blend as above)
         -> pool of raw samples (or keys only)        lengths from the length index or

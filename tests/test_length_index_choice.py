@@ -185,7 +185,7 @@ def test_plan_out_unwritable_is_one_line(tmp_path):
     blocker.write_text("")
     recipe = next(p for p in sorted((__import__("pathlib").Path(__file__).parent.parent
                                      / "recipes").glob("*.yaml")) if "slm" in p.name)
-    result = CliRunner().invoke(main, ["plan", str(recipe), "--total-steps", "100",
+    result = CliRunner().invoke(main, ["plan", str(recipe), "--total-steps", "19073",
                                        "--global-batch-size", "64", "--source-sizes",
                                        "web=1000,code=1000,books=1000,curated=1000",
                                        "--out", str(blocker / "sub")])
