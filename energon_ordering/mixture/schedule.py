@@ -243,10 +243,10 @@ class MixtureSchedule:
             if end <= prev_end:
                 raise _err(
                     where,
-                    f"until = {ph['until']!r} (step {end}) leaves the phase with zero steps: it "
-                    f"does not come after the previous phase's end (step {prev_end}; a fraction "
-                    "is rounded to a whole step). List phases in increasing `until`, at least one "
-                    "step apart.",
+                    f"until = {ph['until']!r} (step {end}) does not come after the previous "
+                    f"phase's end (step {prev_end}), which leaves the phase with zero steps (a "
+                    "fraction is rounded to a whole step). List phases in increasing `until`, at "
+                    "least one step apart.",
                 )
             w = ph["weights"]
             if not isinstance(w, Mapping) or not w:
