@@ -37,9 +37,9 @@ CUTS_PER_RUN = 5
 @pytest.fixture(scope="module")
 def soak_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("soak")
-    make_synthetic_dataset(root / "single", [SourceSpec("web", 192, "trimodal")], shard_size=16)
+    make_synthetic_dataset(root / "single", [SourceSpec("web", 128, "trimodal")], shard_size=16)
     meta = make_synthetic_dataset(
-        root / "meta", [SourceSpec("web", 96, "trimodal"), SourceSpec("code", 96, "medium")],
+        root / "meta", [SourceSpec("web", 64, "trimodal"), SourceSpec("code", 64, "medium")],
         shard_size=16,
     )
     return {"single": root / "single" / "web", "meta": meta}
@@ -60,7 +60,7 @@ def _draw(rng: random.Random) -> dict:
         warmup=rng.random() < 0.5,
         repeat=rng.random() < 0.5,
         shuffle=rng.choice([None, 8]),
-        steps=rng.randint(8, 40),
+        steps=rng.randint(8, 28),
     )
 
 
