@@ -27,7 +27,7 @@ from energon_ordering.inspect.rank_simulation import (
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
 from energon_ordering.length_index.build import build_length_index
-from energon_ordering.length_index.index import LengthIndex, write_length_index
+from energon_ordering.length_index.index import LengthIndex, index_name, write_length_index
 
 SPEC = [SourceSpec("web", 192, "trimodal")]
 SCHEDULE = {
@@ -172,7 +172,8 @@ def test_rebuilt_length_index_is_refused(data):
     close_loader(loader)
     old = LengthIndex.open(data["indexed"])
     lengths = [(f"web-{i:08d}", 7.0 + i) for i in range(192)]  # another length function
-    write_length_index(data["indexed"], lengths, computed_by=old.computed_by)
+    write_length_index(data["indexed"], lengths, computed_by=old.computed_by,
+                       name=index_name(old.computed_by))
     try:
         _refused(make, state, r"length_index: saved \[\{'uuid'.*'digest'.*Select the original")
     finally:
