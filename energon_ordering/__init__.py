@@ -41,6 +41,7 @@ from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
 from energon_ordering.pool.ffd_pack import first_fit_decreasing
 from energon_ordering.pool.pack_pool_sort import PackPoolSortDataset
 from energon_ordering.pool.sequence_pack import SequencePack
+from energon_ordering.state_stamp import check_loader_state, restore_state_rank
 from energon_ordering.task_encoder import OrderingTaskEncoder
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.pack_cap import PackCapDataset
@@ -71,8 +72,10 @@ __all__ = [
     "StateMismatchError",
     "TokenLayout",
     "__version__",
+    "check_loader_state",
     "first_fit_decreasing",
     "implied_epochs",
     "recipe_names",
     "resolve_recipe",
+    "restore_state_rank",
 ]

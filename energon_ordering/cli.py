@@ -354,9 +354,14 @@ def plan(recipe: str, total_steps: int | None, global_batch_size: int, metadatas
         else:
             click.echo(f"\nLength pool: {cfg.length_sort_pool_size} samples per loader worker"
                        + (", before packing" if packing else "") + f", mode {cfg.length_sort_mode}.")
-    Path(out).mkdir(parents=True, exist_ok=True)
-    png = plot_plan(Path(out) / "plan.png", total_steps=total_steps, schedule=sched, warmup=w,
-                    name=name)
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        png = plot_plan(Path(out) / "plan.png", total_steps=total_steps, schedule=sched, warmup=w,
+                        name=name)
+    except OSError as e:
+        raise UserError(
+            f"--out {out}: cannot write plan.png there ({e.strerror or e}); pass a writable folder."
+        ) from e
     click.echo(f"\nwrote {png}")
 
 
@@ -491,11 +496,21 @@ def _import_function(spec: str, param_hint: str):
 @click.option("--split-part", default="train", help="The split whose samples are indexed.")
 @click.option("--workers", type=click.IntRange(min=1), default=1,
               help="Processes that decode and measure samples.")
+@click.option("--name", default=None,
+              help="Name of the index (OrderingConfig.length_index); default: named after what "
+                   "computed the lengths, so indexes of several length functions sit side by side.")
+@click.option("--index-dir", default=None, type=click.Path(file_okay=False),
+              help="Write the index to DIR/<index.uuid>/ instead of <dataset>/.nv-meta/ (for a "
+                   "read-only dataset; set OrderingConfig.length_index_dir = DIR).")
+@click.option("--skip-bad-samples", is_flag=True,
+              help="Index a sample that fails to decode or measure with length 0 and count it, "
+                   "instead of stopping at it.")
 def index(dataset: str, task_encoder: str | None, tokens_per_media: int,
-          raw_length_fn: str | None, split_part: str, workers: int) -> None:
+          raw_length_fn: str | None, split_part: str, workers: int, name: str | None,
+          index_dir: str | None, skip_bad_samples: bool) -> None:
     """Build the length index of DATASET (a prepared folder or a metadataset: every dataset in
-    it), for length_sort_placement = pre-encode. Written to <dataset>/.nv-meta/, tied to the
-    dataset's index.uuid; run it again after `energon prepare`."""
+    it), for length_sort_placement = pre-encode. Written to <dataset>/.nv-meta/ (or --index-dir),
+    tied to the dataset's index.uuid; run it again after `energon prepare`."""
     from energon_ordering.length_index.build import build_length_index
 
     _check_dataset(dataset, "DATASET", open_train_split=False)  # the split is --split-part
@@ -509,13 +524,20 @@ def index(dataset: str, task_encoder: str | None, tokens_per_media: int,
                 length=total, label=f"indexing {name}", file=sys.stderr)).update
 
         built = build_length_index(dataset, task_encoder=te, raw_length_fn=fn,
-                                   split_part=split_part, workers=workers, progress=progress)
+                                   split_part=split_part, workers=workers, progress=progress,
+                                   name=name, index_dir=index_dir,
+                                   skip_bad_samples=skip_bad_samples)
     click.echo(_index_table(built))
+    for b in built:
+        if b.skipped:
+            click.echo(f"{b.dataset}: skipped {len(b.skipped)} sample(s) that failed to decode "
+                       f"(indexed with length 0): {', '.join(b.skipped[:5])}"
+                       f"{' ...' if len(b.skipped) > 5 else ''}")
 
 
 def _index_table(built: list[Any]) -> str:
     """The summary of ``index``, within 100 columns: datasets named relative to their common
-    folder, and the index file's place said once (it is the same in every dataset)."""
+    folder, and the index files' place said once."""
     import os
 
     if not built:
@@ -525,10 +547,14 @@ def _index_table(built: list[Any]) -> str:
     rows = [[str(p.relative_to(parent)), f"{b.summary.samples:,}",
              f"{b.summary.total_tokens / max(1, b.summary.samples):,.1f}", f"{b.seconds:.1f}"]
             for p, b in zip(paths, built)]
-    where = Path(built[0].summary.path).relative_to(paths[0])
+    first = Path(built[0].summary.path)
+    if first.is_relative_to(paths[0]):
+        where = f"each index is written to <dataset>/{first.relative_to(paths[0])}"
+    else:
+        where = "index files:\n" + "\n".join(f"  {b.summary.path}" for b in built)
     return "\n".join([
         _table(["dataset", "samples", "mean length (tokens)", "seconds"], rows),
-        f"\neach index is written to <dataset>/{where}",
+        f"\n{where}",
         f"datasets in {parent}",
     ])
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,9 @@ class OrderingConfig:
             :class:`SeqLenWarmup` or a mapping ``{start, full, warmup_steps[, multiple_of, kind,
             overflow]}`` (``overflow`` sets ``seq_length_overflow``). None: off.
         seq_length_overflow: For a sample whose media tokens alone exceed the warmup cap:
-            ``"keep"`` (emit uncut, counted), ``"drop"`` (skip, counted) or ``"error"``.
+            ``"keep"`` (emit uncut, counted), ``"drop"`` (skip, counted) or ``"error"``. None
+            (default): ``seq_length_warmup.overflow`` if given, else ``"keep"``; giving both with
+            different values is refused.
         packing_buffer_size: Samples per packing buffer (Energon's ``packing_buffer_size``,
             Megatron's ``--packing-buffer-size``); turns sequence packing on for
             ``get_train_dataset`` calls that do not pass it. None: as ``get_train_dataset`` says.
@@ -84,6 +87,13 @@ class OrderingConfig:
             ``length_sort_pool_size`` packs after packing, sorted by attention cost
             ``sum(L + L^2/4096)`` and permuted with the rank-independent seed) or ``"samples"``
             (the pool sorts samples before packing, as without packing). See README, "Packing".
+        length_index: Which of a dataset's length indexes the pre-encode pool sorts by (the
+            ``--name`` given to ``energon-ordering index``; by default named after what computed
+            it). None: the one computed by this task encoder, else the unnamed one, else the
+            only one. A mismatch with the task encoder warns; a state saved with other lengths
+            is refused on restore.
+        length_index_dir: Where the length indexes live if not in ``<dataset>/.nv-meta/``
+            (``energon-ordering index --index-dir``; for read-only datasets).
     """
 
     length_sort_pool_size: int = 0
@@ -98,10 +108,12 @@ class OrderingConfig:
     schedule_lag_compensation: bool = True
     allow_schedule_change: bool = False
     seq_length_warmup: SeqLenWarmup | None = None
-    seq_length_overflow: str = "keep"
+    seq_length_overflow: str | None = None
     packing_buffer_size: int | None = None
     pack_seq_length: int | None = None
     pack_pool_placement: str = "packs"
+    length_index: str | None = None
+    length_index_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("length_sort_pool_size", "seed", "micro_batches_per_step", "total_steps"):
@@ -112,6 +124,22 @@ class OrderingConfig:
                 raise OrderingTypeError(
                     f"OrderingConfig.{name} = {value!r} ({type(value).__name__}) must be an int."
                 )
+        for name in (
+            "length_sort_mode", "length_sort_placement", "length_sort_pool_holds", "blend_policy",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise OrderingTypeError(
+                    f"OrderingConfig.{name} = {value!r} ({type(value).__name__}) must be a string, "
+                    f"e.g. {name} = {value[0]!r}." if isinstance(value, (list, tuple)) and value
+                    and isinstance(value[0], str) else
+                    f"OrderingConfig.{name} = {value!r} ({type(value).__name__}) must be a string."
+                )
+        if self.seq_length_overflow is not None and not isinstance(self.seq_length_overflow, str):
+            raise OrderingTypeError(
+                f"OrderingConfig.seq_length_overflow = {self.seq_length_overflow!r} must be a "
+                "string (keep, drop or error)."
+            )
         for name in ("schedule_lag_compensation", "allow_schedule_change"):
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -138,7 +166,7 @@ class OrderingConfig:
             warmup = dict(warmup)
             if "overflow" in warmup:
                 overflow = warmup.pop("overflow")
-                if self.seq_length_overflow not in ("keep", overflow):
+                if self.seq_length_overflow not in (None, overflow):
                     raise OrderingConfigError(
                         f"OrderingConfig: seq_length_warmup.overflow = {overflow!r} contradicts "
                         f"seq_length_overflow = {self.seq_length_overflow!r}; give it once."
@@ -151,6 +179,8 @@ class OrderingConfig:
                 "mapping {start, full, warmup_steps[, multiple_of, kind, overflow]}."
             )
         object.__setattr__(self, "seq_length_warmup", warmup)
+        if self.seq_length_overflow is None:
+            object.__setattr__(self, "seq_length_overflow", "keep")
         if self.seq_length_overflow not in OVERFLOW_POLICIES:
             raise OrderingConfigError(
                 f"OrderingConfig.seq_length_overflow = {self.seq_length_overflow!r} is unknown; "
@@ -205,6 +235,15 @@ class OrderingConfig:
                 "cannot also sit before encoding (length_sort_placement = 'pre-encode'); use "
                 "pack_pool_placement = 'samples' with the pre-encode pool."
             )
+        if isinstance(self.length_index_dir, os.PathLike):
+            object.__setattr__(self, "length_index_dir", os.fspath(self.length_index_dir))
+        for name in ("length_index", "length_index_dir"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise OrderingTypeError(
+                    f"OrderingConfig.{name} = {value!r} ({type(value).__name__}) must be a string "
+                    "or None."
+                )
         if self.length_sort_mode not in POOL_ORDERS:
             raise OrderingConfigError(
                 f"OrderingConfig.length_sort_mode = {self.length_sort_mode!r} is unknown; use "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import hashlib
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -21,11 +22,16 @@ from megatron.energon.wrappers import (
 
 from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
+from energon_ordering.pool.finite_shuffle_buffer import FiniteShuffleBufferDataset
 from energon_ordering.pool.deferred_load import Defer, DeferredLength, Materialize, split_loader
 from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
 from energon_ordering.pool.index_fill import index_fill_problem, index_filled
 from energon_ordering.pool.order import BATCHED_MODES
-from energon_ordering.length_index.index import LengthIndex, index_path, task_encoder_label
+from energon_ordering.length_index.index import (
+    LengthIndex,
+    length_index_files,
+    task_encoder_label,
+)
 from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
 from energon_ordering.pool.ffd_pack import first_fit_decreasing
 from energon_ordering.pool.pack_pool_sort import PackPoolSortDataset
@@ -36,6 +42,7 @@ from energon_ordering.warmup.pack_cap import PackCapDataset, PackCapPrePacker, p
 from energon_ordering.warmup.seq_warmup import SeqLenWarmupDataset
 from energon_ordering.sample_fields import sample_field, sample_key
 from energon_ordering.source_tag import SOURCE_KEY
+from energon_ordering.state_stamp import PipelineStampDataset
 from energon_ordering.warmup.token_layout import TokenLayout
 
 __all__ = ["OrderingTaskEncoder"]
@@ -61,8 +68,11 @@ class OrderingTaskEncoder:
         -> encode_sample -> LengthPoolSortDataset        (only with length_sort_pool_size > 0)
         -> SeqLenWarmupDataset                           (only with seq_length_warmup)
         -> batch -> encode_batch
+        -> PipelineStampDataset                          (always: what a restore is checked
+                                                          against; see state_stamp)
 
-    With ``length_sort_placement = "pre-encode"`` the pool moves before loading::
+    Energon's shuffle buffer is replaced by :class:`FiniteShuffleBufferDataset` (same order; a
+    finite epoch resumes exactly). With ``length_sort_placement = "pre-encode"`` the pool moves before loading::
 
         per source: raw tar reader -> Defer          (+ repeat / shuffle buffer / blend as above)
         -> pool of raw samples (or keys only)        lengths from the length index or
@@ -115,6 +125,8 @@ class OrderingTaskEncoder:
     _ordering_deferred: list[tuple[list[Any], Any]] | None = None
     _ordering_batch_size: int | None = None
     _ordering_packing_buffer_size: int | None = None
+    #: While a pre-encode pipeline is built: the identity of each length index it sorts by.
+    _ordering_length_indexes: list[dict[str, Any]] | None = None
 
     def ordering_sample_length(self, sample: Any) -> float:
         """Length of an encoded sample in tokens; the key the pool sorts by."""
@@ -284,16 +296,40 @@ class OrderingTaskEncoder:
                 )
         self._ordering_building_train = True
         self._ordering_deferred = []
+        self._ordering_length_indexes = []
         self._ordering_batch_size = batch_size
         self._ordering_packing_buffer_size = packing
         try:
             if cfg.mixture_schedule is not None:
-                return self._build_scheduled_train(cfg, batch_size=batch_size, **kwargs)
-            return super().build_train_datasets(batch_size=batch_size, **kwargs)  # type: ignore[misc]
+                dataset = self._build_scheduled_train(cfg, batch_size=batch_size, **kwargs)
+            else:
+                dataset = super().build_train_datasets(batch_size=batch_size, **kwargs)  # type: ignore[misc]
+            worker_config = kwargs["worker_config"]
+            stamp = _pipeline_stamp(
+                cfg,
+                datasets=kwargs.get("datasets", []),
+                length_indexes=self._ordering_length_indexes,
+                lag_batches=self._ordering_lag_batches(cfg, batch_size, worker_config),
+                repeat=kwargs.get("repeat", True),
+                shuffle_buffer_size=kwargs.get("shuffle_buffer_size"),
+            )
+            return PipelineStampDataset(dataset, stamp=stamp, worker_config=worker_config)
         finally:
             self._ordering_building_train = False
             self._ordering_deferred = None
             self._ordering_packing_buffer_size = None
+            self._ordering_length_indexes = None
+
+    @staticmethod
+    def _ordering_lag_batches(
+        cfg: OrderingConfig, batch_size: int | None, worker_config: WorkerConfig
+    ) -> float:
+        """Rank-level batches the scheduled blend looks ahead (lag compensation); 0 if off."""
+        if not (cfg.length_sort_enabled and cfg.schedule_lag_compensation):
+            return 0.0
+        per_batch = batch_size or 1
+        lag = (cfg.length_sort_pool_size / per_batch - 1) / 2 * max(1, worker_config.num_workers)
+        return max(0.0, lag)
 
     def _load_dataset(
         self, dataset: Any, worker_rotation_offset: int, worker_config: WorkerConfig
@@ -328,8 +364,12 @@ class OrderingTaskEncoder:
 
     def _ordering_length_source(self, factory: Any) -> Any:
         """The length index of a source's dataset, else ``ordering_raw_sample_length``."""
+        cfg = self._ordering_config()
         path = getattr(factory, "path", None)
-        has_index = path is not None and index_path(path).exists()
+        has_index = path is not None and (
+            cfg.length_index is not None
+            or bool(length_index_files(path, cfg.length_index_dir))
+        )
         if has_index or not self._ordering_has_raw_length():
             if path is None:
                 raise OrderingConfigError(
@@ -337,14 +377,20 @@ class OrderingTaskEncoder:
                     f"has no dataset path for a length index; override "
                     f"{type(self).__name__}.ordering_raw_sample_length instead."
                 )
-            index = LengthIndex.open(path)  # raises if missing, stale or of another version
             mine = task_encoder_label(self)
-            if index.computed_by.startswith("task encoder") and index.computed_by != mine:
+            # raises if missing, stale, corrupt or of another version
+            index = LengthIndex.open(
+                path, cfg.length_index, prefer=mine, index_dir=cfg.length_index_dir
+            )
+            if self._ordering_length_indexes is not None:
+                self._ordering_length_indexes.append(index.identity())
+            if index.computed_by != mine:
                 warnings.warn(
                     f"length index {index.path} was computed by {index.computed_by}, not by "
-                    f"{mine}; the pool sorts by those lengths. Rebuild it with `energon-ordering "
-                    f"index {path} --task-encoder {type(self).__module__}:"
-                    f"{type(self).__qualname__}` for exact lengths.",
+                    f"{mine}; the pool sorts by those lengths. For exact lengths build one with "
+                    f"`energon-ordering index {path} --task-encoder {type(self).__module__}:"
+                    f"{type(self).__qualname__}` (it is kept next to the others, named after "
+                    "what computed it).",
                     stacklevel=2,
                 )
             return index
@@ -353,7 +399,13 @@ class OrderingTaskEncoder:
     def build_encode_sample(
         self, dataset: SavableDataset, *, worker_config: WorkerConfig
     ) -> SavableDataset:
+        if self._ordering_building_train and type(dataset) is ShuffleBufferDataset:
+            # Energon's buffer forgets that a finite stream ended (see finite_shuffle_buffer).
+            dataset = FiniteShuffleBufferDataset(
+                dataset.dataset, size=dataset.size, worker_config=worker_config
+            )
         if self._ordering_pre_encode():
+            _check_pool_share(self._ordering_config(), dataset, worker_config)
             cfg = self._ordering_config()
             assert self._ordering_deferred is not None
             dataset = KeyPoolSortDataset(
@@ -417,19 +469,18 @@ class OrderingTaskEncoder:
             if repeat:
                 ds = RepeatDataset(ds, worker_config=worker_config)
             if shuffle_buffer_size is not None and shuffle_buffer_size > 1:
-                ds = ShuffleBufferDataset(ds, size=shuffle_buffer_size, worker_config=worker_config)
+                ds = FiniteShuffleBufferDataset(
+                    ds, size=shuffle_buffer_size, worker_config=worker_config
+                )
             sources.append((name, ds))
-        lag = 0.0
-        if cfg.length_sort_enabled and cfg.schedule_lag_compensation:
-            per_batch = batch_size or 1
-            lag = (cfg.length_sort_pool_size / per_batch - 1) / 2 * max(1, worker_config.num_workers)
+        lag = self._ordering_lag_batches(cfg, batch_size, worker_config)
         dataset: SavableDataset = ScheduledBlendDataset(
             sources,
             schedule=schedule,
             worker_config=worker_config,
             micro_batches_per_step=cfg.micro_batches_per_step,
             policy=cfg.blend_policy,
-            lag_batches=max(0.0, lag),
+            lag_batches=lag,
             allow_schedule_change=cfg.allow_schedule_change,
         )
         dataset = self.build_encode_sample(dataset, worker_config=worker_config)  # type: ignore[attr-defined]
@@ -462,6 +513,7 @@ class OrderingTaskEncoder:
         if train and cfg.length_sort_placement == "post-encode" and cfg.length_sort_enabled and (
             not pool_of_packs
         ):
+            _check_pool_share(cfg, dataset, worker_config)
             dataset = LengthPoolSortDataset(
                 dataset,
                 pool_size=cfg.length_sort_pool_size,
@@ -585,3 +637,103 @@ def _source_name(loaded: Any) -> str:
             f"give it `subflavors: {{{SOURCE_KEY}: NAME}}`."
         )
     return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def _check_pool_share(cfg: OrderingConfig, dataset: SavableDataset, worker_config: WorkerConfig) -> None:
+    """Refuses a pool larger than a loader worker's share of repeating data: it would only fill
+    after many epochs, holding every sample meanwhile (no emission, growing memory)."""
+    if not _repeats(dataset):
+        return
+    shares = [dataset.len_worker(w) for w in range(max(1, worker_config.num_workers))]
+    share = min(shares)
+    if 0 < share < cfg.length_sort_pool_size:
+        raise OrderingConfigError(
+            f"OrderingConfig.length_sort_pool_size = {cfg.length_sort_pool_size} is larger than a "
+            f"loader worker's share of the data ({share} samples per epoch for rank "
+            f"{worker_config.rank}, {max(1, worker_config.num_workers)} worker(s)); with repeating "
+            f"data the pool would fill only after several epochs. Use length_sort_pool_size <= "
+            f"{share}, fewer loader workers or data-parallel ranks, or more data."
+        )
+
+
+def _repeats(dataset: Any) -> bool:
+    """True if a RepeatDataset without a repetition count sits in ``dataset``'s pipeline."""
+    stack = [dataset]
+    while stack:
+        ds = stack.pop()
+        if isinstance(ds, RepeatDataset) and ds.repeats is None:
+            return True
+        stack.extend(getattr(ds, "datasets", None) or [])
+    return False
+
+
+def _dataset_identity(loaded: Any) -> dict[str, Any]:
+    """A metadataset entry's identity: Energon's ``index.uuid``, a digest of its split (shard
+    names and sample counts, excludes) and the loading settings that decide its stream."""
+    factory = loaded.dataset
+    path = getattr(factory, "path", None)
+    uuid = None
+    if path is not None:
+        try:
+            uuid = (path / ".nv-meta" / "index.uuid").read_text().strip()
+        except (OSError, TypeError):
+            uuid = None
+    shards = getattr(factory, "shards", None) or []
+    split = hashlib.sha1(
+        repr(
+            (
+                [(str(getattr(s, "name", s)), int(getattr(s, "count", 0))) for s in shards],
+                sorted(str(x) for x in (getattr(factory, "sample_excludes", None) or ())),
+                repr(getattr(factory, "subset", None)),
+            )
+        ).encode()
+    ).hexdigest()[:16]
+    return {
+        "uuid": uuid,
+        "split": split,
+        "max_samples_per_sequence": getattr(factory, "max_samples_per_sequence", None),
+        "shuffle_over_epochs": getattr(factory, "shuffle_over_epochs", None),
+        "parallel_shard_iters": getattr(factory, "parallel_shard_iters", None),
+        "repetitions": getattr(loaded, "repetitions", None),
+    }
+
+
+def _pipeline_stamp(
+    cfg: OrderingConfig,
+    *,
+    datasets: list[Any],
+    length_indexes: list[dict[str, Any]] | None,
+    lag_batches: float,
+    repeat: bool,
+    shuffle_buffer_size: int | None,
+) -> dict[str, Any]:
+    """What a training pipeline's continuation depends on besides rank, world size and
+    num_workers (which :class:`PipelineStampDataset` adds); plain builtin values only. A
+    setting whose stage is off is stamped as None, so changing it is not refused."""
+    pool = cfg.length_sort_enabled
+    schedule = cfg.mixture_schedule
+    warmup = cfg.seq_length_warmup
+    step_based = schedule is not None or warmup is not None
+    ids = [_dataset_identity(d) for d in datasets]
+    return {
+        "datasets": [{k: v for k, v in i.items() if k in ("uuid", "split")} for i in ids],
+        "max_samples_per_sequence": [i["max_samples_per_sequence"] for i in ids],
+        "shuffle_over_epochs": [i["shuffle_over_epochs"] for i in ids],
+        "parallel_shard_iters": [i["parallel_shard_iters"] for i in ids],
+        "repeat": bool(repeat),
+        "shuffle_buffer_size": shuffle_buffer_size if (shuffle_buffer_size or 0) > 1 else None,
+        "length_sort_pool_size": cfg.length_sort_pool_size,
+        "length_sort_mode": cfg.length_sort_mode if pool else None,
+        "length_sort_placement": cfg.length_sort_placement if pool else None,
+        "seed": cfg.seed if pool else None,
+        "length_index": list(length_indexes) if length_indexes else None,
+        "mixture_schedule": list(schedule.sources) if schedule is not None else None,
+        "blend_policy": cfg.blend_policy if schedule is not None else None,
+        "seq_length_warmup": warmup.to_dict() if warmup is not None else None,
+        "seq_length_overflow": cfg.seq_length_overflow if warmup is not None else None,
+        "micro_batches_per_step": cfg.micro_batches_per_step if step_based else None,
+        "schedule_lag_compensation": (
+            cfg.schedule_lag_compensation if schedule is not None and pool else None
+        ),
+        "schedule_lag_batches": float(lag_batches) if schedule is not None else None,
+    }

@@ -146,7 +146,7 @@ def test_check_resume_errors(runner, three_sources, recipe):
 
 def test_demo_end_to_end_small(runner, tmp_path):
     res = runner.invoke(main, ["demo", "--out", str(tmp_path), "--ranks", "4", "--steps", "60",
-                               "--scale", "0.15"])
+                               "--scale", "0.2"])
     assert res.exit_code == 0, res.output
     assert "pool off" in res.output and "pool 256 (batch)" in res.output
     assert "Implied epochs" in res.output

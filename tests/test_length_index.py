@@ -53,7 +53,9 @@ def test_index_over_a_prepared_dataset_holds_every_encoded_length(fresh_dataset)
     assert [b.summary.samples for b in built] == [96]
     index = LengthIndex.open(fresh_dataset)
     assert index.uuid == dataset_uuid(fresh_dataset) and len(index) == 96
-    assert index.path == fresh_dataset / ".nv-meta" / INDEX_FILE
+    # named after what computed it, so other length functions' indexes sit next to it
+    assert index.path == fresh_dataset / ".nv-meta" / INDEX_FILE.replace(
+        ".sqlite", ".energon_ordering.inspect.synthetic_task.SyntheticTaskEncoder.sqlite")
     want = _encoded_lengths(fresh_dataset)
     assert len(want) == 96
     assert {k: index.length(k) for k in want} == want
@@ -85,7 +87,7 @@ def _pre_encode_pipeline(path, te_cls=IndexedSyntheticTaskEncoder):
 
 
 def test_missing_index_is_refused_with_the_command_that_builds_it(fresh_dataset):
-    with pytest.raises(LengthIndexError, match=rf"{INDEX_FILE} does not exist.*energon-ordering index {fresh_dataset}"):
+    with pytest.raises(LengthIndexError, match=rf"no length index .*{INDEX_FILE} does not exist.*energon-ordering index {fresh_dataset}"):
         _pre_encode_pipeline(fresh_dataset)
 
 
@@ -107,7 +109,7 @@ def test_index_of_another_version_is_refused(fresh_dataset):
     import sqlite3
 
     build_length_index(fresh_dataset, task_encoder=SyntheticTaskEncoder())
-    con = sqlite3.connect(index_path(fresh_dataset))
+    con = sqlite3.connect(LengthIndex.open(fresh_dataset).path)
     con.execute("UPDATE meta SET value = '999' WHERE name = 'index_version'")
     con.commit()
     con.close()
@@ -148,7 +150,7 @@ def test_cli_index_command(fresh_dataset):
     result = CliRunner().invoke(main, ["index", str(fresh_dataset), "--task-encoder",
                                        "energon_ordering.inspect.synthetic_task:SyntheticTaskEncoder"])
     assert result.exit_code == 0, result.output
-    assert "96" in result.output and INDEX_FILE in result.output
+    assert "96" in result.output and "energon_ordering_lengths." in result.output
     assert LengthIndex.open(fresh_dataset).computed_by.endswith("SyntheticTaskEncoder")
     bad = CliRunner().invoke(main, ["index", str(fresh_dataset), "--raw-length-fn", "os:nope"])
     assert bad.exit_code != 0 and "--raw-length-fn" in bad.output

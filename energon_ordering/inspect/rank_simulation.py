@@ -20,6 +20,7 @@ from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
 from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingTypeError
+from energon_ordering.state_stamp import restore_state_rank
 
 __all__ = [
     "BatchRecord",
@@ -246,9 +247,10 @@ def resume(
     steps: int,
     record: Callable[[Any], Any] = record_batch,
 ) -> list[Any]:
-    """A fresh loader restored from ``state``, run for ``steps`` micro-batches."""
+    """A fresh loader restored from ``state`` (checked first, see
+    :func:`energon_ordering.state_stamp.check_loader_state`), run for ``steps`` micro-batches."""
     loader = make_loader()
-    loader.restore_state_rank(state)
+    restore_state_rank(loader, state)
     it = iter(loader)
     records = [record(next(it)) for _ in range(steps)]
     del it

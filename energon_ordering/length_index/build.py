@@ -17,6 +17,7 @@ process pool.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import time
 from collections.abc import Callable, Iterator
@@ -25,11 +26,17 @@ from pathlib import Path
 from typing import Any
 
 from megatron.energon import DefaultTaskEncoder, WorkerConfig
+from megatron.energon.flavors.webdataset.empty_dataset_error import EmptyDatasetError
 from megatron.energon.metadataset.loader import load_dataset
 
 from energon_ordering.pool.deferred_load import split_loader
 from energon_ordering.errors import LengthIndexError
-from energon_ordering.length_index.index import IndexSummary, task_encoder_label, write_length_index
+from energon_ordering.length_index.index import (
+    IndexSummary,
+    index_name,
+    task_encoder_label,
+    write_length_index,
+)
 from energon_ordering.pool.sample_length import default_sample_length
 
 __all__ = ["BuiltIndex", "build_length_index", "sample_length_of"]
@@ -42,24 +49,45 @@ class BuiltIndex:
     dataset: str
     summary: IndexSummary
     seconds: float
+    #: Samples that failed to decode or measure, indexed with length 0 (``skip_bad_samples``).
+    skipped: list[str] = dataclasses.field(default_factory=list)
 
 
 class _Measure:
     """Length of one raw sample: ``raw_length_fn`` on its files, or load + encode + length."""
 
-    def __init__(self, task_encoder: Any, load_fns: list[Callable], raw_length_fn: Callable | None):
+    def __init__(
+        self,
+        task_encoder: Any,
+        load_fns: list[Callable],
+        raw_length_fn: Callable | None,
+        skip_bad_samples: bool = False,
+    ):
         self.task_encoder = task_encoder
         self.load_fns = load_fns
         self.raw_length_fn = raw_length_fn
+        self.skip_bad_samples = skip_bad_samples
 
-    def __call__(self, raw: Any) -> tuple[str, float]:
+    def __call__(self, raw: Any) -> tuple[str, float | None]:
         files = raw.data[0]
-        if self.raw_length_fn is not None:
-            return files["__key__"], self.raw_length_fn(files)
-        sample = raw
-        for fn in self.load_fns:
-            sample = fn(sample)
-        return files["__key__"], sample_length_of(self.task_encoder, sample)
+        key = files["__key__"]
+        try:
+            if self.raw_length_fn is not None:
+                return key, self.raw_length_fn(files)
+            sample = raw
+            for fn in self.load_fns:
+                sample = fn(sample)
+            return key, sample_length_of(self.task_encoder, sample)
+        except Exception as e:  # noqa: BLE001 - any failure of user code on one sample
+            if self.skip_bad_samples:
+                return key, None
+            what = "--raw-length-fn" if self.raw_length_fn is not None else "decoding/encoding"
+            raise LengthIndexError(
+                f"length index: sample {key!r} (shard {files.get('__shard__', '?')}) failed in "
+                f"{what}: {type(e).__name__}: {e}. Fix the sample or the function, or skip and "
+                "count such samples with --skip-bad-samples (build_length_index("
+                "skip_bad_samples=True)); they are indexed with length 0."
+            ) from None
 
 
 def sample_length_of(task_encoder: Any, sample: Any) -> float:
@@ -78,7 +106,11 @@ def _measure_in_worker(raw: Any) -> tuple[str, float]:
 
 
 def _measured(
-    raws: Iterator[Any], measure: _Measure, workers: int, progress: Callable[[int], None] | None
+    raws: Iterator[Any],
+    measure: _Measure,
+    workers: int,
+    progress: Callable[[int], None] | None,
+    skipped: list[str],
 ) -> Iterator[tuple[str, float]]:
     global _WORKER_MEASURE
     if workers <= 1:
@@ -89,10 +121,13 @@ def _measured(
         pool = multiprocessing.get_context("fork").Pool(workers)
         results = pool.imap(_measure_in_worker, raws, chunksize=64)
     try:
-        for item in results:
+        for key, length in results:
             if progress is not None:
                 progress(1)
-            yield item
+            if length is None:
+                skipped.append(key)
+                length = 0.0
+            yield key, length
     finally:
         if pool is not None:
             pool.terminate()
@@ -108,6 +143,9 @@ def build_length_index(
     split_part: str = "train",
     workers: int = 1,
     progress: Callable[[str, int], Callable[[int], None] | None] | None = None,
+    name: str | None = None,
+    index_dir: str | Path | None = None,
+    skip_bad_samples: bool = False,
 ) -> list[BuiltIndex]:
     """Writes the length index of every prepared dataset under ``path``.
 
@@ -120,6 +158,12 @@ def build_length_index(
         split_part: The split whose samples are indexed (the training split).
         workers: Processes that measure samples (1 = in this process).
         progress: ``progress(dataset_name, num_samples)`` returns a callback ``advance(n)``.
+        name: The index's name; None names it after what computed the lengths
+            (:func:`~energon_ordering.length_index.index.index_name`), so indexes of different
+            length functions sit side by side.
+        index_dir: Write to ``<index_dir>/<index.uuid>/`` instead of ``<dataset>/.nv-meta/``.
+        skip_bad_samples: Index a sample that fails to decode or measure with length 0 and
+            report it (``BuiltIndex.skipped``) instead of raising.
 
     Returns:
         One :class:`BuiltIndex` per prepared dataset.
@@ -135,35 +179,50 @@ def build_length_index(
     if workers < 1:
         raise LengthIndexError(f"build_length_index: workers = {workers} must be >= 1.")
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
-    loaded = load_dataset(path).get_datasets(
-        training=False,
-        split_part=split_part,
-        worker_config=wc,
-        decoder=getattr(task_encoder, "decoder", None),
-    )
+    try:
+        loaded = load_dataset(path).get_datasets(
+            training=False,
+            split_part=split_part,
+            worker_config=wc,
+            decoder=getattr(task_encoder, "decoder", None),
+        )
+    except EmptyDatasetError as e:
+        raise LengthIndexError(
+            f"length index of {path}: its split {split_part!r} has no samples ({e}); index the "
+            "split you train on (--split-part train)."
+        ) from None
     built: list[BuiltIndex] = []
     seen: set[str] = set()
     for entry in loaded.datasets:
         factory = entry.dataset
-        name = str(getattr(factory, "path", factory))
-        if name in seen:
+        label = str(getattr(factory, "path", factory))
+        if label in seen:
             continue
-        seen.add(name)
+        seen.add(label)
         t0 = time.perf_counter()
+        if len(factory) == 0:
+            raise LengthIndexError(
+                f"length index of {label}: its split {split_part!r} has no samples; index the "
+                "split you train on (--split-part train)."
+            )
         raw_ds, load_fns = split_loader(DefaultTaskEncoder._load_dataset(task_encoder, entry, 0, wc))
-        measure = _Measure(task_encoder, load_fns, raw_length_fn)
-        advance = progress(name, len(factory)) if progress is not None else None
+        measure = _Measure(task_encoder, load_fns, raw_length_fn, skip_bad_samples)
+        advance = progress(label, len(factory)) if progress is not None else None
+        computed_by = _describe(task_encoder, raw_length_fn)
+        skipped: list[str] = []
         summary = write_length_index(
             factory.path,
-            _measured(iter(raw_ds), measure, workers, advance),
-            computed_by=_describe(task_encoder, raw_length_fn),
+            _measured(iter(raw_ds), measure, workers, advance, skipped),
+            computed_by=computed_by,
+            name=index_name(computed_by) if name is None else name,
+            index_dir=index_dir,
         )
         if summary.samples != len(factory):
             raise LengthIndexError(
-                f"length index of {name}: read {summary.samples} samples, but the dataset's "
+                f"length index of {label}: read {summary.samples} samples, but the dataset's "
                 f"split {split_part!r} has {len(factory)}; is the dataset being prepared again?"
             )
-        built.append(BuiltIndex(name, summary, time.perf_counter() - t0))
+        built.append(BuiltIndex(label, summary, time.perf_counter() - t0, skipped))
     return built
 
 

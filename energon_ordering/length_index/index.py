@@ -5,18 +5,25 @@ length without decoding it. The index is built once per prepared dataset (``ener
 index DATASET`` or ``tools/build_length_index.py``) by running the user's task encoder, or a
 length function on the raw sample, over every sample; the pool then looks lengths up by key.
 
-Storage: ``<dataset>/.nv-meta/energon_ordering_lengths.sqlite`` (sqlite, like Energon's own
-``index.sqlite``), with a ``meta`` table holding the index version, the dataset's
-``index.uuid`` at build time and what computed the lengths. ``energon prepare`` writes a new
-``index.uuid`` whenever it re-indexes the data, so a stale length index is detected and refused.
-Lookups open the file read-only, lazily, once per process (loader workers fork).
+Storage: ``<dataset>/.nv-meta/energon_ordering_lengths.<name>.sqlite`` (sqlite, like Energon's
+own ``index.sqlite``), one file per length function side by side, ``<name>`` saying what computed
+the lengths (:func:`index_name`; a build without a name writes the unnamed
+``energon_ordering_lengths.sqlite``). With ``index_dir`` (a read-only dataset) the files live in
+``<index_dir>/<index.uuid>/`` instead. A ``meta`` table holds the index version, the dataset's
+``index.uuid`` at build time, what computed the lengths and a digest of the content.
+``energon prepare`` writes a new ``index.uuid`` whenever it re-indexes the data, so a stale
+length index is detected and refused; a corrupt file is refused when opened (sqlite
+``quick_check``), and a file replaced while a job reads it is refused when a loader worker opens
+it. Lookups open the file read-only, lazily, once per process (loader workers fork).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 import os
+import re
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,6 +38,8 @@ __all__ = [
     "LengthIndex",
     "dataset_uuid",
     "index_path",
+    "index_name",
+    "length_index_files",
     "local_dataset_path",
     "task_encoder_label",
     "write_length_index",
@@ -60,9 +69,57 @@ def local_dataset_path(path: Any) -> Path:
     return Path(path)
 
 
-def index_path(dataset: Any) -> Path:
-    """Where the length index of a prepared dataset lives."""
-    return local_dataset_path(dataset) / ".nv-meta" / INDEX_FILE
+def index_name(computed_by: str) -> str:
+    """The file-name part that says what computed an index: ``"task encoder pkg.mod.Enc"`` ->
+    ``"pkg.mod.Enc"``, ``"raw_length_fn pkg.mod.fn"`` -> ``"pkg.mod.fn"``."""
+    for prefix in ("task encoder ", "raw_length_fn "):
+        if computed_by.startswith(prefix):
+            computed_by = computed_by[len(prefix):]
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", computed_by).strip("._") or "lengths"
+
+
+def _index_folder(dataset: Any, index_dir: str | Path | None) -> Path:
+    if index_dir is None:
+        return local_dataset_path(dataset) / ".nv-meta"
+    return Path(index_dir) / dataset_uuid(dataset)
+
+
+def index_path(dataset: Any, name: str | None = None, index_dir: str | Path | None = None) -> Path:
+    """Where the length index ``name`` (None: the unnamed one) of a prepared dataset lives."""
+    file = INDEX_FILE if name is None else INDEX_FILE.replace(".sqlite", f".{name}.sqlite")
+    return _index_folder(dataset, index_dir) / file
+
+
+def length_index_files(dataset: Any, index_dir: str | Path | None = None) -> dict[str | None, Path]:
+    """Every length index of ``dataset``, by name (None: the unnamed one)."""
+    folder = _index_folder(dataset, index_dir)
+    stem = INDEX_FILE.removesuffix(".sqlite")
+    found: dict[str | None, Path] = {}
+    for p in sorted(folder.glob(f"{stem}*.sqlite")) if folder.is_dir() else []:
+        middle = p.name[len(stem):-len(".sqlite")]
+        if middle == "":
+            found[None] = p
+        elif middle.startswith("."):
+            found[middle[1:]] = p
+    return found
+
+
+def _remove_stale_tmp(folder: Path) -> None:
+    """Removes ``*.tmp-PID`` files that a killed build left behind (their PID is gone)."""
+    for tmp in folder.glob(f"{INDEX_FILE.removesuffix('.sqlite')}*.tmp-*"):
+        pid = tmp.name.rsplit(".tmp-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def dataset_uuid(dataset: Any) -> str:
@@ -99,25 +156,48 @@ class IndexSummary:
 
 
 def write_length_index(
-    dataset: Any, lengths: Iterable[tuple[str, float]], *, computed_by: str
+    dataset: Any,
+    lengths: Iterable[tuple[str, float]],
+    *,
+    computed_by: str,
+    name: str | None = None,
+    index_dir: str | Path | None = None,
 ) -> IndexSummary:
     """Writes the length index of ``dataset`` from ``(sample key, length)`` pairs.
 
     The file is written under a temporary name and renamed, so a crash never leaves a partial
-    index behind. A key seen twice is an error (the pool could not tell the two apart).
+    index behind; temporary files of killed builds are removed. A key seen twice is an error
+    (the pool could not tell the two apart).
 
     Args:
         dataset: The prepared dataset folder.
         lengths: ``(sample __key__, length in tokens)`` for every sample.
         computed_by: What computed the lengths (stored, shown in errors).
+        name: The index's name (see :func:`index_name`); None writes the unnamed index.
+        index_dir: Write to ``<index_dir>/<index.uuid>/`` instead of ``<dataset>/.nv-meta/``
+            (for a read-only dataset).
     """
     uuid = dataset_uuid(dataset)
-    target = index_path(dataset)
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    con = sqlite3.connect(tmp)
+    target = index_path(dataset, name, index_dir)
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(target.parent)
+        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        con = sqlite3.connect(tmp)
         con.execute("CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    except (OSError, sqlite3.OperationalError) as e:
+        where = (
+            "pass a writable --index-dir"
+            if index_dir is not None
+            else "is the dataset read-only? Write the index elsewhere with `energon-ordering "
+            "index --index-dir DIR`"
+        )
+        raise LengthIndexError(
+            f"length index: cannot write {target} ({e}); {where} and set "
+            "OrderingConfig.length_index_dir = DIR."
+        ) from e
+    try:
         con.execute(
             "CREATE TABLE lengths (sample_key TEXT PRIMARY KEY, length REAL NOT NULL) WITHOUT ROWID"
         )
@@ -136,6 +216,7 @@ def write_length_index(
                 ("dataset_uuid", uuid),
                 ("computed_by", computed_by),
                 ("samples", str(count)),
+                ("content_digest", content_digest(con)),
             ],
         )
         con.commit()
@@ -146,6 +227,15 @@ def write_length_index(
     con.close()
     tmp.replace(target)
     return IndexSummary(target, uuid, count, total)
+
+
+def content_digest(con: sqlite3.Connection) -> str:
+    """SHA-256 (first 16 hex digits) of every ``(sample key, length)`` pair, in key order: two
+    indexes with the same digest give the pool the same lengths."""
+    h = hashlib.sha256()
+    for key, length in con.execute("SELECT sample_key, length FROM lengths ORDER BY sample_key"):
+        h.update(f"{key}\t{float(length)!r}\n".encode())
+    return h.hexdigest()[:16]
 
 
 def _insert(
@@ -179,31 +269,85 @@ class LengthIndex:
             built for another ``index.uuid`` (stale); on :meth:`length`, for an unknown key.
     """
 
-    def __init__(self, dataset: Any, path: Path, uuid: str, samples: int, computed_by: str):
+    def __init__(
+        self,
+        dataset: Any,
+        path: Path,
+        uuid: str,
+        samples: int,
+        computed_by: str,
+        digest: str | None = None,
+    ):
         self.dataset = str(dataset)
         self.path = path
         self.uuid = uuid
         self.samples = samples
         self.computed_by = computed_by
+        self.digest = digest
         self._con: sqlite3.Connection | None = None
         self._pid: int | None = None
 
     @classmethod
-    def open(cls, dataset: Any) -> LengthIndex:
-        """Opens and checks the length index of the prepared dataset ``dataset``."""
-        path = index_path(dataset)
-        rebuild = f"Build it with `energon-ordering index {local_dataset_path(dataset)}`."
-        if not path.exists():
+    def open(
+        cls,
+        dataset: Any,
+        name: str | None = None,
+        *,
+        prefer: str | None = None,
+        index_dir: str | Path | None = None,
+    ) -> LengthIndex:
+        """Opens and checks a length index of the prepared dataset ``dataset``.
+
+        Args:
+            dataset: The prepared dataset folder.
+            name: Which index (see :func:`index_name`); None chooses: the one named after
+                ``prefer``, else the unnamed one, else the only one there is.
+            prefer: What should have computed the lengths (e.g. :func:`task_encoder_label`).
+            index_dir: Where the indexes live if not in ``<dataset>/.nv-meta/``.
+        """
+        rebuild = f"Build it with `energon-ordering index {local_dataset_path(dataset)}"
+        rebuild += f" --index-dir {index_dir}`." if index_dir is not None else "`."
+        files = length_index_files(dataset, index_dir)
+        if name is not None:
+            path = index_path(dataset, name, index_dir)
+            if not path.exists():
+                raise LengthIndexError(
+                    f"length index: {path} does not exist (OrderingConfig.length_index = "
+                    f"{name!r}); the indexes of {dataset} are {_names(files)}. Choose one of them "
+                    f"or build it with `energon-ordering index {local_dataset_path(dataset)} "
+                    f"--name {name}`."
+                )
+        elif prefer is not None and index_name(prefer) in files:
+            path = files[index_name(prefer)]
+        elif None in files:
+            path = files[None]
+        elif len(files) == 1:
+            path = next(iter(files.values()))
+        elif files:
             raise LengthIndexError(
-                f"length index: {path} does not exist, so the lengths of {dataset} are not known "
-                f"before encoding. {rebuild} (add --task-encoder MODULE:CLASS for your encoder)."
+                f"length index: {dataset} has several length indexes {_names(files)} and none was "
+                f"computed by {prefer}; choose one with OrderingConfig.length_index = NAME."
+            )
+        else:
+            path = index_path(dataset, None, index_dir)
+            raise LengthIndexError(
+                f"length index: no length index for {dataset} ({path} does not exist), so its "
+                f"lengths are not known before encoding. {rebuild} (add --task-encoder "
+                "MODULE:CLASS for your encoder)."
             )
         try:
             con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+            check = con.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise sqlite3.DatabaseError(f"integrity check: {check}")
             meta = dict(con.execute("SELECT name, value FROM meta").fetchall())
+            if "content_digest" not in meta:  # written before digests were stored
+                meta["content_digest"] = content_digest(con)
             con.close()
         except sqlite3.Error as e:
-            raise LengthIndexError(f"length index: {path} is unreadable ({e}). {rebuild}") from e
+            raise LengthIndexError(
+                f"length index: {path} is unreadable or corrupt ({e}). {rebuild}"
+            ) from e
         version = meta.get("index_version")
         if version != str(INDEX_VERSION):
             raise LengthIndexError(
@@ -217,12 +361,33 @@ class LengthIndex:
                 f"{meta.get('dataset_uuid')!r}, but {dataset} now has index.uuid = {uuid!r} "
                 f"(the data was prepared again). {rebuild}"
             )
-        return cls(dataset, path, uuid, int(meta.get("samples", 0)), meta.get("computed_by", "?"))
+        return cls(
+            dataset,
+            path,
+            uuid,
+            int(meta.get("samples", 0)),
+            meta.get("computed_by", "?"),
+            meta["content_digest"],
+        )
+
+    def identity(self) -> dict[str, Any]:
+        """What a pool's saved state records about the lengths it sorted by: the dataset's
+        ``index.uuid``, what computed the lengths and a digest of their content."""
+        return {"uuid": self.uuid, "computed_by": self.computed_by, "digest": self.digest}
 
     def _connection(self) -> sqlite3.Connection:
         if self._con is None or self._pid != os.getpid():
-            self._con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True,
-                                        check_same_thread=False)
+            con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False)
+            row = con.execute("SELECT value FROM meta WHERE name = 'content_digest'").fetchone()
+            if self.digest is not None and row is not None and row[0] != self.digest:
+                con.close()
+                raise LengthIndexError(
+                    f"length index: {self.path} was replaced while this job reads it (content "
+                    f"digest {row[0]!r}, the job started with {self.digest!r}); keep indexes of "
+                    "other length functions side by side (`energon-ordering index --name NAME`) "
+                    "instead of rebuilding one under a running job, and restart the job."
+                )
+            self._con = con
             self._pid = os.getpid()
         return self._con
 
@@ -248,3 +413,7 @@ class LengthIndex:
 
     def __repr__(self) -> str:
         return f"LengthIndex({self.path}, samples={self.samples}, uuid={self.uuid!r})"
+
+
+def _names(files: dict[str | None, Path]) -> list[str]:
+    return [("(unnamed)" if n is None else n) for n in files] or ["none"]

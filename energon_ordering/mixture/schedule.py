@@ -232,7 +232,7 @@ class MixtureSchedule:
         _check_same_sources(phases)
         names: tuple[str, ...] | None = None
         parsed: list[Phase] = []
-        prev_end = -1
+        prev_end = 0
         for i, ph in enumerate(phases):
             where = f"phase {i}"
             if not isinstance(ph, Mapping):
@@ -244,12 +244,21 @@ class MixtureSchedule:
             if end <= prev_end:
                 raise _err(
                     where,
-                    f"until = {ph['until']!r} (step {end}) does not come after the previous phase's "
-                    f"end (step {prev_end}); list phases in increasing `until`.",
+                    f"until = {ph['until']!r} (step {end}) does not come after the previous "
+                    f"phase's end (step {prev_end}), which leaves the phase with zero steps (a "
+                    "fraction is rounded to a whole step). List phases in increasing `until`, at "
+                    "least one step apart.",
                 )
             w = ph["weights"]
             if not isinstance(w, Mapping) or not w:
                 raise _err(where, f"weights {w!r} must be a non-empty mapping source -> weight.")
+            bad_keys = [n for n in w if not isinstance(n, str)]
+            if bad_keys:
+                raise _err(
+                    where,
+                    f"weights are keyed by {bad_keys!r}; source names must be strings (quote "
+                    "them in YAML, e.g. '2024': 0.5).",
+                )
             if names is None:
                 names = tuple(str(n) for n in w)
             values = tuple(_weight_value(f"{where} source {n!r}", w[n]) for n in names)
@@ -260,6 +269,13 @@ class MixtureSchedule:
                 raise _err(where, f"ramp_steps = {ramp!r} must be an int >= 0.")
             if ramp and i == 0:
                 raise _err(where, "ramp_steps on the first phase has nothing to ramp from; remove it.")
+            if ramp > end - prev_end:
+                raise _err(
+                    where,
+                    f"ramp_steps = {ramp} is longer than the phase ({end - prev_end} steps, from "
+                    f"step {prev_end} to {end}); use ramp_steps <= {end - prev_end} or a later "
+                    "`until`.",
+                )
             parsed.append(Phase(end, values, int(ramp)))
             prev_end = end
         assert names is not None

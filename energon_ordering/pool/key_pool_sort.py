@@ -42,7 +42,7 @@ __all__ = ["KeyPoolSortDataset"]
 T_sample = TypeVar("T_sample")
 
 #: Version of the key pool's saved-state layout and logic; bumped on any change that alters order.
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
@@ -69,9 +69,12 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
     _emit_pos: int
     _collect_packed: list[bytes | None]
     _emit_packed: list[bytes | None]
+    _inner_done: bool
     _stamp: dict[str, Any]
 
-    _savable_fields = ("_stamp", "_pool_index", "_collect_keys", "_collect_lengths", "_emit_keys")
+    _savable_fields = (
+        "_stamp", "_pool_index", "_collect_keys", "_collect_lengths", "_emit_keys", "_inner_done"
+    )
 
     def __init__(
         self,
@@ -118,6 +121,7 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
     def reset_state_own(self) -> None:
         self._stamp = self._expected_stamp()
         self._pool_index = 0
+        self._inner_done = False
         self._collect_keys = []
         self._collect_lengths = []
         self._emit_keys = []
@@ -156,6 +160,11 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
     def __iter__(self) -> Iterator[T_sample]:
         # A restored (or interrupted) pool finishes first, exactly where it stopped.
         yield from self._drain()
+        if not self._inner_done:
+            yield from self._collect_and_emit()
+        self._inner_done = False
+
+    def _collect_and_emit(self) -> Iterator[T_sample]:
         for sample in self.dataset:
             key = get_sample_restore_key(sample)
             if key is None:
@@ -171,6 +180,9 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
             if len(self._collect_keys) >= self.settings.pool_size:
                 self._seal_pool()
                 yield from self._drain()
+        # Saved: a state taken while the last pool drains must not iterate the inner dataset
+        # again (a finished webdataset reader restores as a fresh epoch).
+        self._inner_done = True
         if self._collect_keys:
             self._seal_pool()
             yield from self._drain()

@@ -24,7 +24,7 @@ __all__ = ["LengthPoolSortDataset"]
 T_sample = TypeVar("T_sample")
 
 #: Version of the pool's saved-state layout and logic; bumped on any change that alters order.
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
@@ -48,7 +48,9 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
     which is checked here at construction.
 
     Finite: yields exactly the samples of the inner dataset, each once; when the inner dataset
-    ends, the last partial pool is sorted and permuted too. Repeating if the inner one repeats.
+    ends, the last partial pool is sorted and permuted too, and the saved state records that the
+    inner dataset has ended, so a state saved inside the last pool resumes with exactly the
+    remainder. Repeating if the inner one repeats.
     """
 
     pool_size: int
@@ -60,9 +62,10 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
     _pool_index: int
     _collecting: SavableSampleBuffer[T_sample]
     _emitting: SavableSampleBuffer[T_sample]
+    _inner_done: bool
     _stamp: dict[str, Any]
 
-    _savable_fields = ("_stamp", "_pool_index", "_collecting", "_emitting")
+    _savable_fields = ("_stamp", "_pool_index", "_collecting", "_emitting", "_inner_done")
 
     def __init__(
         self,
@@ -105,6 +108,7 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
     def reset_state_own(self) -> None:
         self._stamp = self._expected_stamp()
         self._pool_index = 0
+        self._inner_done = False
         self._collecting = SavableSampleBuffer(self.dataset, worker_config=self.worker_config)
         self._emitting = SavableSampleBuffer(self.dataset, worker_config=self.worker_config)
 
@@ -129,13 +133,18 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         self._emitting.worker_start()
         # A restored (or interrupted) pool finishes first, exactly where it stopped.
         yield from self._drain()
-        for _ in self._collecting.append_iter():
-            if self._collecting.len_worker() >= self.pool_size:
+        if not self._inner_done:
+            for _ in self._collecting.append_iter():
+                if self._collecting.len_worker() >= self.pool_size:
+                    self._seal_pool()
+                    yield from self._drain()
+            # Saved: a state taken while the last pool drains must not iterate the inner dataset
+            # again (a finished webdataset reader restores as a fresh epoch).
+            self._inner_done = True
+            if self._collecting.len_worker() > 0:
                 self._seal_pool()
                 yield from self._drain()
-        if self._collecting.len_worker() > 0:
-            self._seal_pool()
-            yield from self._drain()
+        self._inner_done = False
 
     def restore_state(self, state: FlexState) -> None:
         check_pool_state(type(self).__name__, state, self._expected_stamp())
