@@ -402,9 +402,7 @@ def test_finite_data_stops_all_ranks_at_the_same_step(tmp_path):
     for r in out:
         assert r["batches"] == 2 * full_steps and r["train_iters"] == r["iteration"] == full_steps
     resumed = _spawn(tmp_path, "finite_resume", data=str(path), repeat=False, timeout=120, steps=2)
-    if any(b["drawn"] != a["drawn"][a["cut_at"]:] for a, b in zip(out, resumed)):
-        # A finite loader restored inside its last pool does not continue with exactly the
-        # remainder (issue 12, "finite epochs"); once that is fixed the
-        # resumed run must draw exactly the rest and end at the same step.
-        pytest.xfail("a restored finite loader does not continue with exactly the remainder (issue 12)")
+    # a finite loader restored inside its last pool continues with exactly the remainder
+    for a, b in zip(out, resumed):
+        assert b["drawn"] == a["drawn"][a["cut_at"]:]
     assert all(b["train_iters"] == full_steps for b in resumed)

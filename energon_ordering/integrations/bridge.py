@@ -63,6 +63,7 @@ from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.integrations.megatron_lm import DataloaderRestoreError, consumed_micro_batches
 from energon_ordering.packaged_recipes import resolve_recipe
+from energon_ordering.state_stamp import check_loader_state
 from energon_ordering.task_encoder import OrderingTaskEncoder
 
 __all__ = [
@@ -88,7 +89,9 @@ class OrderingEnergonDataloader(EnergonDataloader):
         self.checked = checked
 
     def restore_state(self, state: Any) -> None:
-        """Restores the Energon loader (its stages check their stamps) and remembers the state."""
+        """Checks the state against this loader (rank, world size, num_workers, datasets, ordering:
+        a typed StateMismatchError before Energon's own asserts), restores it and remembers it."""
+        check_loader_state(self._dataloader, state)
         super().restore_state(state)
         self.restored_state = state
 

@@ -69,6 +69,7 @@ from energon_ordering.integrations.megatron_args import (
     micro_batches_per_step,
     ordering_config_from_args,
 )
+from energon_ordering.state_stamp import restore_state_rank
 from energon_ordering.task_encoder import OrderingTaskEncoder
 from energon_ordering.warmup.token_layout import TokenLayout
 
@@ -421,7 +422,9 @@ def _restore(loader: Any, *, args: Any, dp_rank: int) -> None:
             f"micro-batches, but {how}: it belongs to another checkpoint or another "
             "batch configuration. Use the state saved with this checkpoint."
         )
-    loader.restore_state_rank(state)
+    # our restore: a state of another rank, world size, num_workers or dataset is refused with a
+    # typed StateMismatchError before Energon's own bare asserts see it
+    restore_state_rank(loader, state)
 
 
 def _num_microbatches(args: Any) -> int:
