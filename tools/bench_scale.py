@@ -37,7 +37,7 @@ from energon_ordering.inspect.rank_simulation import build_train_loader, close_l
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
 from energon_ordering.length_index.build import build_length_index
-from energon_ordering.length_index.index import index_path
+from energon_ordering.length_index.index import length_index_files
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
 from energon_ordering.pool.index_fill import IndexFilledLoader
 from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
@@ -51,7 +51,7 @@ def _dataset(out: Path, n: int) -> Path:
     if not (path / ".nv-meta" / "index.uuid").exists():
         click.echo(f"writing {n:,} trimodal samples to {path.parent} (energon prepare) ...")
         make_synthetic_dataset(path.parent, [SourceSpec("web", n, "trimodal")], shard_size=256)
-    if not index_path(path).exists():
+    if not length_index_files(path):
         click.echo("building the length index ...")
         build_length_index(path, task_encoder=IndexedSyntheticTaskEncoder())
     return path

@@ -54,7 +54,7 @@ from energon_ordering.inspect.diagnostics import (
     histogram_dispersion,
     sources_by_step,
 )
-from energon_ordering.length_index.index import LengthIndex, index_path
+from energon_ordering.length_index.index import LengthIndex, length_index_files
 from energon_ordering.pool.order import POOL_ORDERS, pool_seed
 
 __all__ = [
@@ -150,7 +150,7 @@ def load_population(
 
     entries = _entries(path)
     paths = [getattr(e.dataset, "path", None) for e in entries]
-    if all(p is not None and index_path(p).exists() for p in paths):
+    if all(p is not None and length_index_files(p) for p in paths):
         names = [_source_name(e) for e in entries]
         lengths = [_index_lengths(p) for p in paths]
         if len(entries) == 1:
