@@ -312,6 +312,12 @@ def plan(recipe: str, total_steps: int | None, global_batch_size: int, metadatas
     epochs = None
     if sched is not None and sizes is not None:
         epochs = _epochs_rows(cfg, total_steps, global_batch_size, sizes, warn_above)
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"--out {out}: cannot write plan.png there ({e.strerror or e}); pass a writable folder."
+        ) from e
 
     name = Path(recipe).name
     if sched is not None:
@@ -549,7 +555,8 @@ def _index_table(built: list[Any]) -> str:
             for p, b in zip(paths, built)]
     first = Path(built[0].summary.path)
     if first.is_relative_to(paths[0]):
-        where = f"each index is written to <dataset>/{first.relative_to(paths[0])}"
+        rel = first.relative_to(paths[0])
+        where = f"each index is written to <dataset>/{rel.parent}/\n  as {rel.name}"
     else:
         where = "index files:\n" + "\n".join(f"  {b.summary.path}" for b in built)
     return "\n".join([

@@ -222,8 +222,11 @@ def test_lean_pool_user_flow_index_then_check_resume(runner, tmp_path):
     assert res.exit_code == 0, res.output
     table = res.stdout[res.stdout.index("dataset"):].splitlines()
     assert table[2].split()[:2] == ["web", "96"], res.stdout
-    assert table[4] == "each index is written to <dataset>/.nv-meta/energon_ordering_lengths.sqlite"
-    assert table[5] == f"datasets in {data.parent}"  # only this line holds a path of yours
+    assert table[4] == "each index is written to <dataset>/.nv-meta/"
+    # named after what computed it (here the estimating encoder), so indexes can sit side by side
+    assert table[5] == ("  as energon_ordering_lengths.energon_ordering.inspect.length_estimate."
+                        "LengthEstimateTaskEncoder.sqlite")
+    assert table[6] == f"datasets in {data.parent}"  # only this line holds a path of yours
     assert max(map(len, table[:5])) <= 100, res.stdout
     res = runner.invoke(main, ["check-resume", str(data), "--recipe", str(lean), "--cut", "5",
                                "--steps", "20", "--tokens-per-media", "64", "--num-workers", "2"])

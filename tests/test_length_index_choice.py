@@ -39,10 +39,10 @@ def ds(tmp_path):
 
 
 def _one_line_error(result) -> str:
-    """The CLI failed with exit code 1 and exactly one ``Error:`` line, no traceback (a
-    progress bar's label may precede it on stderr)."""
+    """The CLI failed with exit code 2 (a user error) and exactly one ``Error:`` line, no
+    traceback (a progress bar's label may precede it on stderr)."""
     errors = [line for line in result.output.splitlines() if line.startswith("Error: ")]
-    assert result.exit_code == 1 and len(errors) == 1, result.output
+    assert result.exit_code == 2 and len(errors) == 1, result.output
     assert "Traceback" not in result.output and result.output.endswith(errors[0] + "\n")
     return errors[0]
 
