@@ -312,12 +312,15 @@ class _DictBatchTE(SyntheticTaskEncoder):
         return {"__key__": list(batch.keys), "tokens": batch.tokens}
 
 
-def test_check_resume_passes_on_dict_batches(small_dataset):
+def test_check_resume_passes_on_dict_batches(small_dataset, tmp_path):
     from click.testing import CliRunner
 
     from energon_ordering.cli import main
 
-    res = CliRunner().invoke(main, ["check-resume", str(small_dataset), "--recipe", str(Path(__file__).parent.parent / "recipes" / "length_sync_batch.yaml"),
+    # a pool that fits the small dataset's share (a larger one is refused with repeating data)
+    recipe = tmp_path / "batch_pool.yaml"
+    recipe.write_text("length_sort_pool_size: 64\nlength_sort_mode: batch\nseed: 1234\n")
+    res = CliRunner().invoke(main, ["check-resume", str(small_dataset), "--recipe", str(recipe),
                                     "--cut", "5", "--steps", "12", "--task-encoder",
                                     "tests.test_megatron_provider:_DictBatchTE"])
     assert res.exit_code == 0, res.output
