@@ -185,3 +185,35 @@ def test_an_index_without_byte_ranges_falls_back_to_the_payload_fill(indexed, tm
     with pytest.raises(OrderingConfigError, match="has no tables samples and sample_parts"):
         ByteRangeReader(copy, [(s.name, s.count) for s in loader.join_readers[0].shard_infos])
     _make(copy, _cfg("batch", 64), 0, IndexedSyntheticTaskEncoder, False)()
+
+
+def test_fast_choice_draws_what_energons_worker_rng_draws():
+    # The index fill's RNG must pick the same slice with the same draw as Energon's, also when
+    # the weights change in place (a slice ends: a new one's size, or 0 when none is left).
+    import random
+
+    import torch
+    from megatron.energon.rng import WorkerRng
+
+    from energon_ordering.pool.index_fill import FastChoiceRng
+
+    wc = WorkerConfig(rank=1, world_size=4, num_workers=0)
+    wc.worker_activate(0)
+    try:
+        picks, states = {}, {}
+        for cls in (WorkerRng, FastChoiceRng):
+            rng, edits = cls(wc), random.Random(7)
+            probs = torch.tensor([16.0, 16.0, 9.0, 16.0, 3.0, 16.0], dtype=torch.float32)
+            out = []
+            for i in range(5000):
+                out.append(rng.choice_idx(probs))
+                if edits.random() < 0.1:
+                    probs[edits.randrange(len(probs))] = float(edits.choice([0, 1, 7, 16, 33]))
+                if probs.sum() == 0:
+                    probs[0] = 5.0
+            picks[cls], states[cls] = out, rng.save_state()["rng"]
+        assert picks[FastChoiceRng] == picks[WorkerRng]
+        assert states[FastChoiceRng] == states[WorkerRng]
+        assert len(set(picks[WorkerRng])) == 6
+    finally:
+        wc.worker_deactivate()
