@@ -113,6 +113,45 @@ def _real_loader(path: Path, setting: str | None, pool: int, samples: int) -> di
     return {"first": first, "bytes": held, "rate": samples / total}
 
 
+def _validation_rows(path: Path, pop, n: int, validate_steps: int) -> list[list[str]]:
+    """The model's idle and padding against 8 real rank pipelines, per order."""
+    rows = []
+    for mode, pool in (("off", 0), ("batch", 1024), ("sample", 1024)):
+        if (validate_steps * BATCH + pool) * 8 > n:
+            continue  # stay within one epoch
+        cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode=mode if pool else "sample")
+        records = run_ranks(path, ordering=cfg, world_size=8, steps=validate_steps,
+                            batch_size=BATCH, task_encoder_factory=IndexedSyntheticTaskEncoder)
+        m = measure(records, period_batches=64)
+        p = predict_order(pop, mode=mode, pool_size=pool, batch_size=BATCH, ranks=(8,),
+                          step_ranks=8, steps=4000)
+        rows.append([f"{mode} {pool:,}" if pool else "pool off",
+                     f"{100 * m.straggler_idle:.2f}%", f"{100 * p.idle[8]:.2f}%",
+                     f"{100 * (p.idle[8] - m.straggler_idle):+.2f}",
+                     f"{100 * m.padding_waste:.1f}%", f"{100 * p.padding:.1f}%"])
+    return rows
+
+
+def _walk_below_pool(path: Path, pool: int) -> float:
+    """Seconds Energon's stages below the key pool (index-filled loader, the Defer map, repeat,
+    shuffle buffer) take to hand over ``pool`` samples: the floor of the fill's time."""
+    cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode="batch", seed=0,
+                         length_sort_placement="pre-encode", length_sort_pool_holds="keys")
+    loader = build_train_loader(path, ordering=cfg, batch_size=BATCH, task_encoder_factory=_te(True))
+    below = find_stage(loader.dataset, KeyPoolSortDataset).dataset
+    below.worker_config.worker_activate(0)
+    try:
+        it = iter(below)
+        t0 = time.perf_counter()
+        for _ in range(pool):
+            next(it)
+        return time.perf_counter() - t0
+    finally:
+        del it
+        below.worker_config.worker_deactivate()
+        close_loader(loader)
+
+
 def _random_reads(path: Path, n: int) -> list[list[str]]:
     from megatron.energon import WorkerConfig
     from megatron.energon.metadataset.loader import load_dataset
@@ -144,14 +183,18 @@ def _random_reads(path: Path, n: int) -> list[list[str]]:
 @click.option("--quick", is_flag=True, help="20k samples; real pools up to 10k.")
 @click.option("--out", type=click.Path(file_okay=False), default="bench_data", help="Data folder.")
 @click.option("--steps", default=1000, help="Micro-batches per rank in the model.")
-@click.option("--validate-steps", default=200, help="Micro-batches per real rank (8 ranks).")
+@click.option("--validate-steps", default=768,
+              help="Micro-batches per real rank (8 ranks); 768 x 4 samples = 3 pools of 1,024, "
+                   "since idle measured within one pool is noisy (200 micro-batches, batch 1,024: "
+                   "5.5% and 7.6% in two runs against 5.9% predicted).")
 @click.option("--samples", type=int, default=None,
               help="Dataset size (default 20,000 with --quick, else 120,000); a pool larger than "
                    "the dataset fills from the repeated stream.")
 @click.option("--real-pools", default=None,
               help="Pool sizes of the real loaders, e.g. 1000,10000,100000.")
+@click.option("--repeats", default=3, help="Rounds of the throughput comparison (3b).")
 def main(quick: bool, out: str, steps: int, validate_steps: int, samples: int | None,
-         real_pools: str | None) -> None:
+         real_pools: str | None, repeats: int) -> None:
     """Idle/padding vs ranks and pool (model + 8-rank validation), real-loader costs, reads."""
     n = samples or (20_000 if quick else 120_000)
     if real_pools:
@@ -177,22 +220,8 @@ def main(quick: bool, out: str, steps: int, validate_steps: int, samples: int | 
     click.echo(_table(["order", *(f"{r} ranks" for r in ranks), "padding"], rows) + "\n")
 
     click.echo(f"2. validation at 8 ranks: model vs 8 real pipelines ({validate_steps} micro-batches)")
-    rows = []
-    for mode, pool in (("off", 0), ("batch", 1024), ("sample", 1024)):
-        if pool * 8 * 2 > n:
-            continue
-        cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode=mode if pool else "sample")
-        records = run_ranks(path, ordering=cfg, world_size=8, steps=validate_steps,
-                            batch_size=BATCH, task_encoder_factory=IndexedSyntheticTaskEncoder)
-        m = measure(records, period_batches=64)
-        p = predict_order(pop, mode=mode, pool_size=pool, batch_size=BATCH, ranks=(8,),
-                          step_ranks=8, steps=4000)
-        rows.append([f"{mode} {pool:,}" if pool else "pool off",
-                     f"{100 * m.straggler_idle:.2f}%", f"{100 * p.idle[8]:.2f}%",
-                     f"{100 * (p.idle[8] - m.straggler_idle):+.2f}",
-                     f"{100 * m.padding_waste:.1f}%", f"{100 * p.padding:.1f}%"])
     click.echo(_table(["order", "measured idle", "predicted", "diff (points)", "measured pad",
-                       "predicted pad"], rows) + "\n")
+                       "predicted pad"], _validation_rows(path, pop, n, validate_steps)) + "\n")
 
     click.echo("3. real loaders, one worker, in-process, batch mode: time to first batch and "
                "pool memory")
@@ -202,23 +231,32 @@ def main(quick: bool, out: str, steps: int, validate_steps: int, samples: int | 
             if pool >= 100_000 and setting != "keys, index fill":
                 continue  # the others take minutes (payload) or gigabytes (raw, encoded)
             r = _real_loader(path, setting, pool, BATCH)
-            rows.append([setting, f"{pool:,}", f"{r['first']:.2f}",
+            walk = f"{_walk_below_pool(path, pool):.2f}" if setting == "keys, index fill" else ""
+            rows.append([setting, f"{pool:,}", f"{r['first']:.2f}", walk,
                          f"{r['bytes'] / 2**20:,.1f}", f"{r['bytes'] / pool:,.0f}"])
-    click.echo(_table(["pool", "size", "first batch (s)", "pool MiB / worker", "bytes / sample"],
-                      rows) + "\n")
+    click.echo(_table(["pool", "size", "first batch (s)", "Energon below pool (s)",
+                       "pool MiB / worker", "bytes / sample"], rows) + "\n")
 
     tp_pool, tp_samples = real_pools[0], max(8 * real_pools[0], 8_000)
     click.echo(f"3b. throughput: samples/s over {tp_samples:,} samples from the start (fills "
-               f"included), pool {tp_pool:,}, against no pool in the same run")
-    base = _real_loader(path, None, 0, tp_samples)
-    rows = [["no pool", f"{base['rate']:,.0f}", "1.00"]]
+               f"included), pool {tp_pool:,}, against no pool measured right before it; "
+               f"{repeats} rounds, median ratio")
+    rates: dict[str | None, list[float]] = {None: []}
+    ratios: dict[str, list[float]] = {k: [] for k in SETTINGS}
+    for _ in range(repeats):
+        for setting in SETTINGS:
+            base = _real_loader(path, None, 0, tp_samples)["rate"]
+            r = _real_loader(path, setting, tp_pool, tp_samples)["rate"]
+            rates[None].append(base)
+            rates.setdefault(setting, []).append(r)
+            ratios[setting].append(r / base)
+    rows = [["no pool", f"{np.median(rates[None]):,.0f}", "1.00", ""]]
     for setting in SETTINGS:
-        r = _real_loader(path, setting, tp_pool, tp_samples)
-        rows.append([setting, f"{r['rate']:,.0f}", f"{r['rate'] / base['rate']:.2f}"])
-    again = _real_loader(path, None, 0, tp_samples)
-    rows.append(["no pool (again, drift check)", f"{again['rate']:,.0f}",
-                 f"{again['rate'] / base['rate']:.2f}"])
-    click.echo(_table(["pool", "samples/s", "vs no pool"], rows) + "\n")
+        rows.append([setting, f"{np.median(rates[setting]):,.0f}",
+                     f"{np.median(ratios[setting]):.3f}",
+                     " ".join(f"{x:.2f}" for x in ratios[setting])])
+    click.echo(_table(["pool", "samples/s (median)", "vs no pool (median)", "each round"], rows)
+               + "\n")
 
     click.echo("4. random reads of one sample (ms), 3,000 random indexes")
     click.echo(_table(["reader", "ms / sample", "vs Energon"], _random_reads(path, 3000)))
