@@ -22,6 +22,7 @@ from energon_ordering.inspect.rank_simulation import (
     close_loader,
     record_batch,
     resume,
+    run_saving_every_step,
     run_with_cuts,
 )
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
@@ -243,19 +244,8 @@ def test_energon_checkpoint_redist_is_refused(data, tmp_path):
 
 def _finite_run(make):
     """The whole finite epoch, with the state before every micro-batch and after the last."""
-    loader = make()
-    records, states, it = [], [], None
-    while True:
-        states.append(pickle.loads(pickle.dumps(loader.save_state_rank())))
-        if it is None:
-            it = iter(loader)
-        try:
-            records.append(record_batch(next(it)))
-        except StopIteration:
-            break
-    del it
-    close_loader(loader)
-    return records, states
+    records, states = run_saving_every_step(make)
+    return records, [pickle.loads(s) for s in states]
 
 
 def _remainder(make, state):

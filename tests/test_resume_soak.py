@@ -21,7 +21,12 @@ import random
 import pytest
 
 from energon_ordering import OrderingConfig, OrderingConfigError, restore_state_rank
-from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, record_batch
+from energon_ordering.inspect.rank_simulation import (
+    build_train_loader,
+    close_loader,
+    record_batch,
+    run_saving_every_step,
+)
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 
 CHUNKS = 20
@@ -92,19 +97,7 @@ def _maker(data: dict, d: dict):
 def _run(make, steps: int | None):
     """``steps`` micro-batches (None: the whole finite epoch) and the state before each one
     (plus, for a finite epoch, the state after the last)."""
-    loader = make()
-    records, states, it = [], [], None
-    for _ in itertools.count() if steps is None else range(steps):
-        states.append(pickle.dumps(loader.save_state_rank()))
-        if it is None:
-            it = iter(loader)
-        try:
-            records.append(record_batch(next(it)))
-        except StopIteration:
-            break
-    del it
-    close_loader(loader)
-    return records, states
+    return run_saving_every_step(make, steps)
 
 
 @pytest.mark.timeout(900)  # 10 cycles, each building up to 7 real loaders

@@ -241,6 +241,31 @@ def run_with_cuts(
     return records, states
 
 
+def run_saving_every_step(
+    make_loader: Callable[[], Any],
+    steps: int | None = None,
+    record: Callable[[Any], Any] = record_batch,
+) -> tuple[list[Any], list[bytes]]:
+    """``steps`` micro-batches (None: the whole finite epoch) with the pickled
+    ``save_state_rank()`` taken before each one; a finite epoch also gets the state after its
+    last micro-batch, so ``states[i]`` resumes with ``records[i:]`` for every i."""
+    loader = make_loader()
+    records: list[Any] = []
+    states: list[bytes] = []
+    it = None
+    for _ in itertools.count() if steps is None else range(steps):
+        states.append(pickle.dumps(loader.save_state_rank()))
+        if it is None:
+            it = iter(loader)  # after the first save: see run_with_cuts
+        try:
+            records.append(record(next(it)))
+        except StopIteration:
+            break
+    del it
+    close_loader(loader)
+    return records, states
+
+
 def resume(
     make_loader: Callable[[], Any],
     state: Any,
