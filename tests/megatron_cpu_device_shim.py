@@ -13,7 +13,10 @@ It (1) installs a ``TorchFunctionMode`` that rewrites any CUDA ``device`` argume
 makes ``Tensor.cuda()`` / ``Module.cuda()`` a no-op; (2) replaces the ``torch.cuda`` functions
 Megatron calls with CPU equivalents (RNG state -> the CPU generator, streams -> no-op contexts,
 memory statistics -> zeros); (3) makes the nvcc build of ``megatron.legacy.fused_kernels`` a no-op
-(run with ``--no-masked-softmax-fusion`` etc., so the kernels are never called). Test-only: never
+(run with ``--no-masked-softmax-fusion`` etc., so the kernels are never called), runs Megatron's
+``torch.compile``'d fusions eagerly, and skips the
+``make`` of megatron-core's C++ dataset helpers, which the wheel ships prebuilt without their
+Makefile (and which Energon data does not use). Test-only: never
 imported by the package. Install it in a fresh process (a spawned worker) before Megatron runs.
 """
 
@@ -103,6 +106,8 @@ def install() -> None:
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
     cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
     cuda.manual_seed = lambda seed: None
     cuda.manual_seed_all = lambda seed: None
     cuda.memory_allocated = lambda *a, **k: 0
@@ -114,6 +119,16 @@ def install() -> None:
     cuda.get_device_capability = lambda *a, **k: (8, 0)
     cuda.get_device_name = lambda *a, **k: "cpu"
     torch.nn.Module.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    # Megatron's fusions are torch.compile'd (jit_fuser); with the GPU claimed above the compiler
+    # would target it, so they run eagerly (the same math).
+    import torch._dynamo as dynamo
+
+    dynamo.config.disable = True
+    import megatron.core.datasets.utils as dataset_utils
+
+    # `make` of megatron-core's C++ dataset helpers: the wheel ships them prebuilt
+    # (helpers_cpp.*.so) but not their Makefile, so initialize_megatron's rebuild exits.
+    dataset_utils.compile_helpers = lambda: None
     try:
         from megatron.legacy import fused_kernels
 
