@@ -119,6 +119,9 @@ def install() -> None:
     cuda.get_device_capability = lambda *a, **k: (8, 0)
     cuda.get_device_name = lambda *a, **k: "cpu"
     torch.nn.Module.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    # torch's own device-generic code (torch.optim's graph-capture check) asks torch.accelerator,
+    # which a CUDA build of torch (the default wheel on Python 3.12) answers "cuda": no accelerator.
+    torch.accelerator.current_accelerator = lambda check_available=False: None
     # Megatron's fusions are torch.compile'd (jit_fuser); with the GPU claimed above the compiler
     # would target it, so they run eagerly (the same math).
     import torch._dynamo as dynamo

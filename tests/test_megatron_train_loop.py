@@ -1,15 +1,17 @@
 """The lockstep stop under Megatron-LM's real training loop: ``pretrain()`` -> ``train()``, on gloo.
 
-Two processes run Megatron-LM core_v0.16.1's own ``megatron.training.pretrain`` (its
-``initialize_megatron``, ``setup_model_and_optimizer``, ``build_train_valid_test_data_iterators``,
-``train`` with ``train_step`` / ``forward_backward_func`` / the optimizer, ``training_log``,
+Two processes run Megatron-LM's own ``megatron.training.pretrain`` (its ``initialize_megatron``,
+``setup_model_and_optimizer``, ``build_train_valid_test_data_iterators``, ``train`` with
+``train_step`` / ``forward_backward_func`` / the optimizer, ``training_log``,
 ``checkpoint_and_decide_exit`` and the final ``save_checkpoint``) with a tiny megatron-core
 ``GPTModel`` (one layer, hidden size 32), ``--distributed-backend gloo``, and our provider over
 FINITE data (``repeat=False``) whose two data-parallel shares end after different numbers of
 micro-batches. The model provider and ``forward_step`` are the user's code (as in
 ``pretrain_gpt.py``): the step draws one micro-batch through the iterator Megatron passes it
 (its ``RerunDataIterator`` around ours), feeds the batch's tokens to the model and returns its
-loss.
+loss. Two legs, one body: core_v0.16.1 on the default Python (``pretrain`` parses the args), and
+core_v0.19.0 with megatron-core 0.19.x on Python 3.12 (marked ``py312``; ``parse_and_validate_args``
+then ``pretrain(pretrain_cfg_container_from_args(args), ...)``, 0.19's calling convention).
 
 What it shows: when one rank's data ends, both ranks stop after the same iteration (the last
 one every rank can fill), ``pretrain`` and thus ``train`` return normally (no ``StopIteration``,
@@ -40,16 +42,33 @@ import megatron_lm_sources  # noqa: E402
 from energon_ordering import OrderingConfig  # noqa: E402
 from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader  # noqa: E402
 
-TAG = "core_v0.16.1"
 WORLD = 2
 MBS = 4
 MBPS = 2  # micro-batches per iteration: --global-batch-size 16 / (--micro-batch-size 4 x 2 ranks)
 CUT = 2  # the iteration of the intermediate checkpoint (--save-interval 2)
 
-pytestmark = [
-    pytest.mark.skipif(sys.version_info >= (3, 12), reason="the core 0.16.1 leg runs on the default Python"),
-    pytest.mark.skipif(not megatron_lm_sources.have_sources(TAG), reason="no ../shared/thirdparty"),
-    pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="needs the [megatron] extra"),
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="needs the [megatron] extra")]
+
+
+def _core_019() -> bool:
+    try:
+        from megatron.core.package_info import __version__
+    except ImportError:
+        return False
+    return tuple(int(x) for x in __version__.split(".")[:2]) >= (0, 19)
+
+
+TAGS = [
+    pytest.param("core_v0.16.1", id="core_v0.16.1", marks=[
+        pytest.mark.skipif(sys.version_info >= (3, 12), reason="the core 0.16.1 leg runs on the default Python"),
+        pytest.mark.skipif(not megatron_lm_sources.have_sources("core_v0.16.1"), reason="no ../shared/thirdparty"),
+    ]),
+    pytest.param("core_v0.19.0", id="core_v0.19.0", marks=[
+        pytest.mark.py312,
+        pytest.mark.skipif(sys.version_info < (3, 12) or not _core_019(),
+                           reason="needs Python 3.12 + megatron-core 0.19.x (.ci/py312)"),
+        pytest.mark.skipif(not megatron_lm_sources.have_sources("core_v0.19.0"), reason="no ../shared/thirdparty"),
+    ]),
 ]
 
 
@@ -71,9 +90,9 @@ def _argv(out: Path, data: Path, phase: str) -> list[str]:
     return argv
 
 
-def _worker(rank: int, phase: str, data: str, out: str) -> None:
+def _worker(rank: int, tag: str, phase: str, data: str, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
-    megatron_lm_sources.use_megatron_lm(TAG)
+    megatron_lm_sources.use_megatron_lm(tag)
     import megatron_cpu_device_shim
 
     megatron_cpu_device_shim.install()
@@ -128,8 +147,17 @@ def _worker(rank: int, phase: str, data: str, out: str) -> None:
         provider.is_distributed = True
         sys.argv = ["pretrain_gpt.py", *_argv(Path(out), Path(data), phase)]
         store = dist.FileStore(str(Path(out) / f"store_{phase}"), WORLD)
-        pretrain(provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-                 extra_args_provider=extra_args, store=store)
+        from megatron.training import arguments
+
+        if hasattr(arguments, "parse_and_validate_args"):  # core_v0.19.0: args first, then a config
+            from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+            args = arguments.parse_and_validate_args(extra_args_provider=extra_args)
+            pretrain(pretrain_cfg_container_from_args(args), provider, ModelType.encoder_or_decoder,
+                     forward_step, model_provider, store=store)
+        else:  # core_v0.16.1: pretrain() parses the args itself
+            pretrain(provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+                     extra_args_provider=extra_args, store=store)
         args = get_args()
         result.update(returned=True, train_iters=args.train_iters, loaded_iteration=args.iteration)
     except BaseException as e:  # noqa: BLE001 - SystemExit too: reported to the test
@@ -139,11 +167,11 @@ def _worker(rank: int, phase: str, data: str, out: str) -> None:
     Path(out, f"{phase}_rank{rank}.json").write_text(json.dumps(result))
 
 
-def _spawn(out: Path, data: Path, phase: str) -> list[dict]:
+def _spawn(out: Path, data: Path, tag: str, phase: str) -> list[dict]:
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(_worker, nprocs=WORLD, join=False, start_method="spawn",
-                             args=(phase, str(data), str(out)))
+                             args=(tag, phase, str(data), str(out)))
     deadline = time.monotonic() + 400
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -157,7 +185,8 @@ def _spawn(out: Path, data: Path, phase: str) -> list[dict]:
 
 
 @pytest.mark.timeout(900)
-def test_finite_data_ends_megatrons_real_training_loop_on_every_rank_at_once(tmp_path):
+@pytest.mark.parametrize("tag", TAGS)
+def test_finite_data_ends_megatrons_real_training_loop_on_every_rank_at_once(tmp_path, tag):
     from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 
     # 81 samples: the two ranks' shares end after different numbers of micro-batches of 4
@@ -174,7 +203,7 @@ def test_finite_data_ends_megatrons_real_training_loop_on_every_rank_at_once(tmp
     # without the lockstep a rank's forward_step raises StopIteration inside train()
     assert alone[0] != alone[1] and full_steps > CUT, alone
 
-    first = _spawn(tmp_path, data, "first")
+    first = _spawn(tmp_path, data, tag, "first")
     for r in first:
         assert r["returned"] and r["train_iters"] == full_steps  # pretrain() and train() returned
         assert len(r["drawn"]) == MBPS * full_steps  # both ranks stopped after the same iteration
@@ -190,7 +219,7 @@ def test_finite_data_ends_megatrons_real_training_loop_on_every_rank_at_once(tmp
             assert (folder / f"train_dataloader_dprank{dp:03d}.pt").is_file()
 
     # Megatron's load_checkpoint at iteration CUT: the rest of the epoch, to the same end
-    resumed = _spawn(tmp_path, data, "resume")
+    resumed = _spawn(tmp_path, data, tag, "resume")
     for a, b in zip(first, resumed):
         assert b["returned"] and b["loaded_iteration"] == CUT and b["train_iters"] == full_steps
         assert b["drawn"] == a["drawn"][MBPS * CUT:], f"rank {a['rank']} resumed differently"
