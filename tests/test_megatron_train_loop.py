@@ -73,6 +73,8 @@ TAGS = [
 
 
 def _argv(out: Path, data: Path, phase: str) -> list[str]:
+    # --clip-grad 0: megatron-core's clip_grad_by_total_norm_fp32 asserts CUDA gradients
+    # (``param.grad.type() == 'torch.cuda.FloatTensor'``); the fusion flags off: CUDA kernels.
     argv = (
         "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 64 --max-position-embeddings 64 "
         f"--micro-batch-size {MBS} --global-batch-size {MBS * WORLD * MBPS} --train-iters 100 "
