@@ -1,17 +1,31 @@
-"""The real client: Megatron-LM core_v0.16.1's own examples/multimodal TaskEncoder, unmodified.
+"""The real client: Megatron-LM's own examples/multimodal TaskEncoder, unmodified, per tag.
 
-Each of two gloo processes runs Megatron-LM's real ``parse_args`` (with the example's
-``add_multimodal_extra_args`` and our ``add_energon_ordering_args``), ``validate_args`` and
-``set_global_variables`` (which builds Megatron's ``MultimodalTokenizer`` over a tiny tokenizer
-made here with ``tokenizers``: no hub download), then our provider with
-``class TE(OrderingTaskEncoder, TaskEncoder)`` over ``CaptioningSample`` shares written and
-``energon prepare``d here. Megatron's real ``RerunDataIterator`` wraps the iterator and its real
-``maybe_save_dataloader_state`` writes the state, as in ``pretrain()``. The model side is
-emulated as the multimodal ``model_provider`` leaves the args: ``--seq-length 576`` (image
-embeddings), the language model's length in ``--decoder-seq-length``.
+Each of two gloo processes runs Megatron-LM's real argument parsing as the tag's
+``examples/multimodal/train.py`` does (core_v0.16.1: ``parse_args`` + ``validate_args`` +
+``set_global_variables``, as ``pretrain`` runs them; core_v0.19.0: ``parse_and_validate_args``),
+with the example's ``add_multimodal_extra_args`` and our ``add_energon_ordering_args``. That builds
+Megatron's multimodal tokenizer over a tiny tokenizer made here with ``tokenizers`` (no hub
+download). Then our provider with ``class TE(OrderingTaskEncoder, TaskEncoder)`` over
+``CaptioningSample`` shares written and ``energon prepare``d here. Megatron's real
+``RerunDataIterator`` wraps the iterator and its real ``maybe_save_dataloader_state`` writes the
+state, as in ``pretrain()``. The model side is emulated as the multimodal ``model_provider``
+leaves the args: ``--seq-length 576`` (image embeddings), the language model's length in
+``--decoder-seq-length``.
 
-Needs (the ``[megatron]`` extra): triton and transformers < 5 (Megatron's tokenizer wrapper),
-torchvision 0.28.0 with ``torchvision_cpu_shim`` (see there why).
+Two legs, one test body:
+
+- core_v0.16.1 on the default Python with megatron-core 0.16.1, transformers 4.x (Megatron-LM's
+  own ``megatron.training.tokenizer``), torchvision 0.28.0 with ``torchvision_cpu_shim`` (see there
+  why);
+- core_v0.19.0 on Python 3.12 with megatron-core 0.19.x (marked ``py312``, run by ``.ci/py312``),
+  transformers 5 (megatron-core's ``megatron.core.tokenizers``), torchvision 0.28.0, and
+  ``megatron_tokenizer_path_shim`` for megatron-core 0.19.2's missing tokenizer path (see there).
+
+``--special-tokens <image>`` is passed explicitly: in core_v0.19.0 Megatron's own
+``--tokenizer-special-tokens`` (dest ``special_tokens``, default None) is registered before the
+example's ``--special-tokens`` (default ``[<image>]``), and argparse keeps the first default, so
+without the flag 0.19 builds its tokenizer with no image token. It is the example's default value,
+so the 0.16.1 leg is unchanged by it.
 """
 
 from __future__ import annotations
@@ -29,20 +43,37 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import megatron_lm_sources  # noqa: E402
 
-TAG = "core_v0.16.1"
 WORLD = 2
 MBPS = 2  # micro-batches per step: --global-batch-size 8 / (--micro-batch-size 2 x 2 ranks)
 CUT_STEPS = 3
 MORE = 8
 WARMUP = dict(start=600, full=1024, steps=20, multiple=8)
 
-pytestmark = [
-    pytest.mark.skipif(sys.version_info >= (3, 12), reason="core_v0.16.1 leg (transformers < 5) runs on the default Python"),
-    pytest.mark.skipif(not megatron_lm_sources.have_sources(TAG), reason="no ../shared/thirdparty"),
-]
 _MISSING = [m for m in ("transformers", "tokenizers", "triton", "torchvision", "megatron.core")
             if importlib.util.find_spec(m) is None]
-pytestmark.append(pytest.mark.skipif(bool(_MISSING), reason=f"needs the [megatron] extra: {_MISSING}"))
+pytestmark = [pytest.mark.skipif(bool(_MISSING), reason=f"needs the [megatron] extra: {_MISSING}")]
+
+
+def _core_019() -> bool:
+    try:
+        from megatron.core.package_info import __version__
+    except ImportError:
+        return False
+    return tuple(int(x) for x in __version__.split(".")[:2]) >= (0, 19)
+
+
+TAGS = [
+    pytest.param("core_v0.16.1", id="core_v0.16.1", marks=[
+        pytest.mark.skipif(sys.version_info >= (3, 12), reason="the core 0.16.1 leg runs on the default Python"),
+        pytest.mark.skipif(not megatron_lm_sources.have_sources("core_v0.16.1"), reason="no ../shared/thirdparty"),
+    ]),
+    pytest.param("core_v0.19.0", id="core_v0.19.0", marks=[
+        pytest.mark.py312,
+        pytest.mark.skipif(sys.version_info < (3, 12) or not _core_019(),
+                           reason="needs Python 3.12 + megatron-core 0.19.x (.ci/py312)"),
+        pytest.mark.skipif(not megatron_lm_sources.have_sources("core_v0.19.0"), reason="no ../shared/thirdparty"),
+    ]),
+]
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
           "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -73,7 +104,7 @@ def _argv(root: Path, data: Path, out: Path, num_workers: int) -> list[str]:
         "--micro-batch-size 2 --global-batch-size 8 --train-iters 100 --bf16 --no-gradient-accumulation-fusion "
         f"--tokenizer-type MultimodalTokenizer --tokenizer-model {out / 'tok'} --tokenizer-prompt-format chatml "
         f"--prompt-path {root / 'examples' / 'multimodal' / 'manual_prompts.json'} "
-        "--img-h 336 --img-w 336 --patch-dim 14 --vision-model-type clip "
+        "--special-tokens <image> --img-h 336 --img-w 336 --patch-dim 14 --vision-model-type clip "
         f"--data-path {data} --dataloader-type external --dataloader-save {out / 'dl'} "
         f"--num-workers {num_workers} --eval-iters 2 --seed 1234 "
         "--length-sort-pool-size 16 --length-sort-mode batch "
@@ -88,11 +119,13 @@ def _model_tokens(batch: dict, pad: int, emb: int) -> list[int]:
     return [int((row != pad).sum()) - 1 + t * emb for row, t in zip(batch["tokens"], tiles)]
 
 
-def _worker(rank: int, phase: str, num_workers: int, data: str, out: str) -> None:
+def _worker(rank: int, tag: str, phase: str, num_workers: int, data: str, out: str) -> None:
+    import megatron_tokenizer_path_shim
     import torchvision_cpu_shim
 
     torchvision_cpu_shim.install()
-    root = megatron_lm_sources.use_megatron_lm(TAG, multimodal_example=True)
+    root = megatron_lm_sources.use_megatron_lm(tag, multimodal_example=True)
+    megatron_tokenizer_path_shim.install(str(Path(out) / "tok"))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
     result: dict = {"rank": rank}
     try:
@@ -100,7 +133,7 @@ def _worker(rank: int, phase: str, num_workers: int, data: str, out: str) -> Non
         import torch.distributed as dist
         from megatron.core import parallel_state
         from megatron.core.rerun_state_machine import RerunDataIterator
-        from megatron.training.arguments import parse_args, validate_args
+        from megatron.training import arguments
         from megatron.training.checkpointing import maybe_save_dataloader_state
         from megatron.training.global_vars import set_global_variables
         from multimodal_args import add_multimodal_extra_args
@@ -109,9 +142,14 @@ def _worker(rank: int, phase: str, num_workers: int, data: str, out: str) -> Non
         from energon_ordering.warmup.schedule import SeqLenWarmup
 
         sys.argv = ["train.py", *_argv(root, Path(data), Path(out), num_workers)]
-        args = parse_args(extra_args_provider=lambda p: add_energon_ordering_args(add_multimodal_extra_args(p)))
-        validate_args(args)
-        set_global_variables(args, build_tokenizer=True)
+        extra = lambda p: add_energon_ordering_args(add_multimodal_extra_args(p))  # noqa: E731
+        if hasattr(arguments, "parse_and_validate_args"):  # core_v0.19.0's train.py
+            args = arguments.parse_and_validate_args(extra_args_provider=extra,
+                                                     args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+        else:  # core_v0.16.1: pretrain() -> initialize_megatron() runs these
+            args = arguments.parse_args(extra_args_provider=extra)
+            arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+            set_global_variables(args, build_tokenizer=True)
         if phase == "resume":  # what load_checkpoint leaves in the args
             args.load, args.iteration = str(Path(out) / "ckpt"), CUT_STEPS
         dist.init_process_group("gloo", init_method=f"file://{out}/init_{phase}", rank=rank, world_size=WORLD)
@@ -163,11 +201,11 @@ def _worker(rank: int, phase: str, num_workers: int, data: str, out: str) -> Non
     Path(out, f"{phase}_rank{rank}.json").write_text(json.dumps(result))
 
 
-def _spawn(out: Path, data: Path, phase: str, num_workers: int) -> list[dict]:
+def _spawn(out: Path, data: Path, tag: str, phase: str, num_workers: int) -> list[dict]:
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(_worker, nprocs=WORLD, join=False, start_method="spawn",
-                             args=(phase, num_workers, str(data), str(out)))
+                             args=(tag, phase, num_workers, str(data), str(out)))
     deadline = time.monotonic() + 400
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -197,11 +235,12 @@ def captioning_data(tmp_path_factory) -> Path:
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_megatron_multimodal_encoder_builds_cuts_and_resumes(captioning_data, tmp_path, num_workers):
+@pytest.mark.parametrize("tag", TAGS)
+def test_megatron_multimodal_encoder_builds_cuts_and_resumes(captioning_data, tmp_path, tag, num_workers):
     out = tmp_path
     (out / "tok").symlink_to(captioning_data.parent / "tok")
-    first = _spawn(out, captioning_data, "first", num_workers)
-    resumed = _spawn(out, captioning_data, "resume", num_workers)
+    first = _spawn(out, captioning_data, tag, "first", num_workers)
+    resumed = _spawn(out, captioning_data, tag, "resume", num_workers)
     for a, b in zip(first, resumed):
         # the warmup counted model tokens with Megatron's layout (<image> x 577 embeddings)
         assert a["layout"] == [a["img_token_id"], a["emb"]] and a["emb"] == 577

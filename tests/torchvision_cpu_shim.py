@@ -6,7 +6,9 @@ import (``operator torchvision::nms does not exist``) because it registers fake 
 for those CUDA-only operators. Megatron-LM's ``examples/multimodal`` uses only the pure-Python
 transforms (``torchvision.transforms``: Compose, Resize, ToTensor, Normalize, ToPILImage), which
 need none of them. Installing an empty ``torchvision._meta_registrations`` before the import
-skips those registrations and nothing else. Test-only: never imported by the package.
+skips those registrations and nothing else. With a CUDA build of torch (the default torch wheel
+on Python 3.12, which runs on CPU too) torchvision's operators load, so nothing is installed.
+Test-only: never imported by the package.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ import types
 
 
 def install() -> None:
-    """Call before the first ``import torchvision``."""
+    """Call before the first ``import torchvision``; a no-op with a CUDA build of torch."""
+    import torch
+
+    if torch.version.cuda is not None:  # torchvision's C operators load: nothing to skip
+        return
     name = "torchvision._meta_registrations"
     if "torchvision" not in sys.modules and name not in sys.modules:
         sys.modules[name] = types.ModuleType(name)

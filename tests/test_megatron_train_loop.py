@@ -1,0 +1,229 @@
+"""The lockstep stop under Megatron-LM's real training loop: ``pretrain()`` -> ``train()``, on gloo.
+
+Two processes run Megatron-LM's own ``megatron.training.pretrain`` (its ``initialize_megatron``,
+``setup_model_and_optimizer``, ``build_train_valid_test_data_iterators``, ``train`` with
+``train_step`` / ``forward_backward_func`` / the optimizer, ``training_log``,
+``checkpoint_and_decide_exit`` and the final ``save_checkpoint``) with a tiny megatron-core
+``GPTModel`` (one layer, hidden size 32), ``--distributed-backend gloo``, and our provider over
+FINITE data (``repeat=False``) whose two data-parallel shares end after different numbers of
+micro-batches. The model provider and ``forward_step`` are the user's code (as in
+``pretrain_gpt.py``): the step draws one micro-batch through the iterator Megatron passes it
+(its ``RerunDataIterator`` around ours), feeds the batch's tokens to the model and returns its
+loss. Two legs, one body: core_v0.16.1 on the default Python (``pretrain`` parses the args), and
+core_v0.19.0 with megatron-core 0.19.x on Python 3.12 (marked ``py312``; ``parse_and_validate_args``
+then ``pretrain(pretrain_cfg_container_from_args(args), ...)``, 0.19's calling convention).
+
+What it shows: when one rank's data ends, both ranks stop after the same iteration (the last
+one every rank can fill), ``pretrain`` and thus ``train`` return normally (no ``StopIteration``,
+no exception, no hang), and Megatron's own end-of-training path runs: the final
+``save_checkpoint`` at that iteration, with each rank's dataloader state beside the model. A
+second run loads Megatron's checkpoint of iteration 2 (``--load --ckpt-step 2``, the real
+``load_checkpoint``) and draws exactly the remaining micro-batches to the same end.
+
+CPU only: ``megatron_cpu_device_shim`` maps Megatron's CUDA device plumbing to the CPU (see there
+what and why); the loop, the optimizer, the checkpointing and the data path are Megatron's.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import megatron_lm_sources  # noqa: E402
+
+from energon_ordering import OrderingConfig  # noqa: E402
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader  # noqa: E402
+
+WORLD = 2
+MBS = 4
+MBPS = 2  # micro-batches per iteration: --global-batch-size 16 / (--micro-batch-size 4 x 2 ranks)
+CUT = 2  # the iteration of the intermediate checkpoint (--save-interval 2)
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="needs the [megatron] extra")]
+
+
+def _core_019() -> bool:
+    try:
+        from megatron.core.package_info import __version__
+    except ImportError:
+        return False
+    return tuple(int(x) for x in __version__.split(".")[:2]) >= (0, 19)
+
+
+TAGS = [
+    pytest.param("core_v0.16.1", id="core_v0.16.1", marks=[
+        pytest.mark.skipif(sys.version_info >= (3, 12), reason="the core 0.16.1 leg runs on the default Python"),
+        pytest.mark.skipif(not megatron_lm_sources.have_sources("core_v0.16.1"), reason="no ../shared/thirdparty"),
+    ]),
+    pytest.param("core_v0.19.0", id="core_v0.19.0", marks=[
+        pytest.mark.py312,
+        pytest.mark.skipif(sys.version_info < (3, 12) or not _core_019(),
+                           reason="needs Python 3.12 + megatron-core 0.19.x (.ci/py312)"),
+        pytest.mark.skipif(not megatron_lm_sources.have_sources("core_v0.19.0"), reason="no ../shared/thirdparty"),
+    ]),
+]
+
+
+def _argv(out: Path, data: Path, phase: str) -> list[str]:
+    # --clip-grad 0: megatron-core's clip_grad_by_total_norm_fp32 asserts CUDA gradients
+    # (``param.grad.type() == 'torch.cuda.FloatTensor'``); the fusion flags off: CUDA kernels.
+    argv = (
+        "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 64 --max-position-embeddings 64 "
+        f"--micro-batch-size {MBS} --global-batch-size {MBS * WORLD * MBPS} --train-iters 100 "
+        "--lr 1e-3 --lr-decay-style constant --clip-grad 0.0 "
+        "--tokenizer-type NullTokenizer --vocab-size 128 --distributed-backend gloo "
+        "--transformer-impl local --position-embedding-type learned_absolute --use-cpu-initialization "
+        "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
+        "--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm "
+        f"--save {out / phase} --save-interval {CUT} --ckpt-format torch --eval-iters 0 --eval-interval 1000 "
+        f"--log-interval 1 --seed 1234 --data-path {data} --dataloader-type external --num-workers 0 "
+        f"--dataloader-save {out / 'first'} --length-sort-pool-size 32 --length-sort-mode batch"
+    ).split()
+    if phase == "resume":
+        argv += ["--load", str(out / "first"), "--ckpt-step", str(CUT)]
+    return argv
+
+
+def _worker(rank: int, tag: str, phase: str, data: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
+    megatron_lm_sources.use_megatron_lm(tag)
+    import megatron_cpu_device_shim
+
+    megatron_cpu_device_shim.install()
+    import torch
+    import torch.distributed as dist
+
+    result: dict = {"rank": rank, "drawn": []}
+    try:
+        from megatron.core.enums import ModelType
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.training import get_args, pretrain
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
+        from energon_ordering.integrations.megatron_lm import (
+            add_energon_ordering_args,
+            train_valid_test_dataloaders_provider,
+        )
+
+        def extra_args(parser):  # --dataloader-save as examples/multimodal/multimodal_args.py adds it
+            parser.add_argument("--dataloader-save", type=str, default=None)
+            return add_energon_ordering_args(parser)
+
+        def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+            args = get_args()
+            return GPTModel(config=config or core_transformer_config_from_args(args),
+                            transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
+                            max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+                            post_process=post_process, position_embedding_type="learned_absolute")
+
+        def forward_step(data_iterator, model):
+            args = get_args()
+            batch = next(data_iterator)
+            result["drawn"].append(list(batch.keys))
+            width = args.seq_length + 1
+            tok = batch.tokens[:, :width] % args.padded_vocab_size
+            tok = torch.nn.functional.pad(tok, (0, width - tok.shape[1]))
+            tokens, labels = tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
+            position_ids = torch.arange(args.seq_length).unsqueeze(0).expand_as(tokens)
+            causal = torch.ones(1, 1, args.seq_length, args.seq_length, dtype=torch.bool).tril().logical_not()
+            output = model(tokens, position_ids, causal, labels=labels)
+
+            def loss_func(per_token_loss):
+                loss = per_token_loss.float().mean()
+                return loss, {"lm loss": loss.detach()}
+
+            return output, loss_func
+
+        provider = functools.partial(train_valid_test_dataloaders_provider, task_encoder=SyntheticTaskEncoder(),
+                                     repeat=False, image_decode=None)
+        provider.is_distributed = True
+        sys.argv = ["pretrain_gpt.py", *_argv(Path(out), Path(data), phase)]
+        store = dist.FileStore(str(Path(out) / f"store_{phase}"), WORLD)
+        from megatron.training import arguments
+
+        if hasattr(arguments, "parse_and_validate_args"):  # core_v0.19.0: args first, then a config
+            from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+            args = arguments.parse_and_validate_args(extra_args_provider=extra_args)
+            pretrain(pretrain_cfg_container_from_args(args), provider, ModelType.encoder_or_decoder,
+                     forward_step, model_provider, store=store)
+        else:  # core_v0.16.1: pretrain() parses the args itself
+            pretrain(provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+                     extra_args_provider=extra_args, store=store)
+        args = get_args()
+        result.update(returned=True, train_iters=args.train_iters, loaded_iteration=args.iteration)
+    except BaseException as e:  # noqa: BLE001 - SystemExit too: reported to the test
+        import traceback
+
+        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+    Path(out, f"{phase}_rank{rank}.json").write_text(json.dumps(result))
+
+
+def _spawn(out: Path, data: Path, tag: str, phase: str) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_worker, nprocs=WORLD, join=False, start_method="spawn",
+                             args=(tag, phase, str(data), str(out)))
+    deadline = time.monotonic() + 400
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail(f"{phase}: Megatron's training loop did not finish on both ranks (hang)")
+    res = [json.loads((out / f"{phase}_rank{r}.json").read_text()) for r in range(WORLD)]
+    for r in res:
+        assert "error" not in r, f"rank {r['rank']}: {r['error']}"
+    return res
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("tag", TAGS)
+def test_finite_data_ends_megatrons_real_training_loop_on_every_rank_at_once(tmp_path, tag):
+    from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+
+    # 81 samples: the two ranks' shares end after different numbers of micro-batches of 4
+    make_synthetic_dataset(tmp_path / "data", [SourceSpec("web", 81, "short")], shard_size=10)
+    data = tmp_path / "data" / "web"
+    alone = []
+    for rank in range(WORLD):
+        loader = build_train_loader(data, ordering=OrderingConfig(length_sort_pool_size=32, length_sort_mode="batch"),
+                                    rank=rank, world_size=WORLD, batch_size=MBS, repeat=False)
+        alone.append(sum(1 for _ in loader))
+        close_loader(loader)
+    full_steps = min(alone) // MBPS  # the last iteration every rank can fill
+    # the shares differ (one rank holds a micro-batch more) and end long before --train-iters 100:
+    # without the lockstep a rank's forward_step raises StopIteration inside train()
+    assert alone[0] != alone[1] and full_steps > CUT, alone
+
+    first = _spawn(tmp_path, data, tag, "first")
+    for r in first:
+        assert r["returned"] and r["train_iters"] == full_steps  # pretrain() and train() returned
+        assert len(r["drawn"]) == MBPS * full_steps  # both ranks stopped after the same iteration
+    # Megatron's end of training: the final save_checkpoint at that iteration, dataloader states beside
+    ckpt = tmp_path / "first"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(full_steps)
+    import torch
+
+    for it in (CUT, full_steps):  # the regular save (--save-interval) and the final one
+        folder = ckpt / f"iter_{it:07d}" / "mp_rank_00"
+        assert torch.load(folder / "model_optim_rng.pt", weights_only=False)["iteration"] == it
+        for dp in range(WORLD):
+            assert (folder / f"train_dataloader_dprank{dp:03d}.pt").is_file()
+
+    # Megatron's load_checkpoint at iteration CUT: the rest of the epoch, to the same end
+    resumed = _spawn(tmp_path, data, tag, "resume")
+    for a, b in zip(first, resumed):
+        assert b["returned"] and b["loaded_iteration"] == CUT and b["train_iters"] == full_steps
+        assert b["drawn"] == a["drawn"][MBPS * CUT:], f"rank {a['rank']} resumed differently"
+    keys = [{k for batch in r["drawn"] for k in batch} for r in first]
+    assert not keys[0] & keys[1]  # the two data-parallel ranks read disjoint samples
