@@ -352,8 +352,9 @@ class OrderingTaskEncoder:
             and hasattr(length_source, "length")
             and index_fill_problem(raw) is None
         ):
-            # Lengths come from the length index: the fill reads keys only (pool/index_fill.py).
-            raw = index_filled(raw)
+            # Lengths come from the length index: the fill reads keys and lengths from the
+            # indexes only (pool/index_fill.py).
+            raw = index_filled(raw, length_source.path, length_source.digest)
         return MapDataset(
             raw,
             Defer(source_index),

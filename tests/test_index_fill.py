@@ -9,12 +9,13 @@ from megatron.energon.flavors.webdataset.itar_reader import ITarReader
 from megatron.energon.metadataset.loader import load_dataset
 
 from energon_ordering import OrderingConfig
-from energon_ordering.errors import OrderingConfigError
+from energon_ordering.errors import LengthIndexError, OrderingConfigError
 from energon_ordering.inspect.pool_memory import find_stage
 from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, resume, run_with_cuts
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
 from energon_ordering.length_index.build import build_length_index
+from energon_ordering.length_index.index import LengthIndex
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
 from energon_ordering.pool.index_fill import IndexFilledLoader, index_fill_problem, index_filled
 from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
@@ -148,8 +149,13 @@ def test_the_fill_reads_no_payload(indexed, monkeypatch):
         reads.append(index)
         return original(self, index)
 
+    def no_lookups(self, key):
+        raise AssertionError(f"length looked up one by one: {key}")
+
     monkeypatch.setattr(ITarReader, "__getitem__", no_tar_reads)
     monkeypatch.setattr(ByteRangeReader, "read", counted)
+    # The lengths ride along with the keys (one joined read per block of samples).
+    monkeypatch.setattr(LengthIndex, "length", no_lookups)
     loader = _make(indexed, _cfg("batch", 64), 0, IndexedSyntheticTaskEncoder, True)()
     it = iter(loader)
     batches = [next(it) for _ in range(TOTAL)]
@@ -157,6 +163,25 @@ def test_the_fill_reads_no_payload(indexed, monkeypatch):
     close_loader(loader)
     emitted = [k for b in batches for k in b.keys]
     assert len(reads) == len(emitted) == 4 * TOTAL
+
+
+def test_joined_lengths_are_the_length_index(indexed, tmp_path):
+    import shutil
+
+    web = indexed.parent / "web"
+    index = LengthIndex.open(web)
+    shards = [(s.name, s.count) for s in _energon_loader(web).join_readers[0].shard_infos]
+    reader = ByteRangeReader(web, shards, lengths=index.path, lengths_digest=index.digest)
+    for i in range(len(reader)):
+        key, length = reader.key_and_length(i)
+        assert key == reader.key(i) and length == index.length(key)
+    assert ByteRangeReader(web, shards).key_and_length(0)[1] is None
+    # An index replaced under the job is refused in the process that reads it.
+    copy = tmp_path / "lengths.sqlite"
+    shutil.copy(index.path, copy)
+    stale = ByteRangeReader(web, shards, lengths=copy, lengths_digest="not-this-one")
+    with pytest.raises(LengthIndexError, match="was replaced while this job reads it"):
+        stale.key_and_length(0)
 
 
 def test_no_index_fill_where_the_payload_is_needed(indexed):

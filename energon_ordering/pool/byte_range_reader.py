@@ -11,7 +11,9 @@ header walk and the per-member reads.
 
 This reader answers the same question with one ``os.pread`` of the sample's byte range and slices
 the parts out of it at the offsets the index holds. Sample keys are fetched from the index in
-blocks of neighbouring samples and cached per process, a bounded number at a time.
+blocks of neighbouring samples and cached per process, a bounded number at a time; given a
+length index (``lengths=``), each block also carries the samples' lengths, joined in the same
+query, so a pool's fill needs no lookup per sample.
 The samples it returns are equal to Energon's (same ``__key__``, ``__shard__``,
 ``__restore_key__``, ``__sources__`` and part bytes; ``part_filter`` and ``sample_filter``
 applied the same way), which a test checks sample by sample.
@@ -30,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from energon_ordering.errors import OrderingConfigError
+from energon_ordering.errors import LengthIndexError, OrderingConfigError
 
 __all__ = ["KEY_BLOCK", "ByteRangeReader", "energon_index_path"]
 
@@ -58,6 +60,10 @@ class ByteRangeReader:
         sample_filter: Energon's sample filter (``"<shard>/<key>"`` -> keep), or None.
         cache_shards: Open shard files kept per process.
         cache_keys: Sample keys kept per process (in blocks of :data:`KEY_BLOCK`).
+        lengths: A length index file of the dataset (table ``lengths``, see
+            :mod:`energon_ordering.length_index.index`) whose lengths :meth:`length` returns.
+        lengths_digest: The content digest that index had when the job opened it; a process
+            that finds another one refuses to read (the index was replaced under the job).
 
     Raises:
         OrderingConfigError: The dataset has no ``index.sqlite`` with per-part byte ranges
@@ -73,8 +79,12 @@ class ByteRangeReader:
         sample_filter: Callable[[str], bool] | None = None,
         cache_shards: int = 32,
         cache_keys: int = 65_536,
+        lengths: Path | None = None,
+        lengths_digest: str | None = None,
     ):
         self.base_path = Path(base_path)
+        self.lengths = None if lengths is None else Path(lengths)
+        self.lengths_digest = lengths_digest
         self.shards = [(str(name), int(count)) for name, count in shards]
         self.part_filter = part_filter
         self.sample_filter = sample_filter
@@ -104,7 +114,7 @@ class ByteRangeReader:
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
         self._con: sqlite3.Connection | None = None
-        self._blocks: dict[tuple[int, int], tuple[str, ...]] = {}
+        self._blocks: dict[tuple[int, int], tuple[tuple[str, ...], tuple[float | None, ...]]] = {}
         self._files: OrderedDict[int, int] = OrderedDict()
 
     def _check_process(self) -> None:
@@ -122,7 +132,22 @@ class ByteRangeReader:
     def _connection(self) -> sqlite3.Connection:
         self._check_process()
         if self._con is None:
-            self._con = self._open_index()
+            con = self._open_index()
+            if self.lengths is not None:
+                con.execute("ATTACH DATABASE ? AS lengths_index", (f"file:{self.lengths}?mode=ro",))
+                row = con.execute(
+                    "SELECT value FROM lengths_index.meta WHERE name = 'content_digest'"
+                ).fetchone()
+                if self.lengths_digest is not None and (row is None or row[0] != self.lengths_digest):
+                    con.close()
+                    raise LengthIndexError(
+                        f"length index: {self.lengths} was replaced while this job reads it "
+                        f"(content digest {row and row[0]!r}, the job started with "
+                        f"{self.lengths_digest!r}); keep indexes of other length functions side "
+                        "by side (`energon-ordering index --name NAME`) instead of rebuilding one "
+                        "under a running job, and restart the job."
+                    )
+            self._con = con
         return self._con
 
     def _shard_ids(self) -> dict[str, int]:
@@ -151,32 +176,51 @@ class ByteRangeReader:
             raise IndexError(f"ByteRangeReader: sample index {index} outside [0, {len(self)}).")
         return shard, index - self._cumsum[shard]
 
-    def _key_block(self, shard: int, block: int) -> tuple[str, ...]:
-        keys = self._blocks.get((shard, block))
-        if keys is None:
+    def _key_block(
+        self, shard: int, block: int
+    ) -> tuple[tuple[str, ...], tuple[float | None, ...]]:
+        """Keys (and lengths, None without a length index) of block ``block`` of ``shard``."""
+        found = self._blocks.get((shard, block))
+        if found is None:
             self._check_process()
             name = self.shards[shard][0]
+            if self.lengths is None:
+                query = ("SELECT sample_key, NULL FROM samples WHERE tar_file_id = ? AND "
+                         "sample_index >= ? AND sample_index < ? ORDER BY sample_index")
+            else:
+                query = ("SELECT s.sample_key, l.length FROM samples s LEFT JOIN "
+                         "lengths_index.lengths l ON l.sample_key = s.sample_key WHERE "
+                         "s.tar_file_id = ? AND s.sample_index >= ? AND s.sample_index < ? "
+                         "ORDER BY s.sample_index")
             rows = self._connection().execute(
-                "SELECT sample_key FROM samples WHERE tar_file_id = ? AND sample_index >= ? "
-                "AND sample_index < ? ORDER BY sample_index",
-                (self._tar_ids[name], block * KEY_BLOCK, (block + 1) * KEY_BLOCK),
+                query, (self._tar_ids[name], block * KEY_BLOCK, (block + 1) * KEY_BLOCK)
             ).fetchall()
-            keys = tuple(r[0] for r in rows)
-            self._blocks[(shard, block)] = keys
+            found = (tuple(r[0] for r in rows), tuple(r[1] for r in rows))
+            self._blocks[(shard, block)] = found
             if len(self._blocks) > self.cache_blocks:
                 del self._blocks[next(iter(self._blocks))]  # oldest first
-        return keys
+        return found
 
-    def key(self, index: int) -> str:
-        """The ``__key__`` of sample ``index``, from the index (no shard read)."""
+    def _block_entry(self, index: int) -> tuple[tuple[tuple[str, ...], tuple[float | None, ...]], int]:
         shard, local = self.locate(index)
-        keys = self._key_block(shard, local // KEY_BLOCK)
-        if local % KEY_BLOCK >= len(keys):
+        found = self._key_block(shard, local // KEY_BLOCK)
+        if local % KEY_BLOCK >= len(found[0]):
             raise OrderingConfigError(
                 f"ByteRangeReader: sample {local} of shard {self.shards[shard][0]} is not in "
                 f"{self.index_path}; prepare the dataset again (`energon prepare`)."
             )
-        return keys[local % KEY_BLOCK]
+        return found, local % KEY_BLOCK
+
+    def key(self, index: int) -> str:
+        """The ``__key__`` of sample ``index``, from the index (no shard read)."""
+        found, at = self._block_entry(index)
+        return found[0][at]
+
+    def key_and_length(self, index: int) -> tuple[str, float | None]:
+        """The ``__key__`` of sample ``index`` and its length from the length index (None
+        without one, or if the length index does not hold the key)."""
+        found, at = self._block_entry(index)
+        return found[0][at], found[1][at]
 
     def shard_name(self, index: int) -> str:
         """The shard file name of sample ``index``."""

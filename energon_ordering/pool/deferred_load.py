@@ -30,6 +30,7 @@ from energon_ordering.errors import OrderingConfigError
 from energon_ordering.source_tag import sample_source, tag_source
 
 __all__ = [
+    "INDEXED_LENGTH_FIELD",
     "Defer",
     "DeferredLength",
     "DeferredSample",
@@ -37,6 +38,11 @@ __all__ = [
     "raw_fields",
     "split_loader",
 ]
+
+
+#: Field of a key-only raw sample (:mod:`energon_ordering.pool.index_fill`) that holds the
+#: sample's length, read from the length index with its key; None if the index lacks the key.
+INDEXED_LENGTH_FIELD = "__ordering_length__"
 
 
 @dataclasses.dataclass
@@ -142,7 +148,8 @@ class DeferredLength:
     def __call__(self, deferred: DeferredSample) -> float:
         source = self.sources[deferred.source_index]
         if hasattr(source, "length"):
-            return source.length(deferred.__key__)
+            known = deferred.raw.data[0].get(INDEXED_LENGTH_FIELD)
+            return known if known is not None else source.length(deferred.__key__)
         return source(raw_fields(deferred))
 
     def __repr__(self) -> str:

@@ -14,7 +14,8 @@ re-implementing that walk (and following every Energon change to it), :class:`In
 runs Energon's own walk unchanged and swaps only what a visit reads:
 
 - while iterating, a visit reads the sample's key from the index (fetched in blocks of neighbouring samples, cached):
-  a key-only ``FilteredSample`` with ``__key__``, ``__shard__`` and ``__restore_key__``;
+  a key-only ``FilteredSample`` with ``__key__``, ``__shard__`` and ``__restore_key__``, and
+  the sample's length when the source's length index is given (joined into the same block read);
 - ``restore_sample`` (how the pool fetches a sample when it emits it, and how every buffer is
   refilled after a restore) reads the full sample with one ``pread`` of its byte range
   (:class:`~energon_ordering.pool.byte_range_reader.ByteRangeReader`), equal to what Energon's
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import sqlite3
 from bisect import bisect_right
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,6 +60,7 @@ from megatron.energon.state import FlexState
 
 from energon_ordering.errors import OrderingConfigError
 from energon_ordering.pool.byte_range_reader import ByteRangeReader, energon_index_path
+from energon_ordering.pool.deferred_load import INDEXED_LENGTH_FIELD
 
 __all__ = ["FastChoiceRng", "IndexFilledLoader", "index_fill_problem", "index_filled"]
 
@@ -145,12 +148,12 @@ class IndexFilledLoader(WebdatasetSampleLoaderDataset):
     def _get_sample(self, index: int) -> RawSampleData:
         # Called by Energon's walk for every visited sample: the key, no payload.
         reader = self.byte_reader
-        key = reader.key(index)
+        key, length = reader.key_and_length(index)
         shard = reader.shard_name(index)
         keep = reader.sample_filter is None or reader.sample_filter(f"{shard}/{key}")
         sample = (
             {"__key__": key, "__shard__": shard, "__restore_key__": ("Webdataset", index),
-             "__sources__": ()}
+             "__sources__": (), INDEXED_LENGTH_FIELD: length}
             if keep
             else None
         )
@@ -186,8 +189,19 @@ class IndexFilledLoader(WebdatasetSampleLoaderDataset):
         return f"IndexFilledLoader({self.byte_reader}, parallel_slice_iters={self.parallel_slice_iters})"
 
 
-def index_filled(loader: WebdatasetSampleLoaderDataset) -> IndexFilledLoader:
+def index_filled(
+    loader: WebdatasetSampleLoaderDataset,
+    lengths: Path | None = None,
+    lengths_digest: str | None = None,
+) -> IndexFilledLoader:
     """``loader`` filled from the indexes.
+
+    Args:
+        loader: Energon's loader of one prepared dataset.
+        lengths: The source's length index file: its lengths ride along with the keys (in the
+            key-only sample's :data:`~energon_ordering.pool.deferred_load.INDEXED_LENGTH_FIELD`),
+            so the pool looks nothing up per sample.
+        lengths_digest: That index's content digest when the job opened it.
 
     Raises:
         OrderingConfigError: :func:`index_fill_problem` names a reason it cannot be.
@@ -204,5 +218,7 @@ def index_filled(loader: WebdatasetSampleLoaderDataset) -> IndexFilledLoader:
         part_filter=reader.part_filter,
         sample_filter=reader.sample_filter,
         cache_shards=max(4, 2 * loader.parallel_slice_iters),
+        lengths=lengths,
+        lengths_digest=lengths_digest,
     )
     return IndexFilledLoader(loader, byte_reader)
