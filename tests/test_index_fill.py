@@ -173,15 +173,16 @@ def test_joined_lengths_are_the_length_index(indexed, tmp_path):
     shards = [(s.name, s.count) for s in _energon_loader(web).join_readers[0].shard_infos]
     reader = ByteRangeReader(web, shards, lengths=index.path, lengths_digest=index.digest)
     for i in range(len(reader)):
-        key, length = reader.key_and_length(i)
-        assert key == reader.key(i) and length == index.length(key)
-    assert ByteRangeReader(web, shards).key_and_length(0)[1] is None
+        shard, key, length = reader.visit(i)
+        assert (shard, key) == (reader.shard_name(i), reader.key(i))
+        assert length == index.length(key)
+    assert ByteRangeReader(web, shards).visit(0)[2] is None
     # An index replaced under the job is refused in the process that reads it.
     copy = tmp_path / "lengths.sqlite"
     shutil.copy(index.path, copy)
     stale = ByteRangeReader(web, shards, lengths=copy, lengths_digest="not-this-one")
     with pytest.raises(LengthIndexError, match="was replaced while this job reads it"):
-        stale.key_and_length(0)
+        stale.visit(0)
 
 
 def test_no_index_fill_where_the_payload_is_needed(indexed):

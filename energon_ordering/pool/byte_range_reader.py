@@ -201,7 +201,9 @@ class ByteRangeReader:
                 del self._blocks[next(iter(self._blocks))]  # oldest first
         return found
 
-    def _block_entry(self, index: int) -> tuple[tuple[tuple[str, ...], tuple[float | None, ...]], int]:
+    def _block_entry(
+        self, index: int
+    ) -> tuple[int, tuple[tuple[str, ...], tuple[float | None, ...]], int]:
         shard, local = self.locate(index)
         found = self._key_block(shard, local // KEY_BLOCK)
         if local % KEY_BLOCK >= len(found[0]):
@@ -209,18 +211,18 @@ class ByteRangeReader:
                 f"ByteRangeReader: sample {local} of shard {self.shards[shard][0]} is not in "
                 f"{self.index_path}; prepare the dataset again (`energon prepare`)."
             )
-        return found, local % KEY_BLOCK
+        return shard, found, local % KEY_BLOCK
 
     def key(self, index: int) -> str:
         """The ``__key__`` of sample ``index``, from the index (no shard read)."""
-        found, at = self._block_entry(index)
+        _, found, at = self._block_entry(index)
         return found[0][at]
 
-    def key_and_length(self, index: int) -> tuple[str, float | None]:
-        """The ``__key__`` of sample ``index`` and its length from the length index (None
-        without one, or if the length index does not hold the key)."""
-        found, at = self._block_entry(index)
-        return found[0][at], found[1][at]
+    def visit(self, index: int) -> tuple[str, str, float | None]:
+        """Shard name, ``__key__`` and length (from the length index; None without one, or if
+        it lacks the key) of sample ``index``, from the indexes (no shard read)."""
+        shard, found, at = self._block_entry(index)
+        return self.shards[shard][0], found[0][at], found[1][at]
 
     def shard_name(self, index: int) -> str:
         """The shard file name of sample ``index``."""

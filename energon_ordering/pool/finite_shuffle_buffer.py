@@ -42,8 +42,9 @@ class FiniteShuffleBufferDataset(ShuffleBufferDataset[T_sample], Generic[T_sampl
         if not self._inner_done:
             it = iter(buffer.append_iter())
             while True:
-                if buffer.len_worker() >= self.size:
-                    yield buffer.pop(self._worker_rng.randbelow(buffer.len_worker()))
+                held = buffer.len_worker()
+                if held >= self.size:
+                    yield buffer.pop(self._worker_rng.randbelow(held))
                 else:
                     try:
                         next(it)

@@ -106,13 +106,13 @@ class FastChoiceRng(WorkerRng):
     _total: np.float32
 
     def choice_idx(self, probs: torch.Tensor) -> int:
-        if len(probs) == 1:
-            return 0
         if probs is not self._probs or probs._version != self._probs_version:
             cdf = torch.cumsum(probs, dim=0)
             self._cdf = cdf.tolist()
             self._total = np.float32(self._cdf[-1])
             self._probs, self._probs_version = probs, probs._version
+        if len(self._cdf) == 1:
+            return 0  # as Energon: one slice iterator, no draw
         u = torch.rand(1, generator=self.rng).item()
         return bisect_right(self._cdf, float(np.float32(u) * self._total))
 
@@ -148,8 +148,7 @@ class IndexFilledLoader(WebdatasetSampleLoaderDataset):
     def _get_sample(self, index: int) -> RawSampleData:
         # Called by Energon's walk for every visited sample: the key, no payload.
         reader = self.byte_reader
-        key, length = reader.key_and_length(index)
-        shard = reader.shard_name(index)
+        shard, key, length = reader.visit(index)
         keep = reader.sample_filter is None or reader.sample_filter(f"{shard}/{key}")
         sample = (
             {"__key__": key, "__shard__": shard, "__restore_key__": ("Webdataset", index),
