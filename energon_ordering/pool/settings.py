@@ -136,6 +136,8 @@ def check_pool_state(owner: str, state: Any, expected_stamp: dict[str, Any]) -> 
 def checked_length(owner: str, key_fn: Callable[[Any], float], sample: Any) -> float:
     """``key_fn(sample)``, raising :class:`SampleLengthError` unless it is a finite number."""
     length = key_fn(sample)
+    if type(length) is float and math.isfinite(length):
+        return length  # the common case, without the slower abstract-type check below
     if isinstance(length, bool) or not isinstance(length, numbers.Real) or not math.isfinite(length):
         raise SampleLengthError(
             f"{owner}: key_fn returned {length!r} for sample {sample_key(sample)!r}; it must "
