@@ -215,31 +215,44 @@ def test_an_index_without_byte_ranges_falls_back_to_the_payload_fill(indexed, tm
 
 def test_fast_choice_draws_what_energons_worker_rng_draws():
     # The index fill's RNG must pick the same slice with the same draw as Energon's, also when
-    # the weights change in place (a slice ends: a new one's size, or 0 when none is left).
+    # the weights change in place (a slice ends: a new one's size, or 0 when none is left), and
+    # leave the generator where Energon's leaves it whenever anything else draws or saves: in
+    # the middle of a block of draws, at its end, across a restore.
     import random
 
     import torch
     from megatron.energon.rng import WorkerRng
 
-    from energon_ordering.pool.index_fill import FastChoiceRng
+    from energon_ordering.pool.index_fill import DRAW_BLOCK, FastChoiceRng
 
     wc = WorkerConfig(rank=1, world_size=4, num_workers=0)
     wc.worker_activate(0)
     try:
-        picks, states = {}, {}
+        trace = {}
         for cls in (WorkerRng, FastChoiceRng):
             rng, edits = cls(wc), random.Random(7)
             probs = torch.tensor([16.0, 16.0, 9.0, 16.0, 3.0, 16.0], dtype=torch.float32)
-            out = []
-            for i in range(5000):
+            out, saved = [], None
+            for i in range(6 * DRAW_BLOCK):
                 out.append(rng.choice_idx(probs))
                 if edits.random() < 0.1:
                     probs[edits.randrange(len(probs))] = float(edits.choice([0, 1, 7, 16, 33]))
                 if probs.sum() == 0:
                     probs[0] = 5.0
-            picks[cls], states[cls] = out, rng.save_state()["rng"]
-        assert picks[FastChoiceRng] == picks[WorkerRng]
-        assert states[FastChoiceRng] == states[WorkerRng]
-        assert len(set(picks[WorkerRng])) == 6
+                if i == DRAW_BLOCK - 1 or edits.random() < 0.004:
+                    out.append(("save", rng.save_state()["rng"]))
+                    saved = rng.save_state()
+                if edits.random() < 0.004:
+                    out.append(("randbelow", rng.randbelow(1000)))
+                if edits.random() < 0.002:
+                    out.append(("shuffle", tuple(rng.shuffle(list(range(9))))))
+                if edits.random() < 0.002 and saved is not None:
+                    rng.restore_state(saved)
+                    out.append("restored")
+            trace[cls] = out, rng.save_state()["rng"]
+        assert trace[FastChoiceRng] == trace[WorkerRng]
+        picks = [x for x in trace[WorkerRng][0] if isinstance(x, int)]
+        assert len(set(picks)) == 6
+        assert sum(x == "restored" for x in trace[WorkerRng][0]) >= 3
     finally:
         wc.worker_deactivate()

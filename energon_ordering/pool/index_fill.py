@@ -89,21 +89,65 @@ def index_fill_problem(loader: WebdatasetSampleLoaderDataset) -> str | None:
     return None
 
 
+#: Uniform numbers :class:`FastChoiceRng` draws from the worker generator at a time.
+DRAW_BLOCK = 512
+
+
 class FastChoiceRng(WorkerRng):
     """Energon's worker RNG with a faster, identical ``choice_idx``.
 
     Energon's ``choice_idx(probs)`` computes ``cdf = cumsum(probs)`` (float32), draws
     ``u = torch.rand(1)`` from the worker generator and returns
-    ``searchsorted(cdf, u * cdf[-1], right=True)``. This does the same draw and the same float32
-    arithmetic, but recomputes ``cdf`` only when ``probs`` was changed in place (its tensor
-    version counter moved) and searches it with :func:`bisect.bisect_right`. Same generator,
-    same state, same saved state (the class is Energon's for every other method).
+    ``searchsorted(cdf, u * cdf[-1], right=True)``. This makes the same draws and the same
+    float32 arithmetic, but
+
+    - recomputes ``cdf`` only when ``probs`` was changed in place (its tensor version counter
+      moved) and searches it with :func:`bisect.bisect_right`;
+    - draws the uniform numbers :data:`DRAW_BLOCK` at a time (``torch.rand(n)`` yields the
+      same numbers as ``n`` calls of ``torch.rand(1)`` on CPU, and leaves the generator in the
+      same state). Whenever anything else uses the generator (``randbelow``, ``shuffle``,
+      ``save_state``, ...: all go through :attr:`rng`), it is first set back to just after the
+      numbers used so far.
+
+    Same draws, same generator state, same saved state as Energon's ``WorkerRng``
+    (``tests/test_index_fill.py`` checks all three against it).
     """
 
     _probs: torch.Tensor | None = None
     _probs_version: int = -1
     _cdf: list[float]
     _total: np.float32
+    _block: list[float] | None = None
+    _block_pos: int = 0
+    _block_start: torch.Tensor | None = None
+
+    @property
+    def rng(self) -> torch.Generator:
+        generator = WorkerRng.rng.fget(self)
+        if self._block is not None:
+            self._settle(generator)
+        return generator
+
+    def _settle(self, generator: torch.Generator) -> None:
+        """Sets ``generator`` to just after the block numbers used so far; drops the block."""
+        block, used = self._block, self._block_pos
+        self._block = None
+        if block is not None and used < len(block):
+            generator.set_state(self._block_start)
+            if used:
+                torch.rand(used, generator=generator)
+
+    def _uniform(self) -> float:
+        block = self._block
+        if block is None or self._block_pos >= len(block):
+            self._block = None  # used up: the generator is exactly past it
+            generator = WorkerRng.rng.fget(self)
+            self._block_start = generator.get_state()
+            block = self._block = torch.rand(DRAW_BLOCK, generator=generator).tolist()
+            self._block_pos = 0
+        u = block[self._block_pos]
+        self._block_pos += 1
+        return u
 
     def choice_idx(self, probs: torch.Tensor) -> int:
         if probs is not self._probs or probs._version != self._probs_version:
@@ -113,8 +157,11 @@ class FastChoiceRng(WorkerRng):
             self._probs, self._probs_version = probs, probs._version
         if len(self._cdf) == 1:
             return 0  # as Energon: one slice iterator, no draw
-        u = torch.rand(1, generator=self.rng).item()
-        return bisect_right(self._cdf, float(np.float32(u) * self._total))
+        return bisect_right(self._cdf, float(np.float32(self._uniform()) * self._total))
+
+    def restore_state(self, state: FlexState) -> None:
+        self._block = None  # the generator is replaced, not continued
+        super().restore_state(state)
 
 
 class IndexFilledLoader(WebdatasetSampleLoaderDataset):
