@@ -256,3 +256,50 @@ def test_fast_choice_draws_what_energons_worker_rng_draws():
         assert sum(x == "restored" for x in trace[WorkerRng][0]) >= 3
     finally:
         wc.worker_deactivate()
+
+
+@pytest.mark.parametrize("shuffle_over_epochs", [None, 1, 2, -1])
+@pytest.mark.parametrize("parallel", [1, 3, 16])
+def test_the_index_walk_is_energons_walk(indexed, shuffle_over_epochs, parallel):
+    # The index-filled loader's walk against Energon's own loader over the same slice plan:
+    # the same samples in the same order over several epochs, the same saved state at every
+    # save point, and a walk restored from any of them continues identically.
+    from megatron.energon.flavors.webdataset.sample_loader import WebdatasetSampleLoaderDataset
+
+    if shuffle_over_epochs is None and parallel > 1:
+        pytest.skip("Energon walks unshuffled slices one at a time")
+    base = _energon_loader(indexed.parent / "mix")
+    wc = WorkerConfig(rank=1, world_size=2, num_workers=0)
+
+    def energon():
+        return WebdatasetSampleLoaderDataset(
+            base.join_readers, base.workers_slice_offsets, worker_config=wc,
+            shuffle_over_epochs=shuffle_over_epochs, parallel_slice_iters=parallel)
+
+    def walk(loader, n, state=None):
+        wc.worker_activate(0)
+        try:
+            loader.reset_state_own()
+            if state is not None:
+                loader.restore_state(state)
+            keys, states = [], []
+            while len(keys) < n:
+                for sample in loader:
+                    keys.append(sample.__restore_key__)
+                    if len(keys) % 37 == 0:
+                        states.append(loader.save_state())
+                    if len(keys) == n:
+                        break
+            return keys, states
+        finally:
+            wc.worker_deactivate()
+
+    per_worker = base.workers_slice_offsets[0][-1] - base.workers_slice_offsets[0][0]
+    n = int(2.5 * per_worker)
+    ours, ours_states = walk(index_filled(energon()), n)
+    theirs, their_states = walk(energon(), n)
+    assert ours == theirs
+    assert [dict(s) for s in ours_states] == [dict(s) for s in their_states]
+    for k in (1, len(their_states) // 2, len(their_states) - 1):
+        rest = n - 37 * (k + 1)
+        assert walk(index_filled(energon()), rest, their_states[k])[0] == theirs[37 * (k + 1):]
