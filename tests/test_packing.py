@@ -458,6 +458,38 @@ def test_the_users_packer_receives_what_energon_hands_it(small_dataset):
     assert te.packed
 
 
+class TargetReadingTE(SyntheticTaskEncoder):
+    """A user's packer that packs first-fit decreasing to ``ordering_pack_target()``."""
+
+    calls: list[tuple[int, int]] = []
+
+    def select_samples_to_pack(self, samples):
+        target = self.ordering_pack_target()
+        TargetReadingTE.calls.append((WorkerConfig.active_worker_config.active_worker_batch_index, target))
+        lengths = [self.ordering_sample_length(s) for s in samples]
+        return [[samples[i] for i in p] for p in first_fit_decreasing(lengths, target)]
+
+    @stateless
+    def pack_selected_samples(self, samples):
+        return self.ordering_pack_selected_samples(samples)
+
+
+def test_a_users_packer_under_the_pool_of_packs_gets_the_rounds_first_target(small_dataset):
+    warm = SeqLenWarmup(**STEEP)
+    TargetReadingTE.calls = []
+    loader = build_train_loader(small_dataset, ordering=_steep_cfg("packs"), batch_size=2,
+                                task_encoder_factory=TargetReadingTE)
+    batches = list(itertools.islice(loader, 28))
+    close_loader(loader)
+    for index, batch in enumerate(batches):
+        cap = pack_target(index // 2, 2048, warm)
+        assert all(sum(p) <= cap for p in batch.pack_lengths), f"micro-batch {index} over cap {cap}"
+    # a round packed while micro-batch b is built goes out later: its target is the cap of the
+    # step its first pack is emitted in, at least the cap of b's step and larger for later rounds
+    assert all(t >= pack_target(b // 2, 2048, warm) for b, t in TargetReadingTE.calls)
+    assert any(t > pack_target(b // 2, 2048, warm) for b, t in TargetReadingTE.calls)
+
+
 def test_default_packer_needs_a_target(small_dataset):
     with pytest.raises(OrderingConfigError, match=r"default first-fit-decreasing packer.*pack_seq_length"):
         build_train_loader(small_dataset, ordering=OrderingConfig(length_sort_pool_size=8, packing_buffer_size=8))
