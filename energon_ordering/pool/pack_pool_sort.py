@@ -189,6 +189,12 @@ class PackPoolSortDataset(LengthPoolSortDataset[T_sample], Generic[T_sample]):
             self._last_batch = batch
             yield pack
 
+    def config(self) -> dict[str, Any]:
+        return {
+            **super().config(),
+            "batch_cap": None if self.batch_cap is None else self._function_config(self.batch_cap),
+        }
+
     def __str__(self) -> str:
         return (
             f"PackPoolSortDataset(pool_size={self.pool_size}, mode={self.mode!r}, "
