@@ -391,6 +391,30 @@ def test_one_cap_keeps_the_order_of_the_pool_of_packs(small_dataset):
         assert got[0] == want[0] and torch.equal(got[1], want[1]) and got[2:] == want[2:]
 
 
+def test_pool_of_packs_cap_arguments_are_checked(small_dataset):
+    from energon_ordering.errors import OrderingTypeError
+
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    with pytest.raises(OrderingTypeError, match=r"batch_cap = 5 must be callable"):
+        PackPoolSortDataset(None, pool_size=4, worker_config=wc, batch_size=2, batch_cap=5)
+    with pytest.raises(OrderingConfigError, match=r"batch_cap needs batch_size.*batch_size=<micro-batch size>"):
+        PackPoolSortDataset(None, pool_size=4, worker_config=wc, batch_cap=lambda b: 8)
+    te = SyntheticTaskEncoder()
+    te.ordering = _steep_cfg("packs", pool=8)
+    node = get_train_dataset(small_dataset, batch_size=2, worker_config=wc, task_encoder=te,
+                             shuffle_buffer_size=None, max_samples_per_sequence=16)
+    while not isinstance(node, PackPoolSortDataset):
+        node = node.dataset
+    assert node.batch_cap is not None and "PackPoolSortDataset(" in str(node) and "capped=True" in str(node)
+    while not isinstance(node, PackCapDataset):
+        node = node.dataset
+    assert node.emission_batches is not None  # the pool tells the packer where packs go
+    assert [node.batch_target(b) for b in (0, 1, 2, 16, 99)] == [
+        pack_target(s, 2048, SeqLenWarmup(**STEEP)) for s in (0, 0, 1, 8, 49)]
+    with pytest.raises(OrderingTypeError, match=r"plan_emission: 3 must be callable"):
+        node.plan_emission(3)
+
+
 class UserPackTE(DefaultTaskEncoder):
     """An encoder with its own packing functions, recording what Energon hands them."""
 
