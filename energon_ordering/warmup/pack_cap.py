@@ -87,7 +87,7 @@ def _round(target: int | None) -> Iterator[None]:
 
 
 def pack_target(step: int, pack_seq_length: int | None, warmup: SeqLenWarmup | None) -> int | None:
-    """Tokens a pack built at optimizer ``step`` may hold (None: no limit known).
+    """Tokens a pack emitted in optimizer ``step`` may hold (None: no limit known).
 
     ``min(pack_seq_length, warmup.max_seq_len(step))`` during the warmup, ``pack_seq_length``
     after it (``warmup.full`` if ``pack_seq_length`` is None).
