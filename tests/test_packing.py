@@ -20,7 +20,7 @@ from energon_ordering.inspect.rank_simulation import build_train_loader, close_l
 from energon_ordering.inspect.synthetic_task import IMAGE_TOKEN_ID, SyntheticTaskEncoder
 from energon_ordering.pool.ffd_pack import first_fit_decreasing
 from energon_ordering.pool.order import POOL_ORDERS
-from energon_ordering.pool.pack_order import cap_runs, cost_order, pack_cost, pack_order, run_seed
+from energon_ordering.pool.pack_order import cap_runs, cost_order, emission_batch, pack_cost, pack_order, run_seed
 from energon_ordering.pool.pack_pool_sort import PackPoolSortDataset
 from energon_ordering.pool.sequence_pack import SequencePack, pack_doc_lengths
 from energon_ordering.warmup.pack_cap import PackCapDataset, pack_target
@@ -136,6 +136,19 @@ def test_pack_order_sorts_costs_and_is_rank_independent():
     assert ranked == sorted(range(len(packs)), key=costs.__getitem__)
     with pytest.raises(ValueError, match=r"mode = 'cost' is unknown"):
         pack_order(packs, 7, "cost", None)
+
+
+def test_emission_batch():
+    # a pool filled while micro-batch 5 is built, after 1 of its 2 packs; 2 loader workers
+    assert [emission_batch(5, 1, q, 2, 2) for q in range(5)] == [5, 7, 7, 9, 9]
+    assert [emission_batch(0, 0, q, 3, 0) for q in range(7)] == [0, 0, 0, 1, 1, 1, 2]
+    rng = random.Random(6)
+    for _ in range(200):  # the next pool fills where this one ends and continues the positions
+        b0, bs, nw, size = rng.randrange(50), rng.randint(1, 4), rng.randint(0, 3), rng.randint(1, 9)
+        offset = rng.randrange(bs)
+        b1, offset1 = emission_batch(b0, offset, size, bs, nw), (offset + size) % bs
+        for q in range(12):
+            assert emission_batch(b1, offset1, q, bs, nw) == emission_batch(b0, offset, size + q, bs, nw)
 
 
 def test_cap_runs():

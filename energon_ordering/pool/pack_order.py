@@ -29,7 +29,15 @@ from collections.abc import Sequence
 
 from energon_ordering.pool.order import POOL_ORDERS
 
-__all__ = ["ATTENTION_CROSSOVER_TOKENS", "cap_runs", "cost_order", "pack_cost", "pack_order", "run_seed"]
+__all__ = [
+    "ATTENTION_CROSSOVER_TOKENS",
+    "cap_runs",
+    "cost_order",
+    "emission_batch",
+    "pack_cost",
+    "pack_order",
+    "run_seed",
+]
 
 #: Sequence length at which the quadratic (attention) term equals the linear one.
 ATTENTION_CROSSOVER_TOKENS = 4096
@@ -38,6 +46,18 @@ ATTENTION_CROSSOVER_TOKENS = 4096
 def pack_cost(doc_lengths: Sequence[float]) -> float:
     """Cost of one pack: ``sum(L + L**2 / 4096)`` over its documents, in token units."""
     return float(sum(L + L * L / ATTENTION_CROSSOVER_TOKENS for L in doc_lengths))
+
+
+def emission_batch(b0: int, offset: int, position: int, batch_size: int, num_workers: int) -> int:
+    """The rank's micro-batch index in which position ``position`` of a pool goes out.
+
+    A pool fills while micro-batch ``b0`` is built, after ``offset`` packs of that micro-batch
+    were taken, then drains in order, ``batch_size`` packs per micro-batch of this loader
+    worker, whose micro-batches are ``num_workers`` apart in the rank's index (Energon takes
+    micro-batch b from worker ``b % num_workers``). Positions past the pool continue into the
+    next pools, which fill right where this one ends.
+    """
+    return b0 + ((offset + position) // batch_size) * max(1, num_workers)
 
 
 def cap_runs(position_caps: Sequence[float | None]) -> list[int]:

@@ -13,7 +13,8 @@ Under the sequence-length warmup (``batch_cap`` given) the pool knows where each
 a pool fills within one micro-batch (the batcher's request for its first pack), then drains in
 order, so the pack arriving at position q of the pool being filled is emitted in micro-batch
 ``b0 + ((offset + q) // batch_size) * num_workers`` of the rank, where ``b0`` is the micro-batch
-being built during the fill and ``offset`` the packs it already holds (:meth:`emission_batch`).
+being built during the fill and ``offset`` the packs it already holds
+(:func:`~energon_ordering.pool.pack_order.emission_batch`).
 The packer below asks for these positions (:meth:`upcoming_batch_indices`) and builds each pack
 to the cap of its emission step; the pool then sorts and permutes only within runs of positions
 with one cap (:func:`~energon_ordering.pool.pack_order.cost_order`), so every pack is emitted
@@ -38,7 +39,7 @@ from megatron.energon.worker import WorkerConfig
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
 from energon_ordering.pool.order import pool_seed
-from energon_ordering.pool.pack_order import cost_order, pack_cost
+from energon_ordering.pool.pack_order import cost_order, emission_batch, pack_cost
 from energon_ordering.pool.settings import checked_length
 from energon_ordering.pool.sequence_pack import pack_doc_lengths
 
@@ -160,8 +161,7 @@ class PackPoolSortDataset(LengthPoolSortDataset[T_sample], Generic[T_sample]):
         drain right after this one). Only during a fill (in a loader worker)."""
         assert self.batch_size is not None
         b0, offset = self._fill_origin()
-        stride = max(1, self.worker_config.num_workers)
-        return b0 + ((offset + position) // self.batch_size) * stride
+        return emission_batch(b0, offset, position, self.batch_size, self.worker_config.num_workers)
 
     def upcoming_batch_indices(self, n: int) -> list[int]:
         """Micro-batch indices the next ``n`` packs to arrive are emitted in, in arrival order
