@@ -81,8 +81,9 @@ class OrderingConfig:
             ``get_train_dataset`` calls that do not pass it. None: as ``get_train_dataset`` says.
         pack_seq_length: Tokens per pack (Megatron's ``--packing-seq-length``): the target of
             the default first-fit-decreasing packer and the length samples are cut to before
-            packing. With ``seq_length_warmup`` the target of a pack built at step s is
-            ``min(pack_seq_length, max_seq_len(s))``. None: the warmup's ``full``, else no cut.
+            packing. With ``seq_length_warmup`` the target of a pack emitted at step s is
+            ``min(pack_seq_length, max_seq_len(s))`` (in both placements the pack is built to
+            the cap of the step it will be emitted in). None: the warmup's ``full``, else no cut.
         pack_pool_placement: With packing and the length pool: ``"packs"`` (default; a pool of
             ``length_sort_pool_size`` packs after packing, sorted by attention cost
             ``sum(L + L^2/4096)`` and permuted with the rank-independent seed) or ``"samples"``

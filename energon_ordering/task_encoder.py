@@ -38,7 +38,7 @@ from energon_ordering.pool.pack_pool_sort import PackPoolSortDataset
 from energon_ordering.pool.sequence_pack import SequencePack, pack_doc_lengths
 from energon_ordering.pool.sample_length import default_sample_length
 from energon_ordering.mixture.scheduled_blend import ScheduledBlendDataset
-from energon_ordering.warmup.pack_cap import PackCapDataset, PackCapPrePacker, pack_target
+from energon_ordering.warmup.pack_cap import PackCapDataset, PackCapPrePacker, pack_target, round_target
 from energon_ordering.warmup.seq_warmup import SeqLenWarmupDataset
 from energon_ordering.sample_fields import sample_field, sample_key
 from energon_ordering.source_tag import SOURCE_KEY
@@ -104,9 +104,10 @@ class OrderingTaskEncoder:
     without them packs with :meth:`ordering_select_samples_to_pack` (first-fit decreasing to
     :meth:`ordering_pack_target`) and :meth:`ordering_pack_selected_samples` (a
     :class:`~energon_ordering.pool.sequence_pack.SequencePack`). With the warmup the default
-    packer gives each pack the cap of the micro-batch it is emitted in (with the pool of packs:
-    of the step its buffer is packed in); see :mod:`energon_ordering.warmup.pack_cap`. Your own
-    packer should read :meth:`ordering_pack_target` instead of a constant.
+    packer gives each pack the cap of the micro-batch it is emitted in (with the pool of packs
+    too: the pool tells where each pack will go and sorts only among positions with one cap);
+    see :mod:`energon_ordering.warmup.pack_cap`. Your own packer should read
+    :meth:`ordering_pack_target` instead of a constant.
     """
 
     #: The ordering configuration; the default turns every stage off.
@@ -140,11 +141,16 @@ class OrderingTaskEncoder:
 
     def ordering_pack_target(self) -> int | None:
         """Tokens the pack being built may hold: ``OrderingConfig.pack_seq_length``, capped by
-        the warmup's ``max_seq_len`` of the step being built (None: no target configured).
+        the warmup's ``max_seq_len`` of the step being built, or, while your
+        ``select_samples_to_pack`` runs, of the step its first pack is emitted in (with the
+        pool of packs that is a later step; caps never shrink). None: no target configured.
         Call it from your ``select_samples_to_pack`` (it runs in the loader worker)."""
         cfg = self._ordering_config()
         if cfg.seq_length_warmup is None:
             return cfg.pack_seq_length
+        target = round_target()
+        if target is not None:
+            return target
         wc = WorkerConfig.active_worker_config
         if wc is None:
             raise OrderingConfigError(
@@ -590,15 +596,21 @@ class OrderingTaskEncoder:
         else:
             packed.pre_packer = PackCapPrePacker(packed.pre_packer, cap)
         if pool_of_packs:
+            # under the warmup the pool tells the packer where each pack goes, and sorts only
+            # among positions with one cap: every pack is built to its emission step's cap
+            capped = cfg.seq_length_warmup is not None
             packed = PackPoolSortDataset(
                 packed,
                 pool_size=cfg.length_sort_pool_size,
                 worker_config=worker_config,
                 mode=cfg.length_sort_mode,
-                batch_size=batch_size,
+                batch_size=(batch_size or 1) if capped else batch_size,
                 doc_lengths=self.ordering_pack_lengths,
                 seed=cfg.seed,
+                batch_cap=cap.batch_target if capped else None,
             )
+            if capped:
+                cap.plan_emission(packed.upcoming_batch_indices)
         with self._ordering_postencode_done():
             return super().build_batch(  # type: ignore[misc]
                 packed, batch_size=batch_size, worker_config=worker_config,

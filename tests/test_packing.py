@@ -20,7 +20,7 @@ from energon_ordering.inspect.rank_simulation import build_train_loader, close_l
 from energon_ordering.inspect.synthetic_task import IMAGE_TOKEN_ID, SyntheticTaskEncoder
 from energon_ordering.pool.ffd_pack import first_fit_decreasing
 from energon_ordering.pool.order import POOL_ORDERS
-from energon_ordering.pool.pack_order import pack_cost, pack_order
+from energon_ordering.pool.pack_order import cap_runs, cost_order, emission_batch, pack_cost, pack_order, run_seed
 from energon_ordering.pool.pack_pool_sort import PackPoolSortDataset
 from energon_ordering.pool.sequence_pack import SequencePack, pack_doc_lengths
 from energon_ordering.warmup.pack_cap import PackCapDataset, pack_target
@@ -138,6 +138,66 @@ def test_pack_order_sorts_costs_and_is_rank_independent():
         pack_order(packs, 7, "cost", None)
 
 
+def test_emission_batch():
+    # a pool filled while micro-batch 5 is built, after 1 of its 2 packs; 2 loader workers
+    assert [emission_batch(5, 1, q, 2, 2) for q in range(5)] == [5, 7, 7, 9, 9]
+    assert [emission_batch(0, 0, q, 3, 0) for q in range(7)] == [0, 0, 0, 1, 1, 1, 2]
+    rng = random.Random(6)
+    for _ in range(200):  # the next pool fills where this one ends and continues the positions
+        b0, bs, nw, size = rng.randrange(50), rng.randint(1, 4), rng.randint(0, 3), rng.randint(1, 9)
+        offset = rng.randrange(bs)
+        b1, offset1 = emission_batch(b0, offset, size, bs, nw), (offset + size) % bs
+        for q in range(12):
+            assert emission_batch(b1, offset1, q, bs, nw) == emission_batch(b0, offset, size + q, bs, nw)
+
+
+def test_cap_runs():
+    assert cap_runs([]) == []
+    assert cap_runs([512, 512, 512]) == [3]
+    assert cap_runs([256, 256, 552, 552, 848, 2048]) == [2, 2, 1, 1]
+    assert cap_runs([None, None]) == [2]
+
+
+def test_pack_order_with_one_cap_is_the_uncapped_order():
+    rng = random.Random(4)
+    for mode in ("sample", "batch", "stratified"):
+        for _ in range(20):
+            n = rng.choice([4, 8, 12])
+            packs = [[rng.randint(1, 2048) for _ in range(rng.randint(1, 6))] for _ in range(n)]
+            seed = rng.getrandbits(64)
+            assert pack_order(packs, seed, mode, 2, [2048] * n) == pack_order(packs, seed, mode, 2)
+    assert run_seed(99, 0) == 99 and run_seed(99, 1) != run_seed(99, 2) != 99
+
+
+def test_pack_order_keeps_every_pack_in_its_run_of_one_cap():
+    rng = random.Random(5)
+    for mode in ("sample", "batch"):
+        for _ in range(50):
+            runs = [rng.choice([2, 4, 6]) for _ in range(rng.randint(1, 5))]
+            caps = [c for g, size in enumerate(runs) for c in [256 * (g + 1)] * size]
+            costs = [rng.uniform(0, 9000) for _ in caps]
+            order = cost_order(costs, 11, mode, 2, caps)
+            assert sorted(order) == list(range(len(caps)))  # every pack once
+            # the pack emitted at position q arrived in q's run: it was built to q's cap
+            assert all(caps[i] == caps[q] for q, i in enumerate(order))
+            start = 0
+            for g, size in enumerate(runs):  # within a run: the pool order on that run's costs
+                run = POOL_ORDERS[mode](costs[start : start + size], run_seed(11, g), 2)
+                assert order[start : start + size] == [start + i for i in run]
+                start += size
+            assert order == cost_order(costs, 11, mode, 2, caps)  # a pure function of its inputs
+    # a run sorts and permutes: the same costs in another arrival order give the same costs out
+    costs = [5.0, 1.0, 4.0, 2.0, 3.0, 6.0]
+    caps = [1, 1, 1, 1, 2, 2]
+    a = [costs[i] for i in cost_order(costs, 3, "sample", 1, caps)]
+    swapped = [costs[i] for i in (2, 3, 0, 1, 5, 4)]
+    assert [swapped[i] for i in cost_order(swapped, 3, "sample", 1, caps)] == a
+    with pytest.raises(ValueError, match=r"2 position caps for 3 packs"):
+        cost_order([1.0, 2.0, 3.0], 0, "sample", 1, [1, 1])
+    with pytest.raises(ValueError, match=r"mode = 'x' is unknown"):
+        cost_order([1.0], 0, "x", 1, [1])
+
+
 def test_pack_doc_lengths():
     pack = SequencePack(__key__="a,b", __restore_key__=(), samples=[None, None], lengths=[3, 5])
     assert pack_doc_lengths(pack) == [3, 5] and pack.total_len == 8
@@ -222,9 +282,16 @@ def _record(batch):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("placement", ["packs", "samples"])
-def test_exact_resume_with_packing(three_sources, placement, num_workers):
-    cfg = _cfg(placement, schedule=True)
-    total, cuts = 22, (0, 7, 13)  # inside the warmup (12 micro-batches), at and after its end
+@pytest.mark.parametrize("steep", [False, True])
+def test_exact_resume_with_packing(three_sources, placement, num_workers, steep):
+    if steep:  # a pool of packs spanning 6 steps of a warmup whose cap grows every step
+        # 23 packs: the second pool fills inside micro-batch 11, after its first pack
+        cfg = _steep_cfg(placement, pool=23, mixture_schedule=_cfg(schedule=True).mixture_schedule,
+                         total_steps=40)
+        total, cuts = 30, (0, 5, 12, 17)  # mid-pool, after a fill, mid-pool at the warmup's end
+    else:
+        cfg = _cfg(placement, schedule=True)
+        total, cuts = 22, (0, 7, 13)  # inside the warmup (12 micro-batches), at and after its end
 
     def make():
         return build_train_loader(three_sources, ordering=cfg, num_workers=num_workers, batch_size=2)
@@ -288,6 +355,77 @@ def test_every_pack_fits_its_emission_cap_and_media_are_never_cut(small_dataset,
         [sum(p) for b in batches[12:] for p in b.pack_lengths],
         [2048] * sum(len(b.pack_lengths) for b in batches[12:]))
     assert efficiency > 0.8
+
+
+STEEP = dict(start=256, full=2048, warmup_steps=8)  # 16 micro-batches with 2 per step
+
+
+def _steep_cfg(placement, pool=24, **kw):
+    # a pool of 24 packs spans 12 micro-batches, 6 steps of a warmup whose cap grows each step
+    return OrderingConfig(
+        length_sort_pool_size=pool, length_sort_mode="sample", micro_batches_per_step=2,
+        seq_length_warmup=STEEP, packing_buffer_size=32, pack_seq_length=2048,
+        pack_pool_placement=placement, seed=3, **kw)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(("placement", "pool"), [("packs", 24), ("packs", 23), ("samples", 24)])
+def test_packs_fill_the_cap_of_their_emission_step_during_a_steep_warmup(small_dataset, placement, pool,
+                                                                       num_workers):
+    # pool 23: a pool fills inside a micro-batch that already holds a pack of the last pool
+    warm = SeqLenWarmup(**STEEP)
+    loader = build_train_loader(small_dataset, ordering=_steep_cfg(placement, pool=pool), batch_size=2,
+                                num_workers=num_workers)
+    batches = list(itertools.islice(loader, 28))
+    close_loader(loader)
+    fills = []
+    for index, batch in enumerate(batches):
+        cap = pack_target(index // 2, 2048, warm)  # the cap of the step the pack is emitted in
+        for lengths in batch.pack_lengths:
+            assert sum(lengths) <= cap, f"micro-batch {index}: pack of {sum(lengths)} > cap {cap}"
+            if index < 16:  # the warmup
+                fills.append(sum(lengths) / cap)
+    # packs are built to the cap of their emission step, not to an older, smaller one (a pool
+    # of packs built at the fill step's cap measured 0.50 here)
+    assert sum(fills) / len(fills) >= 0.9, sum(fills) / len(fills)
+    assert min(fills) > 0.3
+
+
+def test_one_cap_keeps_the_order_of_the_pool_of_packs(small_dataset):
+    """A warmup whose cap never changes gives exactly the order without a warmup."""
+    runs = []
+    for warmup in (None, dict(start=2048, full=2048, warmup_steps=4)):
+        cfg = OrderingConfig(length_sort_pool_size=12, length_sort_mode="sample", packing_buffer_size=16,
+                             pack_seq_length=2048, seq_length_warmup=warmup, seed=3)
+        loader = build_train_loader(small_dataset, ordering=cfg, batch_size=2)
+        runs.append([_record(b) for b in itertools.islice(loader, 16)])
+        close_loader(loader)
+    for want, got in zip(*runs):
+        assert got[0] == want[0] and torch.equal(got[1], want[1]) and got[2:] == want[2:]
+
+
+def test_pool_of_packs_cap_arguments_are_checked(small_dataset):
+    from energon_ordering.errors import OrderingTypeError
+
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    with pytest.raises(OrderingTypeError, match=r"batch_cap = 5 must be callable"):
+        PackPoolSortDataset(None, pool_size=4, worker_config=wc, batch_size=2, batch_cap=5)
+    with pytest.raises(OrderingConfigError, match=r"batch_cap needs batch_size.*batch_size=<micro-batch size>"):
+        PackPoolSortDataset(None, pool_size=4, worker_config=wc, batch_cap=lambda b: 8)
+    te = SyntheticTaskEncoder()
+    te.ordering = _steep_cfg("packs", pool=8)
+    node = get_train_dataset(small_dataset, batch_size=2, worker_config=wc, task_encoder=te,
+                             shuffle_buffer_size=None, max_samples_per_sequence=16)
+    while not isinstance(node, PackPoolSortDataset):
+        node = node.dataset
+    assert node.batch_cap is not None and "PackPoolSortDataset(" in str(node) and "capped=True" in str(node)
+    while not isinstance(node, PackCapDataset):
+        node = node.dataset
+    assert node.emission_batches is not None  # the pool tells the packer where packs go
+    assert [node.batch_target(b) for b in (0, 1, 2, 16, 99)] == [
+        pack_target(s, 2048, SeqLenWarmup(**STEEP)) for s in (0, 0, 1, 8, 49)]
+    with pytest.raises(OrderingTypeError, match=r"plan_emission: 3 must be callable"):
+        node.plan_emission(3)
 
 
 class UserPackTE(DefaultTaskEncoder):
@@ -355,6 +493,38 @@ def test_the_users_packer_receives_what_energon_hands_it(small_dataset):
     _run_user(te, small_dataset, 4)
     assert te.selected and all(len(s) == 12 for s in te.selected[:2])
     assert te.packed
+
+
+class TargetReadingTE(SyntheticTaskEncoder):
+    """A user's packer that packs first-fit decreasing to ``ordering_pack_target()``."""
+
+    calls: list[tuple[int, int]] = []
+
+    def select_samples_to_pack(self, samples):
+        target = self.ordering_pack_target()
+        TargetReadingTE.calls.append((WorkerConfig.active_worker_config.active_worker_batch_index, target))
+        lengths = [self.ordering_sample_length(s) for s in samples]
+        return [[samples[i] for i in p] for p in first_fit_decreasing(lengths, target)]
+
+    @stateless
+    def pack_selected_samples(self, samples):
+        return self.ordering_pack_selected_samples(samples)
+
+
+def test_a_users_packer_under_the_pool_of_packs_gets_the_rounds_first_target(small_dataset):
+    warm = SeqLenWarmup(**STEEP)
+    TargetReadingTE.calls = []
+    loader = build_train_loader(small_dataset, ordering=_steep_cfg("packs"), batch_size=2,
+                                task_encoder_factory=TargetReadingTE)
+    batches = list(itertools.islice(loader, 28))
+    close_loader(loader)
+    for index, batch in enumerate(batches):
+        cap = pack_target(index // 2, 2048, warm)
+        assert all(sum(p) <= cap for p in batch.pack_lengths), f"micro-batch {index} over cap {cap}"
+    # a round packed while micro-batch b is built goes out later: its target is the cap of the
+    # step its first pack is emitted in, at least the cap of b's step and larger for later rounds
+    assert all(t >= pack_target(b // 2, 2048, warm) for b, t in TargetReadingTE.calls)
+    assert any(t > pack_target(b // 2, 2048, warm) for b, t in TargetReadingTE.calls)
 
 
 def test_default_packer_needs_a_target(small_dataset):

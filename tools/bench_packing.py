@@ -14,19 +14,33 @@ packer, one pack per micro-batch, packing to 2,048 and to 4,096 tokens. For each
   as the 1,000-sample pool (``round(1000 / documents per pack)`` packs, measured in the ``off``
   run): the same memory.
 
-Reported per configuration: packing efficiency (real tokens / (packs x target)), straggler idle
-under the per-document attention cost ``sum(L + L^2/4096)`` per pack (``1 - mean/max`` over the
-ranks, averaged over steps), samples/s through the 8 pipelines (in-process, one after the
-other), and, with the warmup on (``start`` -> target over ``--warmup-steps`` steps), the tokens
-per pack against the cap of each step.
+Reported per configuration:
+
+- packing efficiency: real tokens / (packs x target), over the first ``--steps`` packs per rank;
+- straggler idle under the per-document attention cost ``sum(L + L^2/4096)`` per pack
+  (``1 - mean/max`` over the ranks, averaged over those steps);
+- samples/s: one rank's loader (``get_savable_loader``, in-process; the same loader for every
+  configuration), timed from ``iter(loader)`` until it has emitted ``--timed-samples`` samples,
+  the same count for every configuration, fills included (a pool reads as many samples as it
+  emits only over whole fill-and-drain cycles; a clock started after the first fill would
+  credit the pool with samples read before it started, so the count spans several 1,000-sample
+  cycles). The configurations run in interleaved rounds (round k: rank ``k % 8``, order rotated)
+  because the machine is shared; ``vs off`` is the median of the per-round ratios, and the
+  no-pool baseline runs twice in every round (``off (2nd)``: its ratio is the drift check). The
+  first micro-batch alone (the first fill) is reported too;
+- the warmup: the same three configurations with a steep warmup (``--warmup-start`` -> target
+  over ``--warmup-steps`` steps, one step per pack): mean tokens per pack against the cap of the
+  step it is emitted in (the fill), packs over their cap, and the straggler idle during the
+  warmup.
 
 Usage:
-    python tools/bench_packing.py --quick     # ~6,000 samples, 150 packs per rank
+    python tools/bench_packing.py --quick     # 8,000 samples, 150 packs per rank, 4 rounds
     python tools/bench_packing.py             # 24,000 samples, 600 packs per rank
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -35,7 +49,7 @@ import click
 
 from energon_ordering import OrderingConfig
 from energon_ordering.inspect.diagnostics import straggler_idle
-from energon_ordering.inspect.rank_simulation import lengths_by_step, run_ranks
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, record_batch
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.warmup.pack_cap import pack_target
 from energon_ordering.warmup.schedule import SeqLenWarmup
@@ -53,27 +67,72 @@ def _dataset(out: Path, num_samples: int) -> Path:
 
 
 def _run(path: Path, cfg: OrderingConfig, steps: int) -> dict:
-    t0 = time.perf_counter()
-    records = run_ranks(path, ordering=cfg, world_size=WORLD, steps=steps, batch_size=1)
-    seconds = time.perf_counter() - t0
-    step_lengths = lengths_by_step(records)
-    packs = [b.lengths for rank in records for b in rank]
+    """Runs the 8 ranks one after the other for ``steps`` packs each."""
+    packs_by_rank = []
+    for rank in range(WORLD):
+        loader = build_train_loader(path, ordering=cfg, rank=rank, world_size=WORLD, batch_size=1)
+        packs_by_rank.append([record_batch(b).lengths for b in itertools.islice(loader, steps)])
+        close_loader(loader)
     return dict(
-        step_lengths=step_lengths,
-        packs=packs,
-        docs=sum(len(p) for p in packs),
-        seconds=seconds,
+        step_lengths=[[rank[s] for rank in packs_by_rank] for s in range(steps)],
+        packs=[p for rank in packs_by_rank for p in rank],
     )
 
 
-def _figures(run: dict, targets: list[int]) -> dict:
+def _rate(path: Path, cfg: OrderingConfig, rank: int, timed_samples: int) -> tuple[float, float]:
+    """(samples/s, first micro-batch in s) of one rank's loader: the clock starts at
+    ``iter(loader)`` and stops when ``timed_samples`` samples were emitted."""
+    loader = build_train_loader(path, ordering=cfg, rank=rank, world_size=WORLD, batch_size=1)
+    t0 = time.perf_counter()
+    it = iter(loader)
+    n = len(record_batch(next(it)).keys)
+    first = time.perf_counter() - t0
+    while n < timed_samples:
+        n += len(record_batch(next(it)).keys)
+    seconds = time.perf_counter() - t0
+    del it
+    close_loader(loader)
+    return n / seconds, first
+
+
+def _throughput(path: Path, cfgs: dict[str, OrderingConfig], rounds: int, timed_samples: int) -> dict:
+    """Interleaved rounds: in round k every configuration runs rank ``k % 8`` once, in an order
+    rotated each round; per configuration the median of its per-round ratio to ``off``."""
+    names = list(cfgs)
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    firsts: dict[str, list[float]] = {n: [] for n in names}
+    for k in range(rounds):
+        for name in names[k % len(names):] + names[: k % len(names)]:
+            rate, first = _rate(path, cfgs[name], k % WORLD, timed_samples)
+            rates[name].append(rate)
+            firsts[name].append(first)
+    return {n: dict(rates=rates[n], first=statistics.median(firsts[n]),
+                    samples_per_s=statistics.median(rates[n]),
+                    vs_off=statistics.median(r / o for r, o in zip(rates[n], rates["off"])))
+            for n in names}
+
+
+def _figures(run: dict, target: int) -> dict:
     packs = run["packs"]
     return dict(
-        efficiency=sum(sum(p) for p in packs) / sum(targets),
+        efficiency=sum(sum(p) for p in packs) / (target * len(packs)),
         idle=straggler_idle(run["step_lengths"]),
-        docs_per_pack=run["docs"] / len(packs),
-        samples_per_s=run["docs"] / run["seconds"],
-        over_cap=sum(sum(p) > t for p, t in zip(packs, targets)),
+        docs_per_pack=sum(len(p) for p in packs) / len(packs),
+        over_cap=sum(sum(p) > target for p in packs),
+    )
+
+
+def _warmup_figures(run: dict, target: int, warm: SeqLenWarmup, warmup_steps: int) -> dict:
+    steps = run["step_lengths"][:warmup_steps]
+    caps = [pack_target(s, target, warm) for s in range(len(steps))]
+    fills = [sum(p) / cap for ranks, cap in zip(steps, caps) for p in ranks]
+    mid = len(steps) // 2
+    return dict(
+        warmup_fill=statistics.mean(fills),
+        warmup_over_cap=sum(sum(p) > cap for ranks, cap in zip(steps, caps) for p in ranks),
+        warmup_idle=straggler_idle(steps),
+        warmup_points=[(s, round(statistics.mean(sum(p) for p in steps[s])), caps[s])
+                       for s in (0, mid, len(steps) - 1)],
     )
 
 
@@ -84,72 +143,83 @@ def _figures(run: dict, targets: list[int]) -> dict:
 @click.option("--targets", default="2048,4096", help="Pack targets (tokens).")
 @click.option("--warmup-steps", default=None, type=int, help="Warmup length [default: steps / 2].")
 @click.option("--warmup-start", default=512, help="Warmup start (tokens).")
-@click.option("--samples", "num_samples", default=None, type=int, help="Dataset size [6,000 quick, 24,000 full].")
-@click.option("--steps", default=None, type=int, help="Packs per rank [150 quick, 600 full].")
+@click.option("--samples", "num_samples", default=None, type=int,
+              help="Dataset size [8,000 quick, 24,000 full]; >= 8 ranks x 1,000 for the pool.")
+@click.option("--steps", default=None, type=int, help="Packs per rank measured [150 quick, 600 full].")
+@click.option("--timed-samples", default=None, type=int,
+              help="Samples per loader timed from the start [3,000 quick, 6,000 full].")
+@click.option("--rounds", default=None, type=int, help="Interleaved throughput rounds [4 quick, 8 full].")
 def main(quick: bool, out: str, buffer_size: int, targets: str, warmup_steps: int | None,
-         warmup_start: int, num_samples: int | None, steps: int | None) -> None:
-    num_samples = num_samples or (6000 if quick else 24000)
+         warmup_start: int, num_samples: int | None, steps: int | None,
+         timed_samples: int | None, rounds: int | None) -> None:
+    num_samples = num_samples or (8000 if quick else 24000)
     steps = steps or (150 if quick else 600)
+    timed_samples = timed_samples or (3000 if quick else 6000)
+    rounds = rounds or (4 if quick else 8)
     warmup_steps = warmup_steps or steps // 2
+    if num_samples < WORLD * POOL_SAMPLES:
+        raise click.ClickException(
+            f"--samples {num_samples} is below {WORLD} ranks x {POOL_SAMPLES} samples: the "
+            "1,000-sample pool would exceed a rank's share of the data.")
     path = _dataset(Path(out), num_samples)
     results: dict[int, dict[str, dict]] = {}
+    t_start = time.perf_counter()
     for target in [int(t) for t in targets.split(",")]:
         base = dict(packing_buffer_size=buffer_size, pack_seq_length=target, seed=1234)
-        rows: dict[str, dict] = {}
-        off = _run(path, OrderingConfig(**base), steps)
-        rows["off"] = _figures(off, [target] * len(off["packs"]))
+        rows: dict[str, dict] = {"off": _figures(_run(path, OrderingConfig(**base), steps), target)}
         pack_pool = max(1, round(POOL_SAMPLES / rows["off"]["docs_per_pack"]))
-        for name, cfg in (
-            ("samples", OrderingConfig(**base, length_sort_pool_size=POOL_SAMPLES,
-                                       pack_pool_placement="samples")),
-            ("packs", OrderingConfig(**base, length_sort_pool_size=pack_pool,
-                                     pack_pool_placement="packs")),
-        ):
-            run = _run(path, cfg, steps)
-            rows[name] = _figures(run, [target] * len(run["packs"]))
-            rows[name]["pool"] = cfg.length_sort_pool_size
-            click.echo(f"  target {target} {name}: {rows[name]}", err=True)
-        rows["off"]["pool"] = 0
-        # warmup: start -> target over warmup_steps, for each placement with a pool
+        pools = {"off": ("packs", 0), "samples": ("samples", POOL_SAMPLES), "packs": ("packs", pack_pool)}
+        cfgs = {name: OrderingConfig(**base, length_sort_pool_size=pool, pack_pool_placement=placement)
+                for name, (placement, pool) in pools.items()}
+        for name in ("samples", "packs"):
+            rows[name] = _figures(_run(path, cfgs[name], steps), target)
         warm = SeqLenWarmup(start=warmup_start, full=target, warmup_steps=warmup_steps)
-        for name in ("off", "samples", "packs"):
-            cfg = OrderingConfig(**base, seq_length_warmup=warm,
-                                 length_sort_pool_size=rows[name]["pool"],
-                                 pack_pool_placement="packs" if name == "off" else name)
-            run = _run(path, cfg, steps)
-            caps = [pack_target(s, target, warm) for s in range(len(run["step_lengths"]))]
-            per_step = [statistics.mean(sum(b) for b in ranks) / cap
-                        for ranks, cap in zip(run["step_lengths"], caps)][:warmup_steps]
-            rows[name]["warmup_fill"] = statistics.mean(per_step)
-            rows[name]["warmup_over_cap"] = sum(
-                sum(b) > cap for ranks, cap in zip(run["step_lengths"], caps) for b in ranks)
-            rows[name]["warmup_first"] = [(s, round(per_step[s] * caps[s]), caps[s])
-                                          for s in (0, warmup_steps // 2, warmup_steps - 1)]
+        for name, (placement, pool) in pools.items():
+            cfg = OrderingConfig(**base, seq_length_warmup=warm, length_sort_pool_size=pool,
+                                 pack_pool_placement=placement)
+            rows[name].update(_warmup_figures(_run(path, cfg, warmup_steps), target, warm, warmup_steps))
+            rows[name]["pool"] = pool
+        # the no-pool baseline twice in every round: its second ratio is the drift / noise check
+        speed = _throughput(path, {**cfgs, "off (2nd)": cfgs["off"]}, rounds, timed_samples)
+        for name, r in rows.items():
+            r.update(speed[name])
+        rows["off (2nd)"] = speed["off (2nd)"]
         results[target] = rows
+        click.echo(f"  target {target}: {rows}", err=True)
+    minutes = (time.perf_counter() - t_start) / 60
 
     click.echo(f"\n## Packing with the length pool ({WORLD} ranks, 1 pack per micro-batch, "
-               f"{steps} packs per rank, packing buffer {buffer_size} samples, trimodal)\n")
+               f"{steps} packs per rank, packing buffer {buffer_size} samples, trimodal "
+               f"{num_samples:,} samples; warmup {warmup_start} -> target over {warmup_steps} "
+               f"steps; {minutes:.1f} min)\n")
     click.echo("| target | pool | pool size | docs/pack | packing efficiency | straggler idle | "
-               "samples/s | over cap | warmup tokens/cap | warmup over cap |")
-    click.echo("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+               "warmup tokens/cap | warmup over cap | warmup idle |")
+    click.echo("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for target, rows in results.items():
-        for name, r in rows.items():
-            size = "-" if name == "off" else (f"{r['pool']:,} samples" if name == "samples"
-                                              else f"{r['pool']:,} packs")
+        for name in ("off", "samples", "packs"):
+            r = rows[name]
+            size = "-" if r["pool"] == 0 else (f"{r['pool']:,} samples" if name == "samples"
+                                               else f"{r['pool']:,} packs")
             click.echo(f"| {target:,} | {name} | {size} | {r['docs_per_pack']:.2f} | "
                        f"{100 * r['efficiency']:.1f}% | {100 * r['idle']:.1f}% | "
-                       f"{r['samples_per_s']:.0f} | {r['over_cap']} | "
-                       f"{100 * r['warmup_fill']:.1f}% | {r['warmup_over_cap']} |")
+                       f"{100 * r['warmup_fill']:.1f}% | {r['warmup_over_cap']} | "
+                       f"{100 * r['warmup_idle']:.1f}% |")
+    click.echo(f"\nsamples/s of one rank's loader over {timed_samples:,} samples from iter() "
+               f"(fills included), {rounds} interleaved rounds (rank k % 8 in round k, order "
+               "rotated); vs off = median of the per-round ratios; 'off (2nd)' is the no-pool "
+               "baseline run a second time in every round (drift check)\n")
+    click.echo("| target | pool | samples/s per round | median | vs off | first batch (s) |")
+    click.echo("|---:|---|---|---:|---:|---:|")
+    for target, rows in results.items():
+        for name in ("off", "samples", "packs", "off (2nd)"):
+            r = rows[name]
+            click.echo(f"| {target:,} | {name} | {', '.join(f'{x:.0f}' for x in r['rates'])} | "
+                       f"{r['samples_per_s']:.0f} | {r['vs_off']:.2f} | {r['first']:.2f} |")
     click.echo("\nWarmup, tokens per pack (mean over ranks) vs cap at steps (first, middle, last):")
     for target, rows in results.items():
-        for name, r in rows.items():
+        for name in ("off", "samples", "packs"):
             click.echo(f"  {target} {name}: " + ", ".join(
-                f"step {s}: {t:,}/{c:,}" for s, t, c in r["warmup_first"]))
-    for target, rows in results.items():
-        click.echo(f"\nratios at {target}: idle packs/off {rows['packs']['idle'] / rows['off']['idle']:.3f}, "
-                   f"samples/off {rows['samples']['idle'] / rows['off']['idle']:.3f}; samples/s "
-                   f"packs/off {rows['packs']['samples_per_s'] / rows['off']['samples_per_s']:.3f}, "
-                   f"samples/off {rows['samples']['samples_per_s'] / rows['off']['samples_per_s']:.3f}")
+                f"step {s}: {t:,}/{c:,}" for s, t, c in rows[name]["warmup_points"]))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,19 @@ them by cost and emits them in the order of :mod:`energon_ordering.pool.order` c
 costs, with the seed of (ordering seed, pool index, loader worker slot), never the rank: the
 i-th pack of every rank comes from the same cost quantile.
 
+Under the sequence-length warmup (``batch_cap`` given) the pool knows where each pack will go:
+a pool fills within one micro-batch (the batcher's request for its first pack), then drains in
+order, so the pack arriving at position q of the pool being filled is emitted in micro-batch
+``b0 + ((offset + q) // batch_size) * num_workers`` of the rank, where ``b0`` is the micro-batch
+being built during the fill and ``offset`` the packs it already holds
+(:func:`~energon_ordering.pool.pack_order.emission_batch`).
+The packer below asks for these positions (:meth:`upcoming_batch_indices`) and builds each pack
+to the cap of its emission step; the pool then sorts and permutes only within runs of positions
+with one cap (:func:`~energon_ordering.pool.pack_order.cost_order`), so every pack is emitted
+under the cap it was built to. After the warmup a pool has one cap and the order is the
+uncapped one. Measured (``tools/bench_packing.py``): without this, packs emitted late in a
+steep warmup were filled to 41% of their step's cap.
+
 It is the encoded pool (:class:`~energon_ordering.pool.length_pool_sort.LengthPoolSortDataset`)
 keyed by pack cost, with its own stamp; pooled packs are saved as Energon's pack restore keys
 (the restore keys of the packed samples) and rebuilt by ``PackingDataset.restore_sample``, so
@@ -17,14 +30,17 @@ keyed by pack cost, with its own stamp; pooled packs are saved as Energon's pack
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 from megatron.energon.flavors.base_dataset import SavableDataset
 from megatron.energon.worker import WorkerConfig
 
+from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
-from energon_ordering.pool.pack_order import pack_cost
+from energon_ordering.pool.order import pool_seed
+from energon_ordering.pool.pack_order import cost_order, emission_batch, pack_cost
+from energon_ordering.pool.settings import checked_length
 from energon_ordering.pool.sequence_pack import pack_doc_lengths
 
 __all__ = ["PackCost", "PackPoolSortDataset"]
@@ -32,7 +48,9 @@ __all__ = ["PackCost", "PackPoolSortDataset"]
 T_sample = TypeVar("T_sample")
 
 #: Version of the pack pool's logic (on top of the encoded pool's); bumped on any order change.
-PACK_STATE_VERSION = 1
+#: 2: with ``batch_cap`` (the warmup), packs are sorted only within runs of one cap. Without
+#: ``batch_cap`` the order is version 1's and the stamp still says 1.
+PACK_STATE_VERSION = 2
 
 
 class PackCost:
@@ -66,6 +84,7 @@ class PackPoolSortDataset(LengthPoolSortDataset[T_sample], Generic[T_sample]):
         batch_size: int | None = None,
         doc_lengths: Callable[[Any], Sequence[float]] = pack_doc_lengths,
         seed: int = 0,
+        batch_cap: Callable[[int], float | None] | None = None,
     ):
         """Construct a PackPoolSortDataset.
 
@@ -79,7 +98,22 @@ class PackPoolSortDataset(LengthPoolSortDataset[T_sample], Generic[T_sample]):
             doc_lengths: Per-document lengths of a pack, in tokens (default:
                 :func:`~energon_ordering.pool.sequence_pack.pack_doc_lengths`).
             seed: Ordering seed; must be the same on every data-parallel rank.
+            batch_cap: The pack cap (tokens) of the rank's micro-batch index b (None: no cap),
+                non-decreasing in b; needs ``batch_size``. Given (the sequence-length warmup),
+                packs are sorted and permuted only within runs of emission positions with one
+                cap, and the packer reads the positions from :meth:`upcoming_batch_indices`.
         """
+        if batch_cap is not None and not callable(batch_cap):
+            raise OrderingTypeError(
+                f"PackPoolSortDataset: batch_cap = {batch_cap!r} must be callable (micro-batch "
+                "index -> pack cap in tokens) or None."
+            )
+        if batch_cap is not None and batch_size is None:
+            raise OrderingConfigError(
+                "PackPoolSortDataset: batch_cap needs batch_size (packs per micro-batch) to tell "
+                "the micro-batch of each emission position; pass batch_size=<micro-batch size>."
+            )
+        self.batch_cap = batch_cap
         super().__init__(
             dataset,
             pool_size=pool_size,
@@ -91,15 +125,79 @@ class PackPoolSortDataset(LengthPoolSortDataset[T_sample], Generic[T_sample]):
         )
 
     def _expected_stamp(self) -> dict[str, Any]:
-        return {
+        stamp = {
             **super()._expected_stamp(),
             "holds": "packs",
-            "pack_state_version": PACK_STATE_VERSION,
+            "pack_state_version": 1 if self.batch_cap is None else PACK_STATE_VERSION,
             "key": "pack cost sum(L + L^2/4096)",
+        }
+        if self.batch_cap is not None:
+            stamp["sorted_within"] = "runs of one cap"
+            stamp["batch_size"] = self.batch_size
+        return stamp
+
+    def reset_state_own(self) -> None:
+        super().reset_state_own()
+        # The micro-batch the last pack went into, and how many packs of this pool went into
+        # it. Not state: a loader saves between micro-batches, so after a restore the
+        # micro-batch being built holds no pack yet, which is what (-1, 0) says.
+        self._last_batch = -1
+        self._taken = 0
+
+    def restore_state(self, state: Any) -> None:
+        super().restore_state(state)
+        self._last_batch = -1
+        self._taken = 0
+
+    def _fill_origin(self) -> tuple[int, int]:
+        """(b0, offset) of the pool being filled: the micro-batch being built (a pool fills
+        while the batcher waits for its next pack) and the packs it already holds."""
+        b0 = self.worker_config.active_worker_batch_index
+        return b0, self._taken if b0 == self._last_batch else 0
+
+    def emission_batch(self, position: int) -> int:
+        """The rank's micro-batch index that the pack arriving at ``position`` of the pool being
+        filled is emitted in (positions past ``pool_size`` belong to the next pools, which
+        drain right after this one). Only during a fill (in a loader worker)."""
+        assert self.batch_size is not None
+        b0, offset = self._fill_origin()
+        return emission_batch(b0, offset, position, self.batch_size, self.worker_config.num_workers)
+
+    def upcoming_batch_indices(self, n: int) -> list[int]:
+        """Micro-batch indices the next ``n`` packs to arrive are emitted in, in arrival order
+        (non-decreasing); the packer below calls this while the pool fills."""
+        start = self._collecting.len_worker()
+        return [self.emission_batch(start + k) for k in range(n)]
+
+    def _seal_pool(self) -> None:
+        if self.batch_cap is None:
+            super()._seal_pool()
+            return
+        costs = [checked_length(type(self).__name__, self.key_fn, s) for s in self._collecting.buffer]
+        caps = [self.batch_cap(self.emission_batch(q)) for q in range(len(costs))]
+        seed = pool_seed(self.seed, self._pool_index, self.worker_config.rank_worker_id())
+        order = cost_order(costs, seed, self.mode, self.batch_size, caps)
+        samples, restore_keys = self._collecting.flush()
+        self._emitting.extend([samples[i] for i in order], [restore_keys[i] for i in order])
+        self._pool_index += 1
+
+    def _drain(self) -> Iterator[T_sample]:
+        while self._emitting.len_worker() > 0:
+            pack = self._emitting.pop(0)
+            batch = self.worker_config.active_worker_batch_index
+            self._taken = self._taken + 1 if batch == self._last_batch else 1
+            self._last_batch = batch
+            yield pack
+
+    def config(self) -> dict[str, Any]:
+        return {
+            **super().config(),
+            "batch_cap": None if self.batch_cap is None else self._function_config(self.batch_cap),
         }
 
     def __str__(self) -> str:
         return (
             f"PackPoolSortDataset(pool_size={self.pool_size}, mode={self.mode!r}, "
-            f"batch_size={self.batch_size}, seed={self.seed}, dataset={self.dataset})"
+            f"batch_size={self.batch_size}, seed={self.seed}, "
+            f"capped={self.batch_cap is not None}, dataset={self.dataset})"
         )

@@ -1,18 +1,26 @@
 """The pack target under the sequence-length warmup, and cuts that survive a restore.
 
-With Energon's sequence packing the warmup cap applies to a whole pack: a pack built at
+With Energon's sequence packing the warmup cap applies to a whole pack: a pack emitted at
 optimizer step s holds at most ``target(s) = min(pack_seq_length, warmup.max_seq_len(s))``
 tokens. Energon's ``PackingDataset`` calls the task encoder's ``select_samples_to_pack`` on a
-full buffer while the loader builds a micro-batch; that step is the emission step of the first
-pack of the round; the round's later packs go out in the next micro-batches, one micro-batch
-per ``micro_batch_size`` packs. With the default packer and nothing between the packing and the
-batcher, the k-th pack of a round gets the target of micro-batch ``k // micro_batch_size`` after
-the current one (:meth:`PackCapDataset.pack_targets`; first-fit decreasing with per-pack
-capacities), which is the cap of its emission step, or of the step before it if the micro-batch
-being built already held packs. With a user's packer, or a pool of packs (which reorders
-packs), every pack of a round gets the target of the step the round is built in: caps never
-shrink, so every pack still fits the cap of its emission step, but packs emitted later are
-filled to an older, smaller cap.
+full buffer while the loader builds a micro-batch; the round's packs go out from there on, so
+each pack is built to the target of the micro-batch it will be emitted in
+(:meth:`PackCapDataset.pack_targets`):
+
+- packs straight to the batcher (no pool of packs): the k-th pack of a round goes out in
+  micro-batch ``k // micro_batch_size`` after the current one (this worker's micro-batches are
+  ``num_workers`` apart in the rank's batch index);
+- a pool of packs (:class:`~energon_ordering.pool.pack_pool_sort.PackPoolSortDataset`): the pool
+  tells where the next packs will be emitted (:meth:`PackCapDataset.plan_emission`), and sorts
+  only within runs of positions that share one cap, so each pack is emitted under the cap it was
+  built to.
+
+The default packer packs first-fit decreasing with these per-pack capacities (non-decreasing,
+since caps never shrink). A user's packer gets the round's first target (``cut_for_packing``
+and :func:`round_target`, which ``OrderingTaskEncoder.ordering_pack_target`` returns while it
+runs): caps never shrink, so every pack still fits the cap of its emission step. Measured with
+``tools/bench_packing.py`` during a steep warmup: building every pack of a pool of packs at the
+cap of the step the pool fills in left packs at 41% of their emission step's cap.
 
 :class:`PackCapPrePacker` wraps ``select_samples_to_pack``: it first cuts every sample longer
 than the target (text only, from the end; media never, see
@@ -26,6 +34,8 @@ cut points and token contents.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
@@ -41,7 +51,7 @@ from energon_ordering.state_stamp import check_stamp
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES, TokenLayout, truncate_sample
 
-__all__ = ["PackCapDataset", "PackCapPrePacker", "pack_target"]
+__all__ = ["PackCapDataset", "PackCapPrePacker", "pack_target", "round_target"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +66,28 @@ _LOG_FIRST = 10
 MAX_CONSECUTIVE_DROPS = 1000
 
 
+_ROUND_TARGET: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "energon_ordering_pack_round_target", default=None
+)
+
+
+def round_target() -> int | None:
+    """While a user's ``select_samples_to_pack`` runs under :class:`PackCapPrePacker`: the target
+    (tokens) its packs must fit; None outside."""
+    return _ROUND_TARGET.get()
+
+
+@contextlib.contextmanager
+def _round(target: int | None) -> Iterator[None]:
+    token = _ROUND_TARGET.set(target)
+    try:
+        yield
+    finally:
+        _ROUND_TARGET.reset(token)
+
+
 def pack_target(step: int, pack_seq_length: int | None, warmup: SeqLenWarmup | None) -> int | None:
-    """Tokens a pack built at optimizer ``step`` may hold (None: no limit known).
+    """Tokens a pack emitted in optimizer ``step`` may hold (None: no limit known).
 
     ``min(pack_seq_length, warmup.max_seq_len(step))`` during the warmup, ``pack_seq_length``
     after it (``warmup.full`` if ``pack_seq_length`` is None).
@@ -155,7 +185,23 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
         self.layout = layout
         self.batch_size = batch_size
         self.per_pack_targets = bool(per_pack_targets)
+        self.emission_batches: Callable[[int], list[int]] | None = None
         self.reset_state_own()
+
+    def plan_emission(self, emission_batches: Callable[[int], list[int]]) -> None:
+        """Packs are emitted where ``emission_batches(n)`` says: the rank's micro-batch indices
+        of the next ``n`` packs, in the order they are built (a pool of packs'
+        ``upcoming_batch_indices``). :meth:`pack_targets` then gives each its micro-batch's target."""
+        if not callable(emission_batches):
+            raise OrderingTypeError(
+                f"PackCapDataset.plan_emission: {emission_batches!r} must be callable (n -> the "
+                "micro-batch indices of the next n packs)."
+            )
+        self.emission_batches = emission_batches
+
+    def batch_target(self, batch_index: int) -> int | None:
+        """The pack target of the rank's micro-batch ``batch_index``, in tokens (None: no limit)."""
+        return pack_target(batch_index // self.micro_batches_per_step, self.pack_seq_length, self.warmup)
 
     def _expected_stamp(self) -> dict[str, Any]:
         return {
@@ -188,10 +234,16 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
     def pack_targets(self, n: int) -> list[int] | None:
         """Targets of the first ``n`` packs of a round built now, in emission order (tokens).
 
-        With ``per_pack_targets`` pack k gets the target of the micro-batch ``k // batch_size``
-        after the one being built (this worker's micro-batches are ``num_workers`` apart in the
-        rank's batch index); else all get :meth:`current_target`. None: no target.
+        With :meth:`plan_emission` (a pool of packs) pack k gets the target of the micro-batch
+        the plan names; else with ``per_pack_targets`` the target of the micro-batch
+        ``k // batch_size`` after the one being built (this worker's micro-batches are
+        ``num_workers`` apart in the rank's batch index); else all get :meth:`current_target`.
+        None: no target.
         """
+        if self.emission_batches is not None:
+            if self.pack_seq_length is None and self.warmup is None:
+                return None
+            return [self.batch_target(b) for b in self.emission_batches(n)]  # type: ignore[misc]
         if not self.per_pack_targets:
             target = self.current_target()
             return None if target is None else [target] * n
@@ -366,10 +418,14 @@ class PackCapPrePacker:
 
     def __call__(self, samples: list[Any]) -> list[list[Any]]:
         if self.length_fn is None or self.bin_packer is None:
-            samples = self.stage.cut_for_packing(samples)
+            # a user's packer: every pack of the round fits the first pack's target
+            targets = self.stage.pack_targets(1)
+            target = None if targets is None else targets[0]
+            samples = self.stage.cut_for_packing(samples, target=target)
             if not samples:
                 return []
-            return self.packer(samples)
+            with _round(target):
+                return self.packer(samples)
         targets = self.stage.pack_targets(len(samples))
         if targets is None:
             return self.packer(samples)  # no target: the default packer explains what to set
