@@ -35,7 +35,6 @@ import json
 import os
 import string
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -54,26 +53,7 @@ _MISSING = [m for m in ("transformers", "tokenizers", "triton", "torchvision", "
 pytestmark = [pytest.mark.skipif(bool(_MISSING), reason=f"needs the [megatron] extra: {_MISSING}")]
 
 
-def _core_019() -> bool:
-    try:
-        from megatron.core.package_info import __version__
-    except ImportError:
-        return False
-    return tuple(int(x) for x in __version__.split(".")[:2]) >= (0, 19)
-
-
-TAGS = [
-    pytest.param("core_v0.16.1", id="core_v0.16.1", marks=[
-        pytest.mark.skipif(sys.version_info >= (3, 12), reason="the core 0.16.1 leg runs on the default Python"),
-        pytest.mark.skipif(not megatron_lm_sources.have_sources("core_v0.16.1"), reason="no ../shared/thirdparty"),
-    ]),
-    pytest.param("core_v0.19.0", id="core_v0.19.0", marks=[
-        pytest.mark.py312,
-        pytest.mark.skipif(sys.version_info < (3, 12) or not _core_019(),
-                           reason="needs Python 3.12 + megatron-core 0.19.x (.ci/py312)"),
-        pytest.mark.skipif(not megatron_lm_sources.have_sources("core_v0.19.0"), reason="no ../shared/thirdparty"),
-    ]),
-]
+TAGS = megatron_lm_sources.tag_params()
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
           "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -202,20 +182,8 @@ def _worker(rank: int, tag: str, phase: str, num_workers: int, data: str, out: s
 
 
 def _spawn(out: Path, data: Path, tag: str, phase: str, num_workers: int) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_worker, nprocs=WORLD, join=False, start_method="spawn",
-                             args=(tag, phase, num_workers, str(data), str(out)))
-    deadline = time.monotonic() + 400
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail(f"{phase}: the 2-process run did not finish (hang)")
-    res = [json.loads((out / f"{phase}_rank{r}.json").read_text()) for r in range(WORLD)]
-    for r in res:
-        assert "error" not in r, r["error"]
-    return res
+    args = (tag, phase, num_workers, str(data), str(out))
+    return megatron_lm_sources.spawn_ranks(_worker, args, out, phase, WORLD, "the 2-process run")
 
 
 @pytest.fixture(scope="module")

@@ -126,16 +126,8 @@ def test_state_path_equals_the_saver_of_core_v0_16_1(tmp_path):
     _check(_run(tmp_path, "core_v0.16.1"), "expert-suffix")
 
 
-def _core_019() -> bool:
-    try:
-        from megatron.core.package_info import __version__
-    except ImportError:
-        return False
-    return tuple(int(x) for x in __version__.split(".")[:2]) >= (0, 19)
-
-
 @pytest.mark.py312
-@pytest.mark.skipif(sys.version_info < (3, 12) or not _core_019(), reason="needs Python 3.12 + megatron-core 0.19.x (.ci/py312)")
+@pytest.mark.skipif(sys.version_info < (3, 12) or not megatron_lm_sources.installed_core_019(), reason="needs Python 3.12 + megatron-core 0.19.x (.ci/py312)")
 @pytest.mark.skipif(not megatron_lm_sources.have_sources("core_v0.19.0"), reason="no ../shared/thirdparty")
 @pytest.mark.timeout(720)
 def test_state_path_equals_the_saver_of_core_v0_19_0(tmp_path):

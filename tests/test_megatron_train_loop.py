@@ -31,7 +31,6 @@ import importlib.util
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -50,26 +49,7 @@ CUT = 2  # the iteration of the intermediate checkpoint (--save-interval 2)
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="needs the [megatron] extra")]
 
 
-def _core_019() -> bool:
-    try:
-        from megatron.core.package_info import __version__
-    except ImportError:
-        return False
-    return tuple(int(x) for x in __version__.split(".")[:2]) >= (0, 19)
-
-
-TAGS = [
-    pytest.param("core_v0.16.1", id="core_v0.16.1", marks=[
-        pytest.mark.skipif(sys.version_info >= (3, 12), reason="the core 0.16.1 leg runs on the default Python"),
-        pytest.mark.skipif(not megatron_lm_sources.have_sources("core_v0.16.1"), reason="no ../shared/thirdparty"),
-    ]),
-    pytest.param("core_v0.19.0", id="core_v0.19.0", marks=[
-        pytest.mark.py312,
-        pytest.mark.skipif(sys.version_info < (3, 12) or not _core_019(),
-                           reason="needs Python 3.12 + megatron-core 0.19.x (.ci/py312)"),
-        pytest.mark.skipif(not megatron_lm_sources.have_sources("core_v0.19.0"), reason="no ../shared/thirdparty"),
-    ]),
-]
+TAGS = megatron_lm_sources.tag_params()
 
 
 def _argv(out: Path, data: Path, phase: str) -> list[str]:
@@ -170,20 +150,8 @@ def _worker(rank: int, tag: str, phase: str, data: str, out: str) -> None:
 
 
 def _spawn(out: Path, data: Path, tag: str, phase: str) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_worker, nprocs=WORLD, join=False, start_method="spawn",
-                             args=(tag, phase, str(data), str(out)))
-    deadline = time.monotonic() + 400
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail(f"{phase}: Megatron's training loop did not finish on both ranks (hang)")
-    res = [json.loads((out / f"{phase}_rank{r}.json").read_text()) for r in range(WORLD)]
-    for r in res:
-        assert "error" not in r, f"rank {r['rank']}: {r['error']}"
-    return res
+    args = (tag, phase, str(data), str(out))
+    return megatron_lm_sources.spawn_ranks(_worker, args, out, phase, WORLD, "Megatron's training loop")
 
 
 @pytest.mark.timeout(900)
