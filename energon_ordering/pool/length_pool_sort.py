@@ -119,10 +119,14 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         """Moves the collected samples into the emission buffer, in this pool's order."""
         lengths = [checked_length(type(self).__name__, self.key_fn, s)
                    for s in self._collecting.buffer]
-        order = self.settings.order(lengths, self._pool_index, self.worker_config.rank_worker_id())
+        order = self._pool_order(lengths)
         samples, restore_keys = self._collecting.flush()
         self._emitting.extend([samples[i] for i in order], [restore_keys[i] for i in order])
         self._pool_index += 1
+
+    def _pool_order(self, lengths: list[float]) -> list[int]:
+        """Emission order (arrival indices) of the pool being sealed, from its keys."""
+        return self.settings.order(lengths, self._pool_index, self.worker_config.rank_worker_id())
 
     def _drain(self) -> Iterator[T_sample]:
         while self._emitting.len_worker() > 0:

@@ -38,9 +38,7 @@ from megatron.energon.worker import WorkerConfig
 
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
-from energon_ordering.pool.order import pool_seed
 from energon_ordering.pool.pack_order import cost_order, emission_batch, pack_cost
-from energon_ordering.pool.settings import checked_length
 from energon_ordering.pool.sequence_pack import pack_doc_lengths
 
 __all__ = ["PackCost", "PackPoolSortDataset"]
@@ -169,17 +167,12 @@ class PackPoolSortDataset(LengthPoolSortDataset[T_sample], Generic[T_sample]):
         start = self._collecting.len_worker()
         return [self.emission_batch(start + k) for k in range(n)]
 
-    def _seal_pool(self) -> None:
+    def _pool_order(self, lengths: list[float]) -> list[int]:
         if self.batch_cap is None:
-            super()._seal_pool()
-            return
-        costs = [checked_length(type(self).__name__, self.key_fn, s) for s in self._collecting.buffer]
-        caps = [self.batch_cap(self.emission_batch(q)) for q in range(len(costs))]
-        seed = pool_seed(self.seed, self._pool_index, self.worker_config.rank_worker_id())
-        order = cost_order(costs, seed, self.mode, self.batch_size, caps)
-        samples, restore_keys = self._collecting.flush()
-        self._emitting.extend([samples[i] for i in order], [restore_keys[i] for i in order])
-        self._pool_index += 1
+            return super()._pool_order(lengths)
+        caps = [self.batch_cap(self.emission_batch(q)) for q in range(len(lengths))]
+        seed = self.settings.pool_seed(self._pool_index, self.worker_config.rank_worker_id())
+        return cost_order(lengths, seed, self.mode, self.batch_size, caps)
 
     def _drain(self) -> Iterator[T_sample]:
         while self._emitting.len_worker() > 0:

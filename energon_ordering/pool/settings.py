@@ -75,10 +75,13 @@ class PoolSettings:
                 )
         check_int(owner, "seed", self.seed)
 
+    def pool_seed(self, pool_index: int, worker_slot: int) -> int:
+        """The permutation seed of one pool (see :func:`~energon_ordering.pool.order.pool_seed`)."""
+        return pool_seed(self.seed, pool_index, worker_slot)
+
     def order(self, lengths: Sequence[float], pool_index: int, worker_slot: int) -> list[int]:
         """Emission order (arrival indices) of one pool; never depends on the rank."""
-        seed = pool_seed(self.seed, pool_index, worker_slot)
-        return POOL_ORDERS[self.mode](lengths, seed, self.batch_size)
+        return POOL_ORDERS[self.mode](lengths, self.pool_seed(pool_index, worker_slot), self.batch_size)
 
     def config(self, key_fn_config: Any) -> dict[str, Any]:
         """The pool's part of an Energon ``config()`` dict."""

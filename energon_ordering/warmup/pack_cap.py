@@ -229,7 +229,7 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
 
     def current_target(self) -> int | None:
         """The pack target of the micro-batch being built, in tokens (None: no limit)."""
-        return pack_target(self.current_step(), self.pack_seq_length, self.warmup)
+        return self.batch_target(self.worker_config.active_worker_batch_index)
 
     def pack_targets(self, n: int) -> list[int] | None:
         """Targets of the first ``n`` packs of a round built now, in emission order (tokens).
@@ -252,8 +252,7 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
         assert self.batch_size is not None
         out = []
         for k in range(n):
-            step = (index + (k // self.batch_size) * stride) // self.micro_batches_per_step
-            target = pack_target(step, self.pack_seq_length, self.warmup)
+            target = self.batch_target(index + (k // self.batch_size) * stride)
             if target is None:
                 return None
             out.append(target)
