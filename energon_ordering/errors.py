@@ -50,3 +50,15 @@ class SeqLenOverflowError(OrderingError, ValueError):
 class LengthIndexError(OrderingError, ValueError):
     """A dataset's length index is missing, stale (built for another ``index.uuid``) or
     lacks a sample."""
+
+    @classmethod
+    def check_unchanged(cls, path: object, found: str | None, started: str | None) -> None:
+        """Raises if the index at ``path`` now has content digest ``found`` where the job
+        started with ``started`` (either None: nothing to compare)."""
+        if found is not None and started is not None and found != started:
+            raise cls(
+                f"length index: {path} was replaced while this job reads it (content digest "
+                f"{found!r}, the job started with {started!r}); keep indexes of other length "
+                "functions side by side (`energon-ordering index --name NAME`) instead of "
+                "rebuilding one under a running job, and restart the job."
+            )

@@ -379,14 +379,11 @@ class LengthIndex:
         if self._con is None or self._pid != os.getpid():
             con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False)
             row = con.execute("SELECT value FROM meta WHERE name = 'content_digest'").fetchone()
-            if self.digest is not None and row is not None and row[0] != self.digest:
+            try:
+                LengthIndexError.check_unchanged(self.path, row and row[0], self.digest)
+            except LengthIndexError:
                 con.close()
-                raise LengthIndexError(
-                    f"length index: {self.path} was replaced while this job reads it (content "
-                    f"digest {row[0]!r}, the job started with {self.digest!r}); keep indexes of "
-                    "other length functions side by side (`energon-ordering index --name NAME`) "
-                    "instead of rebuilding one under a running job, and restart the job."
-                )
+                raise
             self._con = con
             self._pid = os.getpid()
         return self._con

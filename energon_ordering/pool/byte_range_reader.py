@@ -61,7 +61,7 @@ class ByteRangeReader:
         cache_shards: Open shard files kept per process.
         cache_keys: Sample keys kept per process (in blocks of :data:`KEY_BLOCK`).
         lengths: A length index file of the dataset (table ``lengths``, see
-            :mod:`energon_ordering.length_index.index`) whose lengths :meth:`length` returns.
+            :mod:`energon_ordering.length_index.index`) whose lengths :meth:`visit` returns.
         lengths_digest: The content digest that index had when the job opened it; a process
             that finds another one refuses to read (the index was replaced under the job).
 
@@ -138,15 +138,11 @@ class ByteRangeReader:
                 row = con.execute(
                     "SELECT value FROM lengths_index.meta WHERE name = 'content_digest'"
                 ).fetchone()
-                if self.lengths_digest is not None and (row is None or row[0] != self.lengths_digest):
+                try:
+                    LengthIndexError.check_unchanged(self.lengths, row and row[0], self.lengths_digest)
+                except LengthIndexError:
                     con.close()
-                    raise LengthIndexError(
-                        f"length index: {self.lengths} was replaced while this job reads it "
-                        f"(content digest {row and row[0]!r}, the job started with "
-                        f"{self.lengths_digest!r}); keep indexes of other length functions side "
-                        "by side (`energon-ordering index --name NAME`) instead of rebuilding one "
-                        "under a running job, and restart the job."
-                    )
+                    raise
             self._con = con
         return self._con
 
