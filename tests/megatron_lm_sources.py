@@ -112,7 +112,8 @@ def spawn_ranks(worker: Callable[..., None], args: tuple, out: Path, phase: str,
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.terminate()
-            pytest.fail(f"{phase}: {what} did not finish on all {world} ranks (hang)")
+            pytest.fail(f"{phase}: {what} did not finish on all {world} ranks within "
+                        f"{timeout:.0f} s (hang)")
     res = [json.loads((out / f"{phase}_rank{r}.json").read_text()) for r in range(world)]
     for r in res:
         assert "error" not in r, f"rank {r.get('rank')}: {r['error']}"

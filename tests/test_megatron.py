@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import json
 import pickle
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -22,6 +23,9 @@ from energon_ordering import OrderingConfig, OrderingConfigError
 from energon_ordering.integrations.megatron_args import FLAGS, add_energon_ordering_args, ordering_config_from_args
 from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader
 from energon_ordering.warmup.schedule import SeqLenWarmup
+
+sys.path.insert(0, str(Path(__file__).parent))
+import megatron_lm_sources  # noqa: E402
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 
@@ -328,25 +332,13 @@ def _dist_worker(rank: int, world: int, init_file: str, data: str, phase: str, o
 
 
 def _spawn(tmp_path, phase, *, timeout=180, **kw):
-    import torch.multiprocessing as mp
-
     init = tmp_path / f"init_{phase}_{time.monotonic_ns()}"
     defaults = dict(data="", steps=6, more=10, num_workers=0, repeat=True)
     a = {**defaults, **kw}
-    ctx = mp.start_processes(
-        _dist_worker, nprocs=2, join=False, start_method="spawn",
-        args=(2, str(init), a["data"], phase, str(tmp_path), a["steps"], a["more"], a["num_workers"], a["repeat"]),
-    )
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail(f"{phase}: the 2-process run did not finish within {timeout} s (hang)")
-    out = [json.loads((tmp_path / f"{phase}_rank{r}.json").read_text()) for r in range(2)]
-    for r in out:
-        assert "error" not in r, r["error"]
-    return out
+    args = (2, str(init), a["data"], phase, str(tmp_path), a["steps"], a["more"], a["num_workers"],
+            a["repeat"])
+    return megatron_lm_sources.spawn_ranks(_dist_worker, args, tmp_path, phase, 2,
+                                           "the 2-process run", timeout)
 
 
 @needs_mcore
