@@ -12,7 +12,7 @@ Examples:
     python tools/build_length_index.py /data/metadataset.yaml --tokens-per-media 576 --workers 8
 """
 
-from energon_ordering.cli import index
+from energon_ordering.cli.index import command as index
 
 if __name__ == "__main__":
     index(prog_name="build_length_index.py")

@@ -1,0 +1,68 @@
+"""``energon-ordering index``: the length index of a prepared dataset (or of every dataset in a
+metadataset), which the lean pool (``length_sort_placement: pre-encode``) sorts by."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
+
+import click
+
+from energon_ordering.cli.options import (
+    CONTEXT,
+    import_function,
+    resolve_task_encoder,
+    with_task_encoder,
+)
+from energon_ordering.cli.preflight import check_dataset
+from energon_ordering.cli.tables import index_table
+from energon_ordering.cli.user_error import user_errors
+
+
+@click.command("index", context_settings=CONTEXT)
+@click.argument("dataset", type=click.Path(exists=True))
+@with_task_encoder
+@click.option("--raw-length-fn", default=None, metavar="MODULE:FUNCTION",
+              help="Compute lengths from the raw files ({'txt': b'...', 'jpg': b'...'}) instead "
+                   "of the task encoder; nothing is decoded.")
+@click.option("--split-part", default="train", help="The split whose samples are indexed.")
+@click.option("--workers", type=click.IntRange(min=1), default=1,
+              help="Processes that decode and measure samples.")
+@click.option("--name", default=None,
+              help="Name of the index (OrderingConfig.length_index); default: named after what "
+                   "computed the lengths, so indexes of several length functions sit side by side.")
+@click.option("--index-dir", default=None, type=click.Path(file_okay=False),
+              help="Write the index to DIR/<index.uuid>/ instead of <dataset>/.nv-meta/ (for a "
+                   "read-only dataset; set OrderingConfig.length_index_dir = DIR).")
+@click.option("--skip-bad-samples", is_flag=True,
+              help="Index a sample that fails to decode or measure with length 0 and count it, "
+                   "instead of stopping at it.")
+def command(dataset: str, task_encoder: str | None, tokens_per_media: int,
+            raw_length_fn: str | None, split_part: str, workers: int, name: str | None,
+            index_dir: str | None, skip_bad_samples: bool) -> None:
+    """Build the length index of DATASET (a prepared folder or a metadataset: every dataset in
+    it), for length_sort_placement = pre-encode. Written to <dataset>/.nv-meta/ (or --index-dir),
+    tied to the dataset's index.uuid; run it again after `energon prepare`."""
+    from energon_ordering.length_index.build import build_length_index
+
+    check_dataset(dataset, "DATASET", open_train_split=False)  # the split is --split-part
+    fn = import_function(raw_length_fn, "--raw-length-fn") if raw_length_fn else None
+    te = None if fn is not None and task_encoder is None else resolve_task_encoder(
+        task_encoder, tokens_per_media)()
+    with contextlib.ExitStack() as bars, user_errors():
+
+        def progress(name: str, total: int) -> Callable[[int], None]:
+            return bars.enter_context(click.progressbar(
+                length=total, label=f"indexing {name}", file=sys.stderr)).update
+
+        built = build_length_index(dataset, task_encoder=te, raw_length_fn=fn,
+                                   split_part=split_part, workers=workers, progress=progress,
+                                   name=name, index_dir=index_dir,
+                                   skip_bad_samples=skip_bad_samples)
+    click.echo(index_table(built))
+    for b in built:
+        if b.skipped:
+            click.echo(f"{b.dataset}: skipped {len(b.skipped)} sample(s) that failed to decode "
+                       f"(indexed with length 0): {', '.join(b.skipped[:5])}"
+                       f"{' ...' if len(b.skipped) > 5 else ''}")

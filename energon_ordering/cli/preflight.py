@@ -1,0 +1,90 @@
+"""Pre-flight: every input of a command checked before any work starts.
+
+Each check raises a one-line :class:`~energon_ordering.cli.user_error.UserError` (exit code 2)
+that names the argument, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from energon_ordering.cli.user_error import UserError, user_errors
+
+if TYPE_CHECKING:
+    from energon_ordering.config import OrderingConfig
+
+
+def looks_like_recipe(path: Path) -> bool:
+    """Whether the YAML file ``path`` holds ordering settings rather than a metadataset."""
+    import yaml
+
+    from energon_ordering.config import OrderingConfig
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    fields = {f.name for f in dataclasses.fields(OrderingConfig)} | {"placement"}
+    return isinstance(data, dict) and bool(fields & set(data)) and "splits" not in data
+
+
+def check_dataset(path: str, what: str, recipe_goes: str | None = None, *,
+                  open_train_split: bool = True) -> None:
+    """Raises a one-line :class:`UserError` unless ``path`` is a prepared Energon dataset folder
+    or a metadataset YAML (whose train split opens, with ``open_train_split``); ``what`` names
+    the argument (e.g. ``METADATASET``), ``recipe_goes`` where a recipe belongs instead (e.g.
+    ``--recipe``), if the command takes one."""
+    from megatron.energon.metadataset import load_dataset
+
+    how = ("prepare a folder of WebDataset shards with `energon prepare DIR`, or pass a "
+           "metadataset YAML that lists prepared folders")
+    if Path(path).is_file() and looks_like_recipe(Path(path)):
+        where = f"pass it as {recipe_goes}, and " if recipe_goes else ""
+        raise UserError(f"{what} {path} is a recipe (ordering settings), not a dataset: {where}"
+                        f"give as {what} a prepared dataset: {how}.")
+    try:
+        dataset = load_dataset(path)
+        if open_train_split:  # a metadataset's entries must be prepared datasets too
+            from megatron.energon import WorkerConfig
+
+            dataset.get_datasets(training=True, split_part="train",
+                                 worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    except Exception as e:  # Energon raises ValueError, TypeError, OSError or YAML errors here
+        raise UserError(f"{what} {path} is not a prepared Energon dataset or metadataset "
+                        f"({type(e).__name__}: {e}); {how}.") from e
+
+
+def check_pool(cfg: OrderingConfig, batch_size: int) -> None:
+    """The recipe's pool against the micro-batch size (checked without any data)."""
+    if not (cfg.length_sort_enabled and cfg.length_sort_mode == "batch"):
+        return
+    pool = cfg.length_sort_pool_size
+    if pool % batch_size:
+        lower, upper = pool // batch_size * batch_size, (pool // batch_size + 1) * batch_size
+        fix = f"{lower} or {upper}" if lower else f"{upper}"
+        raise UserError(f"the recipe's length_sort_pool_size = {pool} is not a multiple of the "
+                        f"micro-batch size --batch-size {batch_size} (length_sort_mode: batch); "
+                        f"set length_sort_pool_size to {fix}, or change --batch-size.")
+
+
+def preflight(path: str, configs: list[OrderingConfig], *, batch_size: int, num_workers: int,
+              world_size: int, task_encoder_factory: Callable[[], Any] | None) -> None:
+    """Checks every input before any work starts: the dataset, the pool against the
+    micro-batch, and then builds (without iterating) the last rank's pipeline for each
+    configuration, which raises every construction-time error (sources against the schedule,
+    a missing length index, the task encoder) before the first run begins."""
+    from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader
+
+    check_dataset(path, "METADATASET", "--recipe")
+    for cfg in configs:
+        check_pool(cfg, batch_size)
+    with user_errors():
+        for cfg in configs:
+            loader = build_train_loader(path, ordering=cfg, rank=world_size - 1,
+                                        world_size=world_size, num_workers=num_workers,
+                                        batch_size=batch_size,
+                                        task_encoder_factory=task_encoder_factory)
+            close_loader(loader)

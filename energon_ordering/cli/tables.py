@@ -1,0 +1,130 @@
+"""Plain text tables the commands print, and the definitions printed under them."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from energon_ordering.cli.user_error import user_errors
+
+if TYPE_CHECKING:
+    from energon_ordering.config import OrderingConfig
+
+
+def table(headers: list[str], rows: list[list[Any]], left: tuple[str, ...] = ()) -> str:
+    """A plain text table: the first column and the ``left`` columns left-aligned."""
+    cells = [[str(c) for c in r] for r in [headers, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lefts = {0} | {i for i, h in enumerate(headers) if h in left}
+    line = lambda r: "  ".join(c.ljust(w) if i in lefts else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()  # noqa: E731
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths), *map(line, cells[1:])])
+
+
+def epochs_rows(cfg: OrderingConfig, total_steps: int, global_batch: int, sizes: dict[str, int],
+                warn_above: float) -> tuple[list[list[Any]], list[str]]:
+    """Rows ``source, samples, epochs, flag`` of the implied epochs, and the repetition warnings."""
+    from energon_ordering.mixture.schedule import RepetitionWarning, implied_epochs
+
+    assert cfg.mixture_schedule is not None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RepetitionWarning)
+        with user_errors():
+            epochs = implied_epochs(cfg.mixture_schedule, total_steps, global_batch, sizes,
+                                    warn_above=warn_above)
+    rows = [[name, f"{sizes[name]:,}", f"{e:.2f}", "!" if e > warn_above else ""]
+            for name, e in epochs.items()]
+    return rows, [str(w.message) for w in caught]
+
+
+def measure_table(results: dict[str, Any]) -> str:
+    """The diagnostics of ``inspect`` and ``demo``, one column per run."""
+    names = list(results)
+    rows = [
+        ["straggler idle", *(f"{100 * results[n].straggler_idle:.1f}%" for n in names)],
+        ["padding waste", *(f"{100 * results[n].padding_waste:.1f}%" for n in names)],
+        ["tokens per step", *(f"{results[n].tokens_per_step:,.0f}" for n in names)],
+        ["source histogram dispersion (1 = iid)", *(f"{results[n].histogram_dispersion:.2f}" for n in names)],
+        ["  per optimizer step (1 = iid)", *(f"{results[n].step_histogram_dispersion:.2f}" for n in names)],
+        ["keys on two ranks (must be 0)", *(str(results[n].overlapping_keys) for n in names)],
+        ["sawtooth at shard period", *("yes" if results[n].sawtooth else "no" for n in names)],
+    ]
+    return table(["", *names], rows)
+
+
+def definitions(extra: dict[str, Any]) -> str:
+    """One line per term of :func:`measure_table`, printed under it."""
+    return "\n".join([
+        "straggler idle: share of each step the ranks wait for the slowest (cost L + L^2/4096 "
+        "per sample); lower is better.",
+        "padding waste: share of a micro-batch that is padding up to its longest sample; lower "
+        "is better.",
+        "tokens per step: tokens of one micro-batch of every rank together, before padding.",
+        "source histogram dispersion: variance of each source's count per micro-batch (per "
+        "step: all ranks' micro-batches of the step, against the schedule at that step) over "
+        "that of independent draws; 1 = iid, below 1 more even, above 1 clumped by source "
+        "(worse: the mix swings from batch to batch).",
+        "keys on two ranks: samples drawn by more than one rank; anything but 0 means ranks "
+        "train on the same data.",
+        f"sawtooth at shard period: 'yes' if each source's share repeats every shard "
+        f"({extra['period']} micro-batches) while batches are clumped by source (shards read in "
+        "blocks: a sawtooth in the per-source loss); 'no' is good.",
+    ])
+
+
+def index_table(built: list[Any]) -> str:
+    """The summary of ``index``, within 100 columns: datasets named relative to their common
+    folder, and the index files' place said once."""
+    import os
+
+    if not built:
+        return "no datasets indexed."
+    paths = [Path(b.dataset) for b in built]
+    parent = Path(os.path.commonpath([p.parent for p in paths]))
+    rows = [[str(p.relative_to(parent)), f"{b.summary.samples:,}",
+             f"{b.summary.total_tokens / max(1, b.summary.samples):,.1f}", f"{b.seconds:.1f}"]
+            for p, b in zip(paths, built)]
+    first = Path(built[0].summary.path)
+    if first.is_relative_to(paths[0]):
+        rel = first.relative_to(paths[0])
+        where = f"each index is written to <dataset>/{rel.parent}/\n  as {rel.name}"
+    else:
+        where = "index files:\n" + "\n".join(f"  {b.summary.path}" for b in built)
+    return "\n".join([
+        table(["dataset", "samples", "mean length (tokens)", "seconds"], rows),
+        f"\n{where}",
+        f"datasets in {parent}",
+    ])
+
+
+def _mib(n: float) -> str:
+    return "n/a" if n != n else f"{n / 2**20:,.1f} MiB"
+
+
+def advice_tables(adv: Any) -> str:
+    """The predictions of ``advise`` per pool setting and rank count, and the measured costs."""
+    counts = adv.rank_counts
+    rows = []
+    for p in adv.predictions:
+        name = "pool off" if p.pool_size == 0 else f"{p.mode} {p.pool_size:,}"
+        rows.append([name, *(f"{100 * p.idle[r]:.1f}%" for r in counts),
+                     f"{100 * p.padding:.1f}%", f"{p.dispersion_batch:.2f}",
+                     f"{p.dispersion_step:.2f}"])
+    headers = ["order", *(f"idle {r}" + ("*" if r == adv.ranks else "") for r in counts),
+               "padding", "disp/mb", "disp/step"]
+    text = [table(headers, rows)]
+    if adv.costs:
+        sizes = sorted({p.pool_size for p in adv.predictions if p.pool_size})
+        rows = []
+        for c in adv.costs:
+            label = f"{c.placement}/{c.holds}"
+            if c.note:
+                rows.append([label, *("n/a" for _ in sizes)])
+                continue
+            rows.append([label, *(f"{_mib(c.memory_bytes(n))}, {c.first_batch_seconds(n):,.1f} s"
+                                  for n in sizes)])
+        text += ["", "memory per loader worker, time to first batch (measured per pooled sample "
+                 f"on a real loader, pool {adv.costs[0].measured_pool}, scaled):",
+                 table(["placement", *(f"{n:,}" for n in sizes)], rows)]
+        text += [f"  {c.placement}/{c.holds}: {c.note}" for c in adv.costs if c.note]
+    return "\n".join(text)
