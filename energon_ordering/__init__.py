@@ -19,36 +19,74 @@ samples) and the pure ordering functions behind them, grouped by concern:
   ``inspect/`` measures the result.
 - :func:`resolve_recipe` finds a recipe shipped with the package by name (``recipe_names()``).
 
-Everything a user names imports from here.
+Everything a user names imports from here. The names load on first use (PEP 562), so
+``import energon_ordering`` (and the CLI's ``--help``) does not import torch or Energon.
 """
 
-from energon_ordering.config import OrderingConfig
-from energon_ordering.errors import (
-    LengthIndexError,
-    NotRestorableError,
-    OrderingConfigError,
-    OrderingError,
-    OrderingTypeError,
-    SampleLengthError,
-    SeqLenOverflowError,
-    StateMismatchError,
-)
-from energon_ordering.mixture.schedule import MixtureSchedule, implied_epochs
-from energon_ordering.mixture.scheduled_blend import ScheduledBlendDataset
-from energon_ordering.packaged_recipes import recipe_names, resolve_recipe
-from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
-from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
-from energon_ordering.pool.ffd_pack import first_fit_decreasing
-from energon_ordering.pool.pack_pool_sort import PackPoolSortDataset
-from energon_ordering.pool.sequence_pack import SequencePack
-from energon_ordering.state_stamp import check_loader_state, restore_state_rank
-from energon_ordering.task_encoder import OrderingTaskEncoder
-from energon_ordering.warmup.schedule import SeqLenWarmup
-from energon_ordering.warmup.pack_cap import PackCapDataset
-from energon_ordering.warmup.seq_warmup import SeqLenWarmupDataset
-from energon_ordering.warmup.token_layout import TokenLayout
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: Each public name and the module that defines it, imported on first access.
+_EXPORTS: dict[str, str] = {
+    "OrderingConfig": "energon_ordering.config",
+    "LengthIndexError": "energon_ordering.errors",
+    "NotRestorableError": "energon_ordering.errors",
+    "OrderingConfigError": "energon_ordering.errors",
+    "OrderingError": "energon_ordering.errors",
+    "OrderingTypeError": "energon_ordering.errors",
+    "SampleLengthError": "energon_ordering.errors",
+    "SeqLenOverflowError": "energon_ordering.errors",
+    "StateMismatchError": "energon_ordering.errors",
+    "MixtureSchedule": "energon_ordering.mixture.schedule",
+    "implied_epochs": "energon_ordering.mixture.schedule",
+    "ScheduledBlendDataset": "energon_ordering.mixture.scheduled_blend",
+    "recipe_names": "energon_ordering.packaged_recipes",
+    "resolve_recipe": "energon_ordering.packaged_recipes",
+    "KeyPoolSortDataset": "energon_ordering.pool.key_pool_sort",
+    "LengthPoolSortDataset": "energon_ordering.pool.length_pool_sort",
+    "first_fit_decreasing": "energon_ordering.pool.ffd_pack",
+    "PackPoolSortDataset": "energon_ordering.pool.pack_pool_sort",
+    "SequencePack": "energon_ordering.pool.sequence_pack",
+    "check_loader_state": "energon_ordering.state_stamp",
+    "restore_state_rank": "energon_ordering.state_stamp",
+    "OrderingTaskEncoder": "energon_ordering.task_encoder",
+    "SeqLenWarmup": "energon_ordering.warmup.schedule",
+    "PackCapDataset": "energon_ordering.warmup.pack_cap",
+    "SeqLenWarmupDataset": "energon_ordering.warmup.seq_warmup",
+    "TokenLayout": "energon_ordering.warmup.token_layout",
+}
+
+if TYPE_CHECKING:  # the same names, for type checkers and IDEs
+    from energon_ordering.config import OrderingConfig
+    from energon_ordering.errors import (
+        LengthIndexError,
+        NotRestorableError,
+        OrderingConfigError,
+        OrderingError,
+        OrderingTypeError,
+        SampleLengthError,
+        SeqLenOverflowError,
+        StateMismatchError,
+    )
+    from energon_ordering.mixture.schedule import MixtureSchedule, implied_epochs
+    from energon_ordering.mixture.scheduled_blend import ScheduledBlendDataset
+    from energon_ordering.packaged_recipes import recipe_names, resolve_recipe
+    from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
+    from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
+    from energon_ordering.pool.ffd_pack import first_fit_decreasing
+    from energon_ordering.pool.pack_pool_sort import PackPoolSortDataset
+    from energon_ordering.pool.sequence_pack import SequencePack
+    from energon_ordering.state_stamp import check_loader_state, restore_state_rank
+    from energon_ordering.task_encoder import OrderingTaskEncoder
+    from energon_ordering.warmup.schedule import SeqLenWarmup
+    from energon_ordering.warmup.pack_cap import PackCapDataset
+    from energon_ordering.warmup.seq_warmup import SeqLenWarmupDataset
+    from energon_ordering.warmup.token_layout import TokenLayout
+
 
 __all__ = [
     "KeyPoolSortDataset",
@@ -79,3 +117,17 @@ __all__ = [
     "resolve_recipe",
     "restore_state_rank",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Imports a public name from its module on first access and caches it (PEP 562)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
