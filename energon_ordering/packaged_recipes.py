@@ -9,6 +9,7 @@ the package and the checkout's ``recipes/`` is used instead.
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 
@@ -46,8 +47,8 @@ def resolve_recipe(name_or_path: str | os.PathLike) -> Path:
     bare name (``demo`` or ``demo.yaml``) names a packaged recipe.
 
     Raises:
-        OrderingConfigError: Neither a file nor a packaged recipe's name; the message lists the
-            packaged names.
+        OrderingConfigError: Neither a file nor a packaged recipe's name; the message suggests
+            the closest packaged names of a mistyped name and lists all of them.
     """
     path = Path(name_or_path)
     if path.is_file():
@@ -60,8 +61,16 @@ def resolve_recipe(name_or_path: str | os.PathLike) -> Path:
     if path.exists():
         raise OrderingConfigError(f"recipe {text!r} is a directory; give a recipe file or a name.")
     names = ", ".join(recipe_names()) or "(none found: the package has no recipes folder)"
+    close = difflib.get_close_matches(name, recipe_names()) if path.name == text else []
+    suggest = f"Did you mean {_one_of(close)}? " if close else ""
     raise OrderingConfigError(
         f"recipe {text!r} does not exist: no such file (from {os.getcwd()}) and no packaged "
-        "recipe of that name. "
+        f"recipe of that name. {suggest}"
         f"Give a path to a YAML recipe or one of the packaged names: {names}."
     )
+
+
+def _one_of(names: list[str]) -> str:
+    """``'a'``, or ``'a', 'b' or 'c'``."""
+    quoted = [repr(n) for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from click.testing import CliRunner
 
 from energon_ordering import __version__
 from energon_ordering.cli import main
+from energon_ordering.packaged_recipes import recipe_names
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -322,6 +324,32 @@ def test_plan_rejects_bad_source_sizes_before_printing(runner, recipe, tmp_path)
                                    "--source-sizes", sizes, "--out", str(tmp_path)])
         _one_error_line(res, needle)
     assert not (tmp_path / "plan.png").exists()
+
+
+def _usage_error_line(res) -> str:
+    """A click usage error: exit code 2, usage lines, then one line `Error: ...`."""
+    assert res.exit_code == 2, res.output
+    assert isinstance(res.exception, SystemExit), res.exception
+    lines = res.output.strip().splitlines()
+    assert lines[0].startswith("Usage: ") and lines[-1].startswith("Error: "), res.output
+    assert sum(ln.startswith("Error: ") for ln in lines) == 1 and "Traceback" not in res.output
+    return lines[-1]
+
+
+def test_a_recipe_name_typo_gets_did_you_mean(runner, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    names = ", ".join(recipe_names())
+    res = runner.invoke(main, ["plan", "llava_pretrian", "--global-batch-size", "64"])
+    assert _usage_error_line(res) == (
+        "Error: Invalid value for 'RECIPE': recipe 'llava_pretrian' does not exist: no such file "
+        f"(from {os.getcwd()}) and no packaged recipe of that name. Did you mean "
+        f"'llava_pretrain'? Give a path to a YAML recipe or one of the packaged names: {names}.")
+    res = runner.invoke(main, ["demo", "--recipe", "dmeo.yaml", "--out", str(tmp_path / "d")])
+    assert _usage_error_line(res) == (
+        "Error: Invalid value for '--recipe': recipe 'dmeo.yaml' does not exist: no such file "
+        f"(from {os.getcwd()}) and no packaged recipe of that name. Did you mean 'demo'? Give a "
+        f"path to a YAML recipe or one of the packaged names: {names}.")
+    assert not (tmp_path / "d").exists()
 
 
 def test_a_typo_in_a_phase_names_the_unknown_source(runner, wrong_inputs, three_sources):

@@ -48,6 +48,19 @@ def test_unknown_recipe_names_the_value_and_the_choices(tmp_path, monkeypatch):
         resolve_recipe("folder")
 
 
+def test_a_mistyped_name_gets_did_you_mean(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OrderingConfigError,
+                       match=r"no packaged recipe of that name\. Did you mean 'slm_350m_20b'\? Give"):
+        resolve_recipe("slm_350m")
+    with pytest.raises(OrderingConfigError, match=r"Did you mean 'llava_pretrain'\?"):
+        resolve_recipe("llava_pretrian.yaml")
+    for far_or_path in ("zzz", "sub/llava_pretrian.yaml"):  # nothing close; a path is not a name
+        with pytest.raises(OrderingConfigError, match="does not exist") as e:
+            resolve_recipe(far_or_path)
+        assert "Did you mean" not in str(e.value)
+
+
 def test_installed_layout_is_preferred(tmp_path, monkeypatch):
     """Inside an installed wheel the recipes sit in energon_ordering/recipes/; simulate that
     layout with a copy of the package and check that folder is the one used."""
