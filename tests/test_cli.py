@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from energon_ordering import __version__
 from energon_ordering.cli import main
-from energon_ordering.packaged_recipes import recipe_names
+from energon_ordering.packaged_recipes import recipe_dir, recipe_names
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -350,6 +350,54 @@ def test_a_recipe_name_typo_gets_did_you_mean(runner, tmp_path, monkeypatch):
         f"(from {os.getcwd()}) and no packaged recipe of that name. Did you mean 'demo'? Give a "
         f"path to a YAML recipe or one of the packaged names: {names}.")
     assert not (tmp_path / "d").exists()
+
+
+@pytest.fixture
+def llava_sources_in_part(tmp_path):
+    """A metadataset with three of llava_pretrain's five sources."""
+    from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+
+    return make_synthetic_dataset(tmp_path / "some", [SourceSpec("caption", 30, "short"),
+                                                      SourceSpec("vqa", 20, "short"),
+                                                      SourceSpec("ocr", 10, "short")],
+                                  shard_size=10)
+
+
+def test_plan_names_the_sources_a_metadataset_lacks(runner, llava_sources_in_part, tmp_path):
+    meta = str(llava_sources_in_part)
+    res = runner.invoke(main, ["plan", "llava_pretrain", "--metadataset", meta,
+                               "--global-batch-size", "64", "--out", str(tmp_path)])
+    assert _one_error_line(res) == (
+        f"Error: --metadataset {meta} has no source ['interleaved', 'sft_quality'] of the "
+        "recipe's mixture schedule. The metadataset's sources: caption, vqa, ocr (each entry's "
+        "`subflavors: {source: NAME}`, else its folder name); the recipe's: caption, vqa, ocr, "
+        "interleaved, sft_quality. Name the metadataset's entries after the recipe's sources, or "
+        "pass the samples per source instead of --metadataset: --source-sizes "
+        "caption=30,vqa=20,ocr=10,interleaved=N,sft_quality=N (N: samples of that source).")
+    assert not (tmp_path / "plan.png").exists()
+
+
+def test_plan_names_the_sources_source_sizes_lacks(runner, tmp_path):
+    res = runner.invoke(main, ["plan", "llava_pretrain", "--source-sizes", "caption=100,vqa=20",
+                               "--global-batch-size", "64", "--out", str(tmp_path)])
+    assert _one_error_line(res) == (
+        "Error: --source-sizes has no size for ['ocr', 'interleaved', 'sft_quality']; the "
+        "recipe's mixture schedule draws from caption, vqa, ocr, interleaved, sft_quality: give "
+        "every one, e.g. --source-sizes caption=100,vqa=20,ocr=N,interleaved=N,sft_quality=N "
+        "(N: samples of that source).")
+    assert not (tmp_path / "plan.png").exists()
+
+
+def test_demo_checks_the_recipe_sources_before_writing_data(runner, tmp_path):
+    recipe = recipe_dir() / "llava_pretrain.yaml"
+    res = runner.invoke(main, ["demo", "--recipe", "llava_pretrain", "--out", str(tmp_path / "d")])
+    assert _one_error_line(res) == (
+        f"Error: --recipe {recipe}: its mixture schedule draws from ['interleaved', "
+        "'sft_quality'], which the demo's synthetic dataset does not have (its sources: caption, "
+        "vqa, ocr, curated); pass a recipe whose schedule uses only those sources (e.g. --recipe "
+        f"demo), or run `energon-ordering inspect METADATASET --recipe {recipe}` on a dataset that "
+        "has its sources.")
+    assert not (tmp_path / "d").exists()  # nothing written
 
 
 def test_a_typo_in_a_phase_names_the_unknown_source(runner, wrong_inputs, three_sources):

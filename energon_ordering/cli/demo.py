@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -16,11 +17,29 @@ from energon_ordering.cli.options import CONTEXT
 from energon_ordering.cli.preflight import check_dataset, check_pool
 from energon_ordering.cli.recipe import RECIPE, load_recipe
 from energon_ordering.cli.tables import definitions, epochs_rows, measure_table, table
-from energon_ordering.cli.user_error import user_errors
+from energon_ordering.cli.user_error import UserError, user_errors
+
+if TYPE_CHECKING:
+    from energon_ordering.config import OrderingConfig
 
 #: The synthetic dataset's sources: name, samples at ``--scale 1``, length profile.
 DEMO_SOURCES = (("caption", 1600, "trimodal"), ("vqa", 1600, "short"), ("ocr", 1200, "medium"),
                 ("curated", 800, "trimodal"))
+
+
+def _check_sources(cfg: OrderingConfig, recipe: str) -> None:
+    """The recipe's mixture schedule draws only from the demo dataset's sources, checked before
+    the dataset is written."""
+    if cfg.mixture_schedule is None:
+        return
+    have = [name for name, _, _ in DEMO_SOURCES]
+    missing = [s for s in cfg.mixture_schedule.sources if s not in have]
+    if missing:
+        raise UserError(
+            f"--recipe {recipe}: its mixture schedule draws from {missing}, which the demo's "
+            f"synthetic dataset does not have (its sources: {', '.join(have)}); pass a recipe "
+            "whose schedule uses only those sources (e.g. --recipe demo), or run `energon-ordering "
+            f"inspect METADATASET --recipe {recipe}` on a dataset that has its sources.")
 
 
 @click.command("demo", context_settings=CONTEXT)
@@ -40,6 +59,7 @@ def command(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scal
 
     cfg = load_recipe(recipe)
     check_pool(cfg, batch_size)
+    _check_sources(cfg, recipe)  # before the dataset is written
     out_dir = Path(out)
     specs = [SourceSpec(n, max(1, round(c * scale)), p) for n, c, p in DEMO_SOURCES]
     meta = out_dir / f"data_{sum(s.num_samples for s in specs)}" / "metadataset.yaml"

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from energon_ordering.cli.options import CONTEXT
-from energon_ordering.cli.preflight import check_dataset
+from energon_ordering.cli.preflight import check_dataset, check_source_sizes
 from energon_ordering.cli.recipe import RECIPE, load_recipe
 from energon_ordering.cli.tables import epochs_rows, table
 from energon_ordering.cli.user_error import UserError, user_errors
@@ -93,6 +93,7 @@ def command(recipe: str, total_steps: int | None, global_batch_size: int, metada
         sizes = _parse_sizes(source_sizes)
     epochs = None
     if sched is not None and sizes is not None:
+        check_source_sizes(sched.sources, sizes, metadataset=metadataset)
         epochs = epochs_rows(cfg, total_steps, global_batch_size, sizes, warn_above)
     try:
         Path(out).mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ that names the argument, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,32 @@ def check_pool(cfg: OrderingConfig, batch_size: int) -> None:
         raise UserError(f"the recipe's length_sort_pool_size = {pool} is not a multiple of the "
                         f"micro-batch size --batch-size {batch_size} (length_sort_mode: batch); "
                         f"set length_sort_pool_size to {fix}, or change --batch-size.")
+
+
+def source_sizes_flag(sources: Iterable[str], known: Mapping[str, int]) -> str:
+    """``--source-sizes a=1,b=N``: every source, with the sizes known and ``N`` for the rest."""
+    return "--source-sizes " + ",".join(f"{s}={known.get(s, 'N')}" for s in sources)
+
+
+def check_source_sizes(sources: Iterable[str], sizes: Mapping[str, int], *,
+                       metadataset: str | None = None) -> None:
+    """Every source of the recipe's mixture schedule has a size: read from ``metadataset``, or
+    else given with ``--source-sizes``. The message lists both sides and the flag to pass."""
+    sources = list(sources)
+    missing = [s for s in sources if s not in sizes]
+    if not missing:
+        return
+    flag = f"{source_sizes_flag(sources, sizes)} (N: samples of that source)"
+    if metadataset is not None:
+        raise UserError(
+            f"--metadataset {metadataset} has no source {missing} of the recipe's mixture "
+            f"schedule. The metadataset's sources: {', '.join(sizes) or '(none)'} (each entry's "
+            f"`subflavors: {{source: NAME}}`, else its folder name); the recipe's: "
+            f"{', '.join(sources)}. Name the metadataset's entries after the recipe's sources, "
+            f"or pass the samples per source instead of --metadataset: {flag}.")
+    raise UserError(
+        f"--source-sizes has no size for {missing}; the recipe's mixture schedule draws from "
+        f"{', '.join(sources)}: give every one, e.g. {flag}.")
 
 
 def preflight(path: str, configs: list[OrderingConfig], *, batch_size: int, num_workers: int,
