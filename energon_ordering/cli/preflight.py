@@ -70,7 +70,7 @@ def check_pool(cfg: OrderingConfig, batch_size: int) -> None:
                         f"set length_sort_pool_size to {fix}, or change --batch-size.")
 
 
-def source_sizes_flag(sources: Iterable[str], known: Mapping[str, int]) -> str:
+def _source_sizes_flag(sources: Iterable[str], known: Mapping[str, int]) -> str:
     """``--source-sizes a=1,b=N``: every source, with the sizes known and ``N`` for the rest."""
     return "--source-sizes " + ",".join(f"{s}={known.get(s, 'N')}" for s in sources)
 
@@ -83,7 +83,7 @@ def check_source_sizes(sources: Iterable[str], sizes: Mapping[str, int], *,
     missing = [s for s in sources if s not in sizes]
     if not missing:
         return
-    flag = f"{source_sizes_flag(sources, sizes)} (N: samples of that source)"
+    flag = f"{_source_sizes_flag(sources, sizes)} (N: samples of that source)"
     if metadataset is not None:
         raise UserError(
             f"--metadataset {metadataset} has no source {missing} of the recipe's mixture "
