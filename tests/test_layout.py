@@ -2,10 +2,11 @@
 
 Rooms, from the top: ``cli``; ``integrations/`` and ``inspect/``; ``task_encoder``; ``config``;
 ``pool/``, ``mixture/``, ``warmup/``, ``length_index/``; the shared base (``errors``,
-``state_stamp``, ``yaml_file``, ``sample_fields``, ``source_tag``). A room may import rooms below
-it and itself. Within the middle level, ``length_index`` may use ``pool`` (building an index reads
-samples with the pool's deferred loading and measures them with its length key); no other
-sideways import is allowed. Every import counts, including lazy ones inside functions.
+``state_stamp``, ``yaml_file``, ``sqlite_file``, ``sample_fields``, ``source_tag``). A room may
+import rooms below it and itself. Within the middle level, ``length_index`` may use ``pool``
+(building an index reads samples with the pool's deferred loading and measures them with its
+length key); no other sideways import is allowed. Every import counts, including lazy ones
+inside functions.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import energon_ordering
 
 PACKAGE = Path(energon_ordering.__file__).parent
 
-BASE = {"errors", "state_stamp", "yaml_file", "sample_fields", "source_tag", "packaged_recipes"}
+BASE = {
+    "errors", "state_stamp", "yaml_file", "sqlite_file", "sample_fields", "source_tag",
+    "packaged_recipes",
+}
 MIDDLE = {"pool", "mixture", "warmup", "length_index"}
 
 #: The rooms each room may import (besides itself).
@@ -28,6 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "sample_fields": set(),
     "state_stamp": {"errors"},
     "yaml_file": {"errors"},
+    "sqlite_file": set(),
     "packaged_recipes": {"errors"},
     "source_tag": {"sample_fields"},
     "pool": BASE,

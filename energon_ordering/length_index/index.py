@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from energon_ordering.errors import LengthIndexError
+from energon_ordering.sqlite_file import connect_readonly
 
 __all__ = [
     "INDEX_FILE",
@@ -336,7 +337,7 @@ class LengthIndex:
                 "MODULE:CLASS for your encoder)."
             )
         try:
-            con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+            con = connect_readonly(path)
             check = con.execute("PRAGMA quick_check").fetchone()[0]
             if check != "ok":
                 raise sqlite3.DatabaseError(f"integrity check: {check}")
@@ -377,7 +378,7 @@ class LengthIndex:
 
     def _connection(self) -> sqlite3.Connection:
         if self._con is None or self._pid != os.getpid():
-            con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False)
+            con = connect_readonly(self.path, check_same_thread=False)
             row = con.execute("SELECT value FROM meta WHERE name = 'content_digest'").fetchone()
             try:
                 LengthIndexError.check_unchanged(self.path, row and row[0], self.digest)

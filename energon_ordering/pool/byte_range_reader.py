@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from energon_ordering.errors import LengthIndexError, OrderingConfigError
+from energon_ordering.sqlite_file import connect_readonly, readonly_uri
 
 __all__ = ["KEY_BLOCK", "ByteRangeReader", "energon_index_path"]
 
@@ -127,14 +128,14 @@ class ByteRangeReader:
                 f"ByteRangeReader: {self.index_path} does not exist; run `energon prepare "
                 f"{self.base_path}` (Energon >= 7.4) first."
             )
-        return sqlite3.connect(f"file:{self.index_path}?mode=ro", uri=True, check_same_thread=False)
+        return connect_readonly(self.index_path, check_same_thread=False)
 
     def _connection(self) -> sqlite3.Connection:
         self._check_process()
         if self._con is None:
             con = self._open_index()
             if self.lengths is not None:
-                con.execute("ATTACH DATABASE ? AS lengths_index", (f"file:{self.lengths}?mode=ro",))
+                con.execute("ATTACH DATABASE ? AS lengths_index", (readonly_uri(self.lengths),))
                 row = con.execute(
                     "SELECT value FROM lengths_index.meta WHERE name = 'content_digest'"
                 ).fetchone()
