@@ -31,6 +31,7 @@ from energon_ordering.errors import (
     OrderingTypeError,
     SampleLengthError,
     SeqLenOverflowError,
+    ShardReadError,
     StateMismatchError,
 )
 from energon_ordering.mixture.schedule import MixtureSchedule, implied_epochs
@@ -69,6 +70,7 @@ __all__ = [
     "SeqLenWarmup",
     "SeqLenWarmupDataset",
     "SequencePack",
+    "ShardReadError",
     "StateMismatchError",
     "TokenLayout",
     "__version__",

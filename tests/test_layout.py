@@ -125,7 +125,7 @@ def test_public_api() -> None:
         "ScheduledBlendDataset", "SeqLenWarmupDataset", "MixtureSchedule", "SeqLenWarmup",
         "implied_epochs", "TokenLayout", "OrderingError", "OrderingConfigError",
         "OrderingTypeError", "NotRestorableError", "SampleLengthError", "StateMismatchError",
-        "SeqLenOverflowError", "LengthIndexError",
+        "SeqLenOverflowError", "LengthIndexError", "ShardReadError",
     }
     missing = sorted(n for n in names if not hasattr(energon_ordering, n))
     assert not missing
