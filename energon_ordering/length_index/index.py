@@ -378,8 +378,13 @@ class LengthIndex:
 
     def _connection(self) -> sqlite3.Connection:
         if self._con is None or self._pid != os.getpid():
-            con = connect_readonly(self.path, check_same_thread=False)
-            row = con.execute("SELECT value FROM meta WHERE name = 'content_digest'").fetchone()
+            try:
+                con = connect_readonly(self.path, check_same_thread=False)
+                row = con.execute(
+                    "SELECT value FROM meta WHERE name = 'content_digest'"
+                ).fetchone()
+            except sqlite3.Error as e:
+                raise LengthIndexError.corrupt(self.path, self.dataset, e) from e
             try:
                 LengthIndexError.check_unchanged(self.path, row and row[0], self.digest)
             except LengthIndexError:
@@ -391,9 +396,11 @@ class LengthIndex:
 
     def length(self, key: str) -> float:
         """The length of sample ``key``, in tokens."""
-        row = self._connection().execute(
-            "SELECT length FROM lengths WHERE sample_key = ?", (key,)
-        ).fetchone()
+        con = self._connection()
+        try:
+            row = con.execute("SELECT length FROM lengths WHERE sample_key = ?", (key,)).fetchone()
+        except sqlite3.Error as e:
+            raise LengthIndexError.corrupt(self.path, self.dataset, e) from e
         if row is None:
             raise LengthIndexError(
                 f"length index: sample {key!r} of {self.dataset} is not in {self.path} "
