@@ -65,7 +65,7 @@ from megatron.energon.flavors.webdataset.sample_loader import (
 from megatron.energon.rng import WorkerRng
 from megatron.energon.state import FlexState
 
-from energon_ordering.errors import OrderingConfigError
+from energon_ordering.errors import OrderingConfigError, show
 from energon_ordering.sqlite_file import connect_readonly
 from energon_ordering.pool.byte_range_reader import ByteRangeReader, energon_index_path
 from energon_ordering.pool.deferred_load import INDEXED_LENGTH_FIELD
@@ -293,7 +293,7 @@ class IndexFilledLoader(WebdatasetSampleLoaderDataset):
         kind, index = restore_key
         if kind != "Webdataset" or not isinstance(index, int):
             raise OrderingConfigError(
-                f"IndexFilledLoader: restore key {restore_key!r} is not ('Webdataset', index)."
+                f"IndexFilledLoader: restore key {show(restore_key)} is not ('Webdataset', index)."
             )
         return RawSampleData(
             __restore_key__=("Webdataset", index), data=(self.byte_reader.read(index),)
