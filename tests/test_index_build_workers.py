@@ -141,10 +141,10 @@ def test_a_build_never_removes_another_live_builds_temporary_file(web, tmp_path,
             time.sleep(0.05)
         [tmp] = [p for p in web.glob(".nv-meta/*.shared.sqlite.tmp-*")
                  if not p.name.endswith("-journal")]  # sqlite's rollback journal of it
-        assert tmp.name.endswith(f".tmp-{length_index._host()}-{other.pid}")
         monkeypatch.setattr(length_index, "_alive", lambda pid: False)
         write_length_index(web, [("web-00000000", 5.0)], computed_by="this build", name="shared")
         assert tmp.exists()
+        assert tmp.name.endswith(f".tmp-{length_index._host()}-{other.pid}")
     finally:
         go.touch()
         _, err = other.communicate(timeout=120)
