@@ -13,8 +13,10 @@ the lengths (:func:`index_name`; a build without a name writes the unnamed
 ``index.uuid`` at build time, what computed the lengths and a digest of the content.
 ``energon prepare`` writes a new ``index.uuid`` whenever it re-indexes the data, so a stale
 length index is detected and refused; a corrupt file is refused when opened (sqlite
-``quick_check``), and a file replaced while a job reads it is refused when a loader worker opens
-it. Lookups open the file read-only, lazily, once per process (loader workers fork).
+``quick_check``), a file replaced while a job reads it is refused when a loader worker opens
+it, and one damaged after that fails its next lookup with a :class:`LengthIndexError` naming it.
+Lookups open the file read-only (from any folder name, see :mod:`energon_ordering.sqlite_file`),
+lazily, once per process (loader workers fork).
 """
 
 from __future__ import annotations
