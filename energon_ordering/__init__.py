@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "OrderingTypeError": "energon_ordering.errors",
     "SampleLengthError": "energon_ordering.errors",
     "SeqLenOverflowError": "energon_ordering.errors",
+    "ShardReadError": "energon_ordering.errors",
     "StateMismatchError": "energon_ordering.errors",
     "MixtureSchedule": "energon_ordering.mixture.schedule",
     "implied_epochs": "energon_ordering.mixture.schedule",
@@ -70,6 +71,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         OrderingTypeError,
         SampleLengthError,
         SeqLenOverflowError,
+        ShardReadError,
         StateMismatchError,
     )
     from energon_ordering.mixture.schedule import MixtureSchedule, implied_epochs
@@ -107,6 +109,7 @@ __all__ = [
     "SeqLenWarmup",
     "SeqLenWarmupDataset",
     "SequencePack",
+    "ShardReadError",
     "StateMismatchError",
     "TokenLayout",
     "__version__",

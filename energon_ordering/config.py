@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from energon_ordering.mixture.policy import BLEND_POLICIES
-from energon_ordering.errors import OrderingConfigError, OrderingTypeError
+from energon_ordering.errors import OrderingConfigError, OrderingTypeError, show
 from energon_ordering.pool.order import POOL_ORDERS
 from energon_ordering.mixture.schedule import MixtureSchedule
 from energon_ordering.warmup.schedule import SeqLenWarmup
@@ -123,7 +123,8 @@ class OrderingConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise OrderingTypeError(
-                    f"OrderingConfig.{name} = {value!r} ({type(value).__name__}) must be an int."
+                    f"OrderingConfig.{name} = {show(value)} ({type(value).__name__}) must be an "
+                    "int."
                 )
         for name in (
             "length_sort_mode", "length_sort_placement", "length_sort_pool_holds", "blend_policy",
@@ -131,21 +132,23 @@ class OrderingConfig:
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise OrderingTypeError(
-                    f"OrderingConfig.{name} = {value!r} ({type(value).__name__}) must be a string, "
-                    f"e.g. {name} = {value[0]!r}." if isinstance(value, (list, tuple)) and value
+                    f"OrderingConfig.{name} = {show(value)} ({type(value).__name__}) must be a "
+                    "string, "
+                    f"e.g. {name} = {show(value[0])}." if isinstance(value, (list, tuple)) and value
                     and isinstance(value[0], str) else
-                    f"OrderingConfig.{name} = {value!r} ({type(value).__name__}) must be a string."
+                    f"OrderingConfig.{name} = {show(value)} ({type(value).__name__}) must be a "
+                    "string."
                 )
         if self.seq_length_overflow is not None and not isinstance(self.seq_length_overflow, str):
             raise OrderingTypeError(
-                f"OrderingConfig.seq_length_overflow = {self.seq_length_overflow!r} must be a "
+                f"OrderingConfig.seq_length_overflow = {show(self.seq_length_overflow)} must be a "
                 "string (keep, drop or error)."
             )
         for name in ("schedule_lag_compensation", "allow_schedule_change"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise OrderingTypeError(
-                    f"OrderingConfig.{name} = {value!r} must be true or false."
+                    f"OrderingConfig.{name} = {show(value)} must be true or false."
                 )
         if self.micro_batches_per_step < 1:
             raise OrderingConfigError(
@@ -158,7 +161,7 @@ class OrderingConfig:
             )
         if self.blend_policy not in BLEND_POLICIES:
             raise OrderingConfigError(
-                f"OrderingConfig.blend_policy = {self.blend_policy!r} is unknown; use one of "
+                f"OrderingConfig.blend_policy = {show(self.blend_policy)} is unknown; use one of "
                 f"{list(BLEND_POLICIES)}."
             )
         object.__setattr__(self, "mixture_schedule", self._resolve_schedule(self.mixture_schedule))
@@ -169,14 +172,15 @@ class OrderingConfig:
                 overflow = warmup.pop("overflow")
                 if self.seq_length_overflow not in (None, overflow):
                     raise OrderingConfigError(
-                        f"OrderingConfig: seq_length_warmup.overflow = {overflow!r} contradicts "
-                        f"seq_length_overflow = {self.seq_length_overflow!r}; give it once."
+                        f"OrderingConfig: seq_length_warmup.overflow = {show(overflow)} "
+                        f"contradicts seq_length_overflow = {show(self.seq_length_overflow)}; "
+                        "give it once."
                     )
                 object.__setattr__(self, "seq_length_overflow", overflow)
             warmup = SeqLenWarmup.from_dict(warmup)
         if warmup is not None and not isinstance(warmup, SeqLenWarmup):
             raise OrderingTypeError(
-                f"OrderingConfig.seq_length_warmup = {warmup!r} must be a SeqLenWarmup or a "
+                f"OrderingConfig.seq_length_warmup = {show(warmup)} must be a SeqLenWarmup or a "
                 "mapping {start, full, warmup_steps[, multiple_of, kind, overflow]}."
             )
         object.__setattr__(self, "seq_length_warmup", warmup)
@@ -184,8 +188,8 @@ class OrderingConfig:
             object.__setattr__(self, "seq_length_overflow", "keep")
         if self.seq_length_overflow not in OVERFLOW_POLICIES:
             raise OrderingConfigError(
-                f"OrderingConfig.seq_length_overflow = {self.seq_length_overflow!r} is unknown; "
-                f"use one of {list(OVERFLOW_POLICIES)}."
+                f"OrderingConfig.seq_length_overflow = {show(self.seq_length_overflow)} is "
+                f"unknown; use one of {list(OVERFLOW_POLICIES)}."
             )
         if self.length_sort_pool_size < 0:
             raise OrderingConfigError(
@@ -194,19 +198,20 @@ class OrderingConfig:
             )
         if self.length_sort_placement not in PLACEMENTS:
             raise OrderingConfigError(
-                f"OrderingConfig.length_sort_placement = {self.length_sort_placement!r} is "
+                f"OrderingConfig.length_sort_placement = {show(self.length_sort_placement)} is "
                 f"unknown; use one of {list(PLACEMENTS)}."
             )
         if self.length_sort_pool_holds not in POOL_HOLDS:
             raise OrderingConfigError(
-                f"OrderingConfig.length_sort_pool_holds = {self.length_sort_pool_holds!r} is "
+                f"OrderingConfig.length_sort_pool_holds = {show(self.length_sort_pool_holds)} is "
                 f"unknown; use one of {list(POOL_HOLDS)}."
             )
         if self.length_sort_pool_holds == "keys" and self.length_sort_placement != "pre-encode":
             raise OrderingConfigError(
-                f"OrderingConfig.length_sort_pool_holds = {self.length_sort_pool_holds!r} applies "
-                "to the pre-encode pool only (the post-encode pool holds encoded samples); set "
-                "length_sort_placement = 'pre-encode' or drop length_sort_pool_holds."
+                f"OrderingConfig.length_sort_pool_holds = {show(self.length_sort_pool_holds)} "
+                "applies to the pre-encode pool only (the post-encode pool holds encoded "
+                "samples); set length_sort_placement = 'pre-encode' or drop "
+                "length_sort_pool_holds."
             )
         for name in ("packing_buffer_size", "pack_seq_length"):
             value = getattr(self, name)
@@ -214,8 +219,8 @@ class OrderingConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise OrderingTypeError(
-                    f"OrderingConfig.{name} = {value!r} ({type(value).__name__}) must be an int "
-                    "or null."
+                    f"OrderingConfig.{name} = {show(value)} ({type(value).__name__}) must be an "
+                    "int or null."
                 )
             if value < 1:
                 raise OrderingConfigError(
@@ -223,8 +228,8 @@ class OrderingConfig:
                 )
         if self.pack_pool_placement not in PACK_POOL_PLACEMENTS:
             raise OrderingConfigError(
-                f"OrderingConfig.pack_pool_placement = {self.pack_pool_placement!r} is unknown; "
-                f"use one of {list(PACK_POOL_PLACEMENTS)}."
+                f"OrderingConfig.pack_pool_placement = {show(self.pack_pool_placement)} is "
+                f"unknown; use one of {list(PACK_POOL_PLACEMENTS)}."
             )
         if (
             self.pack_pool_placement == "packs"
@@ -242,12 +247,12 @@ class OrderingConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise OrderingTypeError(
-                    f"OrderingConfig.{name} = {value!r} ({type(value).__name__}) must be a string "
-                    "or None."
+                    f"OrderingConfig.{name} = {show(value)} ({type(value).__name__}) must be a "
+                    "string or None."
                 )
         if self.length_sort_mode not in POOL_ORDERS:
             raise OrderingConfigError(
-                f"OrderingConfig.length_sort_mode = {self.length_sort_mode!r} is unknown; use "
+                f"OrderingConfig.length_sort_mode = {show(self.length_sort_mode)} is unknown; use "
                 f"one of {sorted(POOL_ORDERS)}."
             )
 
@@ -266,7 +271,7 @@ class OrderingConfig:
         if isinstance(value, (str, Path)):
             return MixtureSchedule.from_yaml(value, total_steps=self.total_steps)
         raise OrderingTypeError(
-            f"OrderingConfig.mixture_schedule = {value!r} must be a MixtureSchedule, a mapping "
+            f"OrderingConfig.mixture_schedule = {show(value)} must be a MixtureSchedule, a mapping "
             "(inline schedule) or the path of a schedule YAML."
         )
 
@@ -288,15 +293,15 @@ class OrderingConfig:
             placement = d.pop("placement")
             if d.get("length_sort_placement", placement) != placement:
                 raise OrderingConfigError(
-                    f"OrderingConfig: placement = {placement!r} contradicts "
-                    f"length_sort_placement = {d['length_sort_placement']!r}; give it once."
+                    f"OrderingConfig: placement = {show(placement)} contradicts "
+                    f"length_sort_placement = {show(d['length_sort_placement'])}; give it once."
                 )
             d["length_sort_placement"] = placement
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise OrderingConfigError(
-                f"OrderingConfig: unknown setting(s) {unknown}; known settings are "
+                f"OrderingConfig: unknown setting(s) {show(unknown)}; known settings are "
                 f"{sorted(known)}."
             )
         return cls(**dict(d))

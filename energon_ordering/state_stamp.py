@@ -22,17 +22,23 @@ from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 from megatron.energon.flavors.base_dataset import SavableDataset
+from megatron.energon.savable_loader import (
+    SavableDataLoaderState,
+    SavableDatasetCheckpoint,
+    SavableDatasetState,
+)
 from megatron.energon.state import FlexState
 from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.base import BaseWrapperDataset
 
-from energon_ordering.errors import StateMismatchError
+from energon_ordering.errors import StateMismatchError, show
 
 __all__ = [
     "PIPELINE_STAMP_VERSION",
     "PipelineStampDataset",
     "check_loader_state",
     "check_stamp",
+    "check_state_shape",
     "check_writer",
     "restore_state_rank",
     "stamp_differences",
@@ -78,9 +84,9 @@ def stamp_differences(saved: Any, expected: dict[str, Any]) -> str | None:
     if saved == expected:
         return None
     if not isinstance(saved, dict):
-        return f"saved stamp {saved!r}"
+        return f"saved stamp {show(saved)}"
     return "; ".join(
-        f"{k}: saved {saved.get(k)!r} != configured {expected.get(k)!r}"
+        f"{k}: saved {show(saved.get(k))} != configured {show(expected.get(k))}"
         for k in [*expected, *(k for k in saved if k not in expected)]
         if saved.get(k) != expected.get(k)
     )
@@ -262,12 +268,63 @@ def _find_saved_stamp(state: Any) -> Any:
     return None
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_state_shape(state: Any) -> None:
+    """Raises :class:`StateMismatchError` naming the first part of ``state`` that does not have
+    the shape Energon's ``save_state_rank()`` writes: a ``SavableDataLoaderState`` whose
+    ``worker_states`` are one ``FlexState`` (no loader workers) or one
+    ``SavableDatasetCheckpoint`` per worker (an int ``offset`` >= 0 and a ``state`` that is None
+    or a ``SavableDatasetState``), an int ``next_worker_id`` indexing them and a
+    ``micro_batch_size`` that is None or an int >= 1. A state edited by hand or damaged fails
+    here instead of with a bare ``TypeError``/``AttributeError`` inside Energon's restore."""
+    def wrong(where: str, value: Any, should: str) -> StateMismatchError:
+        return StateMismatchError(
+            f"restore_state_rank: {where} is {show(value)} ({type(value).__name__}); {should}. "
+            "The state was edited or damaged: pass the per-rank state exactly as "
+            "loader.save_state_rank() returned it, or start the data stream fresh."
+        )
+
+    if not isinstance(state, SavableDataLoaderState):
+        raise wrong("the state", state, "it must be the SavableDataLoaderState that "
+                    "loader.save_state_rank() returns")
+    entries = state.worker_states
+    if not isinstance(entries, list) or not entries:
+        raise wrong("worker_states", entries, "it must be a non-empty list with one entry per "
+                    "loader worker (one FlexState without workers)")
+    kind = FlexState if isinstance(entries[0], FlexState) else SavableDatasetCheckpoint
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, kind) or (kind is FlexState and len(entries) != 1):
+            raise wrong(f"worker_states[{i}]", entry, "it must be a FlexState (the only entry, "
+                        "no loader workers) or a SavableDatasetCheckpoint (one per worker)")
+        if kind is SavableDatasetCheckpoint:
+            if not _is_int(entry.offset) or entry.offset < 0:
+                raise wrong(f"worker_states[{i}].offset", entry.offset, "it must be an int >= 0")
+            inner = entry.state
+            if inner is not None and not (
+                isinstance(inner, SavableDatasetState)
+                and isinstance(inner.dataset_state, FlexState)
+                and _is_int(inner.sample_index)
+            ):
+                raise wrong(f"worker_states[{i}].state", inner, "it must be None or a "
+                            "SavableDatasetState (a FlexState dataset_state, an int sample_index)")
+    if not _is_int(state.next_worker_id) or not 0 <= state.next_worker_id < len(entries):
+        raise wrong("next_worker_id", state.next_worker_id,
+                    f"it must be an int in [0, {len(entries)}) (an index into worker_states)")
+    batch = state.micro_batch_size
+    if batch is not None and (not _is_int(batch) or batch < 1):
+        raise wrong("micro_batch_size", batch, "it must be None or an int >= 1")
+
+
 def check_loader_state(loader: Any, state: Any) -> None:
     """Checks a ``save_state_rank()`` state against ``loader`` before Energon restores it.
 
     Raises :class:`StateMismatchError` (field, both values, fix) if the state was written for
     another rank, data-parallel size, number of workers, dataset, length index or ordering
-    configuration, or if exactly one of the two was written by a stamped pipeline. ``None``
+    configuration, if exactly one of the two was written by a stamped pipeline, or if the state
+    does not have the shape ``save_state_rank()`` writes (:func:`check_state_shape`). ``None``
     (no state: start fresh) passes.
 
     Args:
@@ -276,13 +333,8 @@ def check_loader_state(loader: Any, state: Any) -> None:
     """
     if state is None:
         return
-    worker_states = getattr(state, "worker_states", None)
-    if not isinstance(worker_states, list) or not worker_states:
-        raise StateMismatchError(
-            f"restore_state_rank: {type(state).__name__} is not a state that "
-            "loader.save_state_rank() wrote (a SavableDataLoaderState with one entry per "
-            "loader worker); pass the per-rank state as it was saved."
-        )
+    check_state_shape(state)
+    worker_states = state.worker_states
     stage = _find_stamp_stage(getattr(loader, "dataset", None))
     saved = [_find_saved_stamp(_saved_pipeline_state(ws)) for ws in worker_states]
     found = [s for s in saved if s is not None]
@@ -290,7 +342,7 @@ def check_loader_state(loader: Any, state: Any) -> None:
         if found:
             raise StateMismatchError(
                 "restore_state_rank: the state was written by a pipeline that OrderingTaskEncoder "
-                f"built (stamp {found[0].get('_stamp')!r}), but this loader's pipeline has no "
+                f"built (stamp {show(found[0].get('_stamp'))}), but this loader's pipeline has no "
                 "energon_ordering stamp; build the loader with the same task encoder and "
                 "OrderingConfig."
             )

@@ -2,11 +2,12 @@
 
 Rooms, from the top: ``cli/``; ``integrations/`` and ``inspect/``; ``task_encoder``; ``config``;
 ``pool/``, ``mixture/``, ``warmup/``, ``length_index/``; the shared base (``errors``,
-``state_stamp``, ``yaml_file``, ``sample_fields``, ``source_tag``). A room may import rooms below
-it and itself. Within the middle level, ``length_index`` may use ``pool`` (building an index reads
-samples with the pool's deferred loading and measures them with its length key); no other
-sideways import is allowed. ``cli/`` is at the top: it may import every other room (and the
-package's ``__version__``), and no room imports it. Every import counts, including lazy ones
+``state_stamp``, ``yaml_file``, ``sqlite_file``, ``sample_fields``, ``source_tag``). A room may
+import rooms below it and itself. Within the middle level, ``length_index`` may use ``pool``
+(building an index reads samples with the pool's deferred loading and measures them with its
+length key); no other sideways import is allowed. ``cli/`` is at the top: it may import every
+other room (and the package's ``__version__``), and no room imports it. Every import counts,
+including lazy ones
 inside functions.
 """
 
@@ -21,7 +22,10 @@ import energon_ordering
 
 PACKAGE = Path(energon_ordering.__file__).parent
 
-BASE = {"errors", "state_stamp", "yaml_file", "sample_fields", "source_tag", "packaged_recipes"}
+BASE = {
+    "errors", "state_stamp", "yaml_file", "sqlite_file", "sample_fields", "source_tag",
+    "packaged_recipes",
+}
 MIDDLE = {"pool", "mixture", "warmup", "length_index"}
 
 #: The rooms each room may import (besides itself).
@@ -30,6 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "sample_fields": set(),
     "state_stamp": {"errors"},
     "yaml_file": {"errors"},
+    "sqlite_file": set(),
     "packaged_recipes": {"errors"},
     "source_tag": {"sample_fields"},
     "pool": BASE,
@@ -131,7 +136,7 @@ def test_public_api() -> None:
         "ScheduledBlendDataset", "SeqLenWarmupDataset", "MixtureSchedule", "SeqLenWarmup",
         "implied_epochs", "TokenLayout", "OrderingError", "OrderingConfigError",
         "OrderingTypeError", "NotRestorableError", "SampleLengthError", "StateMismatchError",
-        "SeqLenOverflowError", "LengthIndexError",
+        "SeqLenOverflowError", "LengthIndexError", "ShardReadError",
     }
     missing = sorted(n for n in names if not hasattr(energon_ordering, n))
     assert not missing

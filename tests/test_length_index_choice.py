@@ -23,6 +23,7 @@ from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder,
 from energon_ordering.length_index.build import build_length_index
 from energon_ordering.length_index.index import (
     INDEX_FILE,
+    _host,
     LengthIndex,
     index_path,
     length_index_files,
@@ -155,7 +156,8 @@ def test_a_sample_that_fails_is_named_or_skipped_and_counted(ds):
 def test_leftovers_of_a_killed_build_are_removed(ds):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    leftover = index_path(ds).with_name(f"{INDEX_FILE}.tmp-{dead.stdout.strip()}")
+    # Named as a build on this host names it (host and PID); not locked: the build is gone.
+    leftover = index_path(ds).with_name(f"{INDEX_FILE}.tmp-{_host()}-{dead.stdout.strip()}")
     leftover.write_bytes(b"partial")
     build_length_index(ds, raw_length_fn=_double_raw)
     assert not leftover.exists()

@@ -38,7 +38,6 @@ the idle ``inspect`` measures on real pipelines.
 from __future__ import annotations
 
 import math
-import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ from energon_ordering.inspect.diagnostics import (
 )
 from energon_ordering.length_index.index import LengthIndex, length_index_files
 from energon_ordering.pool.order import POOL_ORDERS, pool_seed
+from energon_ordering.sqlite_file import connect_readonly
 
 __all__ = [
     "ADVISE_POOL_SIZES",
@@ -121,7 +121,7 @@ def _entries(path: str | Path) -> list[Any]:
 
 def _index_lengths(dataset_path: Any) -> np.ndarray:
     index = LengthIndex.open(dataset_path)  # raises if stale or of another version
-    con = sqlite3.connect(f"file:{index.path}?mode=ro", uri=True)
+    con = connect_readonly(index.path)
     try:
         return np.array([r[0] for r in con.execute("SELECT length FROM lengths")], dtype=np.float64)
     finally:

@@ -12,7 +12,11 @@ come from, in order of preference:
   :class:`~energon_ordering.inspect.length_estimate.LengthEstimateTaskEncoder` when given neither.
 
 With ``workers > 1`` the samples are read in this process and measured in a fork-started
-process pool.
+process pool, :data:`CHUNK` samples per task, in order. A measuring process that dies (killed by
+the OOM killer, a crash in native code) breaks the pool; the build then warns, starts a new pool
+and measures the lost chunks again, once: a chunk lost twice fails the build with a
+:class:`~energon_ordering.errors.LengthIndexError` naming its samples. Never a hang
+(``multiprocessing.Pool.imap`` waits forever for a chunk whose process died).
 """
 
 from __future__ import annotations
@@ -20,7 +24,12 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import time
+import warnings
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from itertools import islice
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +39,7 @@ from megatron.energon.flavors.webdataset.empty_dataset_error import EmptyDataset
 from megatron.energon.metadataset.loader import load_dataset
 
 from energon_ordering.pool.deferred_load import split_loader
-from energon_ordering.errors import LengthIndexError
+from energon_ordering.errors import LengthIndexError, show
 from energon_ordering.length_index.index import (
     IndexSummary,
     index_name,
@@ -83,7 +92,7 @@ class _Measure:
                 return key, None
             what = "--raw-length-fn" if self.raw_length_fn is not None else "decoding/encoding"
             raise LengthIndexError(
-                f"length index: sample {key!r} (shard {files.get('__shard__', '?')}) failed in "
+                f"length index: sample {show(key)} (shard {files.get('__shard__', '?')}) failed in "
                 f"{what}: {type(e).__name__}: {e}. Fix the sample or the function, or skip and "
                 "count such samples with --skip-bad-samples (build_length_index("
                 "skip_bad_samples=True)); they are indexed with length 0."
@@ -97,12 +106,96 @@ def sample_length_of(task_encoder: Any, sample: Any) -> float:
     return length_fn(encoded)
 
 
+#: Samples per task of a measuring process.
+CHUNK = 64
+
 _WORKER_MEASURE: _Measure | None = None
 
 
-def _measure_in_worker(raw: Any) -> tuple[str, float]:
-    assert _WORKER_MEASURE is not None
-    return _WORKER_MEASURE(raw)
+def _measure_chunk(raws: list[Any]) -> list[tuple[str, float | None]]:
+    assert _WORKER_MEASURE is not None  # set before the pool forks
+    return [_WORKER_MEASURE(raw) for raw in raws]
+
+
+@dataclass
+class _Chunk:
+    """Raw samples sent to the pool as one task, and how often a broken pool lost them."""
+
+    raws: list[Any]
+    future: Future | None = None
+    lost: int = 0
+
+    def unfinished(self) -> bool:
+        f = self.future
+        return f is None or not f.done() or f.cancelled() or f.exception() is not None
+
+
+
+def _span(chunks: list[_Chunk]) -> str:
+    """The samples of ``chunks`` for a message: first key .. last key (count)."""
+    first, last = chunks[0].raws[0].data[0]["__key__"], chunks[-1].raws[-1].data[0]["__key__"]
+    count = sum(len(c.raws) for c in chunks)
+    return f"{show(first)} .. {show(last)} ({count} samples in {len(chunks)} chunks)"
+
+
+def _in_processes(raws: Iterator[Any], workers: int) -> Iterator[tuple[str, float | None]]:
+    """``_WORKER_MEASURE`` of every raw sample, in order, measured by ``workers`` processes.
+
+    At most ``2 * workers`` chunks are in flight. When a process dies, the pool is replaced and
+    every chunk it had not finished is submitted again; a chunk lost a second time raises.
+    """
+    ctx = multiprocessing.get_context("fork")
+    pool = ProcessPoolExecutor(workers, mp_context=ctx)
+    chunks = iter(lambda: list(islice(raws, CHUNK)), [])
+    pending: deque[_Chunk] = deque()
+    try:
+        while True:
+            try:
+                while len(pending) < 2 * workers and (raw_chunk := next(chunks, None)) is not None:
+                    pending.append(chunk := _Chunk(raw_chunk))
+                    chunk.future = pool.submit(_measure_chunk, raw_chunk)
+                if not pending:
+                    return
+                results = pending[0].future.result()  # type: ignore[union-attr]
+            except BrokenProcessPool:
+                pool.shutdown(wait=True, cancel_futures=True)
+                pool = _replacement_pool(pending, workers, ctx)
+                continue
+            pending.popleft()
+            yield from results
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _replacement_pool(pending: deque[_Chunk], workers: int, ctx: Any) -> ProcessPoolExecutor:
+    """After a measuring process died: a new pool measuring the unfinished chunks again, with
+    a warning; raises if one of them was lost before."""
+    lost = [c for c in pending if c.unfinished()]
+    twice = [c for c in lost if c.lost]
+    if twice:
+        raise LengthIndexError(
+            "length index: a measuring process died again while measuring samples "
+            f"{_span(twice)}, which a process was measuring when one died before (killed by a "
+            "signal, e.g. the OOM killer, or crashed in native code); nothing was written. "
+            "Build with fewer processes (--workers) or more memory, or find the sample that "
+            "kills it with --workers 1."
+        )
+    warnings.warn(
+        "length index: a measuring process died (killed by a signal, e.g. the OOM killer, or "
+        f"crashed); measuring the samples it and the others had not finished, {_span(lost)}, "
+        f"again in a new pool of {workers} processes (once).",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    pool = ProcessPoolExecutor(workers, mp_context=ctx)
+    for chunk in lost:
+        chunk.lost += 1
+    try:
+        for chunk in lost:
+            chunk.future = pool.submit(_measure_chunk, chunk.raws)
+    except BrokenProcessPool:
+        pass  # broken again already: the next result() finds out, with these chunks unfinished
+    return pool
 
 
 def _measured(
@@ -114,12 +207,10 @@ def _measured(
 ) -> Iterator[tuple[str, float]]:
     global _WORKER_MEASURE
     if workers <= 1:
-        results: Iterator[tuple[str, float]] = map(measure, raws)
-        pool = None
+        results: Iterator[tuple[str, float | None]] = map(measure, raws)
     else:
         _WORKER_MEASURE = measure
-        pool = multiprocessing.get_context("fork").Pool(workers)
-        results = pool.imap(_measure_in_worker, raws, chunksize=64)
+        results = _in_processes(raws, workers)
     try:
         for key, length in results:
             if progress is not None:
@@ -129,9 +220,8 @@ def _measured(
                 length = 0.0
             yield key, length
     finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
+        if workers > 1:
+            results.close()  # type: ignore[union-attr]  # ends the pool now
         _WORKER_MEASURE = None
 
 
@@ -188,7 +278,7 @@ def build_length_index(
         )
     except EmptyDatasetError as e:
         raise LengthIndexError(
-            f"length index of {path}: its split {split_part!r} has no samples ({e}); index the "
+            f"length index of {path}: its split {show(split_part)} has no samples ({e}); index the "
             "split you train on (--split-part train)."
         ) from None
     built: list[BuiltIndex] = []
@@ -202,7 +292,7 @@ def build_length_index(
         t0 = time.perf_counter()
         if len(factory) == 0:
             raise LengthIndexError(
-                f"length index of {label}: its split {split_part!r} has no samples; index the "
+                f"length index of {label}: its split {show(split_part)} has no samples; index the "
                 "split you train on (--split-part train)."
             )
         raw_ds, load_fns = split_loader(DefaultTaskEncoder._load_dataset(task_encoder, entry, 0, wc))
@@ -220,7 +310,7 @@ def build_length_index(
         if summary.samples != len(factory):
             raise LengthIndexError(
                 f"length index of {label}: read {summary.samples} samples, but the dataset's "
-                f"split {split_part!r} has {len(factory)}; is the dataset being prepared again?"
+                f"split {show(split_part)} has {len(factory)}; is the dataset being prepared again?"
             )
         built.append(BuiltIndex(label, summary, time.perf_counter() - t0, skipped))
     return built

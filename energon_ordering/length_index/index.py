@@ -13,24 +13,29 @@ the lengths (:func:`index_name`; a build without a name writes the unnamed
 ``index.uuid`` at build time, what computed the lengths and a digest of the content.
 ``energon prepare`` writes a new ``index.uuid`` whenever it re-indexes the data, so a stale
 length index is detected and refused; a corrupt file is refused when opened (sqlite
-``quick_check``), and a file replaced while a job reads it is refused when a loader worker opens
-it. Lookups open the file read-only, lazily, once per process (loader workers fork).
+``quick_check``), a file replaced while a job reads it is refused when a loader worker opens
+it, and one damaged after that fails its next lookup with a :class:`LengthIndexError` naming it.
+Lookups open the file read-only (from any folder name, see :mod:`energon_ordering.sqlite_file`),
+lazily, once per process (loader workers fork).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import math
 import numbers
 import os
 import re
+import socket
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from energon_ordering.errors import LengthIndexError
+from energon_ordering.errors import LengthIndexError, show
+from energon_ordering.sqlite_file import connect_readonly
 
 __all__ = [
     "INDEX_FILE",
@@ -104,12 +109,52 @@ def length_index_files(dataset: Any, index_dir: str | Path | None = None) -> dic
     return found
 
 
+def _host() -> str:
+    """This machine's name as it appears in temporary file names."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", socket.gethostname()) or "host"
+
+
+def _tmp_path(target: Path) -> Path:
+    """The temporary file of this process's build of ``target``: ``<target>.tmp-<host>-<pid>``
+    (a PID alone names no process on another machine of a shared file system, nor in another
+    PID namespace)."""
+    return target.with_name(f"{target.name}.tmp-{_host()}-{os.getpid()}")
+
+
 def _remove_stale_tmp(folder: Path) -> None:
-    """Removes ``*.tmp-PID`` files that a killed build left behind (their PID is gone)."""
+    """Removes temporary files that killed builds left behind, and only those: written on
+    this host (the name says), by a process that is gone, and not locked (every build holds
+    an ``flock`` on its temporary file; a build in another PID namespace of this host has a
+    PID that looks gone from here, but holds its lock). Files of other hosts are left alone."""
     for tmp in folder.glob(f"{INDEX_FILE.removesuffix('.sqlite')}*.tmp-*"):
-        pid = tmp.name.rsplit(".tmp-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        host, _, pid = tmp.name.rsplit(".tmp-", 1)[-1].rpartition("-")
+        if host != _host() or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        try:
+            fd = os.open(tmp, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live build holds it
+        else:
             tmp.unlink(missing_ok=True)
+            tmp.with_name(f"{tmp.name}-journal").unlink(missing_ok=True)  # sqlite's, if any
+        finally:
+            os.close(fd)
+
+
+def _locked_new_file(path: Path) -> int:
+    """Creates ``path`` (empty) and returns a descriptor holding an exclusive ``flock`` on it,
+    which marks the file as a live build's until the descriptor is closed."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pass  # a file system without flock: the host and PID in the name still protect it
+    return fd
 
 
 def _alive(pid: int) -> bool:
@@ -139,8 +184,8 @@ def _check_length(key: str, length: Any) -> float:
         math.isfinite(length) and length >= 0
     ):
         raise LengthIndexError(
-            f"length index: the length of sample {key!r} is {length!r}; it must be a finite "
-            "number >= 0 (tokens)."
+            f"length index: the length of sample {show(key)} is {show(length)}; it must be a "
+            "finite number >= 0 (tokens)."
         )
     return float(length)
 
@@ -165,9 +210,11 @@ def write_length_index(
 ) -> IndexSummary:
     """Writes the length index of ``dataset`` from ``(sample key, length)`` pairs.
 
-    The file is written under a temporary name and renamed, so a crash never leaves a partial
-    index behind; temporary files of killed builds are removed. A key seen twice is an error
-    (the pool could not tell the two apart).
+    The file is written under a temporary name (``<file>.tmp-<host>-<pid>``, ``flock``-ed while
+    the build runs) and renamed, so a crash never leaves a partial index behind; temporary files
+    of killed builds on this host are removed, a live build's never (see
+    :func:`_remove_stale_tmp`). A key seen twice is an error (the pool could not tell the two
+    apart).
 
     Args:
         dataset: The prepared dataset folder.
@@ -179,14 +226,18 @@ def write_length_index(
     """
     uuid = dataset_uuid(dataset)
     target = index_path(dataset, name, index_dir)
+    tmp = _tmp_path(target)
+    lock: int | None = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_tmp(target.parent)
-        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-        tmp.unlink(missing_ok=True)
+        lock = _locked_new_file(tmp)
         con = sqlite3.connect(tmp)
         con.execute("CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
     except (OSError, sqlite3.OperationalError) as e:
+        if lock is not None:
+            tmp.unlink(missing_ok=True)
+            os.close(lock)
         where = (
             "pass a writable --index-dir"
             if index_dir is not None
@@ -223,9 +274,11 @@ def write_length_index(
     except BaseException:
         con.close()
         tmp.unlink(missing_ok=True)
+        os.close(lock)
         raise
     con.close()
     tmp.replace(target)
+    os.close(lock)
     return IndexSummary(target, uuid, count, total)
 
 
@@ -250,8 +303,8 @@ def _insert(
                 "SELECT 1 FROM lengths WHERE sample_key = ?", (key,)
             ).fetchone():
                 raise LengthIndexError(
-                    f"length index: sample key {key!r} occurs twice in the dataset; keys must be "
-                    "unique for the pool to look lengths up. Rename the samples (webdataset "
+                    f"length index: sample key {show(key)} occurs twice in the dataset; keys must "
+                    "be unique for the pool to look lengths up. Rename the samples (webdataset "
                     "__key__) or use length_sort_placement = 'post-encode'."
                 ) from None
             seen.add(key)
@@ -313,8 +366,8 @@ class LengthIndex:
             if not path.exists():
                 raise LengthIndexError(
                     f"length index: {path} does not exist (OrderingConfig.length_index = "
-                    f"{name!r}); the indexes of {dataset} are {_names(files)}. Choose one of them "
-                    f"or build it with `energon-ordering index {local_dataset_path(dataset)} "
+                    f"{show(name)}); the indexes of {dataset} are {_names(files)}. Choose one of "
+                    f"them or build it with `energon-ordering index {local_dataset_path(dataset)} "
                     f"--name {name}`."
                 )
         elif prefer is not None and index_name(prefer) in files:
@@ -336,7 +389,7 @@ class LengthIndex:
                 "MODULE:CLASS for your encoder)."
             )
         try:
-            con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+            con = connect_readonly(path)
             check = con.execute("PRAGMA quick_check").fetchone()[0]
             if check != "ok":
                 raise sqlite3.DatabaseError(f"integrity check: {check}")
@@ -351,15 +404,15 @@ class LengthIndex:
         version = meta.get("index_version")
         if version != str(INDEX_VERSION):
             raise LengthIndexError(
-                f"length index: {path} has index_version = {version!r}, this package reads "
+                f"length index: {path} has index_version = {show(version)}, this package reads "
                 f"version {INDEX_VERSION}. {rebuild}"
             )
         uuid = dataset_uuid(dataset)
         if meta.get("dataset_uuid") != uuid:
             raise LengthIndexError(
                 f"length index: {path} is stale: it was built for dataset index.uuid = "
-                f"{meta.get('dataset_uuid')!r}, but {dataset} now has index.uuid = {uuid!r} "
-                f"(the data was prepared again). {rebuild}"
+                f"{show(meta.get('dataset_uuid'))}, but {dataset} now has index.uuid = "
+                f"{show(uuid)} (the data was prepared again). {rebuild}"
             )
         return cls(
             dataset,
@@ -377,8 +430,13 @@ class LengthIndex:
 
     def _connection(self) -> sqlite3.Connection:
         if self._con is None or self._pid != os.getpid():
-            con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False)
-            row = con.execute("SELECT value FROM meta WHERE name = 'content_digest'").fetchone()
+            try:
+                con = connect_readonly(self.path, check_same_thread=False)
+                row = con.execute(
+                    "SELECT value FROM meta WHERE name = 'content_digest'"
+                ).fetchone()
+            except sqlite3.Error as e:
+                raise LengthIndexError.corrupt(self.path, self.dataset, e) from e
             try:
                 LengthIndexError.check_unchanged(self.path, row and row[0], self.digest)
             except LengthIndexError:
@@ -390,12 +448,14 @@ class LengthIndex:
 
     def length(self, key: str) -> float:
         """The length of sample ``key``, in tokens."""
-        row = self._connection().execute(
-            "SELECT length FROM lengths WHERE sample_key = ?", (key,)
-        ).fetchone()
+        con = self._connection()
+        try:
+            row = con.execute("SELECT length FROM lengths WHERE sample_key = ?", (key,)).fetchone()
+        except sqlite3.Error as e:
+            raise LengthIndexError.corrupt(self.path, self.dataset, e) from e
         if row is None:
             raise LengthIndexError(
-                f"length index: sample {key!r} of {self.dataset} is not in {self.path} "
+                f"length index: sample {show(key)} of {self.dataset} is not in {self.path} "
                 f"({self.samples} samples, computed by {self.computed_by}); was it built for "
                 f"another split? Rebuild it with `energon-ordering index {self.dataset} "
                 "--split-part <the training split>`."

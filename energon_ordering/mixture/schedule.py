@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from energon_ordering.errors import OrderingConfigError, OrderingTypeError
+from energon_ordering.errors import OrderingConfigError, OrderingTypeError, show
 from energon_ordering.yaml_file import load_yaml
 
 __all__ = [
@@ -72,10 +72,10 @@ def _err(where: str, msg: str) -> OrderingConfigError:
 
 def _weight_value(where: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise _err(where, f"weight {value!r} is not a number; use a finite value >= 0.")
+        raise _err(where, f"weight {show(value)} is not a number; use a finite value >= 0.")
     value = float(value)
     if not math.isfinite(value) or value < 0:
-        raise _err(where, f"weight {value!r} is invalid; use a finite value >= 0.")
+        raise _err(where, f"weight {show(value)} is invalid; use a finite value >= 0.")
     return value
 
 
@@ -83,7 +83,7 @@ def _step_value(where: str, value: Any) -> int:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)  # JSON objects have string keys
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise _err(where, f"knot step {value!r} must be an int >= 0.")
+        raise _err(where, f"knot step {show(value)} must be an int >= 0.")
     return int(value)
 
 
@@ -110,12 +110,14 @@ class Knots:
             if len(spec) != 1 or next(iter(spec)) not in ("linear", "step"):
                 raise _err(
                     where,
-                    f"weight {dict(spec)!r} must be a number, {{linear: {{step: weight, ...}}}} "
-                    "or {step: {step: weight, ...}}.",
+                    f"weight {show(dict(spec))} must be a number, "
+                    "{linear: {step: weight, ...}} or {step: {step: weight, ...}}.",
                 )
             kind, knots = next(iter(spec.items()))
             if not isinstance(knots, Mapping) or not knots:
-                raise _err(where, f"{kind} knots {knots!r} must be a non-empty mapping step -> weight.")
+                raise _err(
+                    where, f"{kind} knots {show(knots)} must be a non-empty mapping step -> weight."
+                )
             items = sorted((_step_value(where, s), _weight_value(where, v)) for s, v in knots.items())
             steps = tuple(s for s, _ in items)
             if len(set(steps)) != len(steps):
@@ -213,14 +215,16 @@ class MixtureSchedule:
     @classmethod
     def _from_sources(cls, sources: Any, total: int | None) -> MixtureSchedule:
         if not isinstance(sources, Mapping) or not sources:
-            raise _err("sources", f"{sources!r} must be a non-empty mapping name -> {{weight: ...}}.")
+            raise _err(
+                "sources", f"{show(sources)} must be a non-empty mapping name -> {{weight: ...}}."
+            )
         names, knots = [], []
         for name, spec in sources.items():
-            where = f"source {name!r}"
+            where = f"source {show(name)}"
             if not isinstance(name, str) or not name:
                 raise _err(where, "source names must be non-empty strings.")
             if not isinstance(spec, Mapping) or set(spec) != {"weight"}:
-                raise _err(where, f"{spec!r} must be {{weight: <number or knots>}}.")
+                raise _err(where, f"{show(spec)} must be {{weight: <number or knots>}}.")
             names.append(name)
             knots.append(Knots.parse(where, spec["weight"]))
         return cls(tuple(names), total, knots=tuple(knots))
@@ -228,7 +232,7 @@ class MixtureSchedule:
     @classmethod
     def _from_phases(cls, phases: Any, total: int | None) -> MixtureSchedule:
         if not isinstance(phases, Sequence) or isinstance(phases, str) or not phases:
-            raise _err("phases", f"{phases!r} must be a non-empty list of {{until, weights}}.")
+            raise _err("phases", f"{show(phases)} must be a non-empty list of {{until, weights}}.")
         _check_same_sources(phases)
         names: tuple[str, ...] | None = None
         parsed: list[Phase] = []
@@ -236,7 +240,7 @@ class MixtureSchedule:
         for i, ph in enumerate(phases):
             where = f"phase {i}"
             if not isinstance(ph, Mapping):
-                raise _err(where, f"{ph!r} must be a mapping with `until` and `weights`.")
+                raise _err(where, f"{show(ph)} must be a mapping with `until` and `weights`.")
             extra = sorted(set(ph) - {"until", "weights", "ramp_steps"})
             if extra or "until" not in ph or "weights" not in ph:
                 raise _err(where, f"keys {sorted(ph)}: need `until` and `weights`, optional `ramp_steps`.")
@@ -244,29 +248,31 @@ class MixtureSchedule:
             if end <= prev_end:
                 raise _err(
                     where,
-                    f"until = {ph['until']!r} (step {end}) does not come after the previous "
+                    f"until = {show(ph['until'])} (step {end}) does not come after the previous "
                     f"phase's end (step {prev_end}), which leaves the phase with zero steps (a "
                     "fraction is rounded to a whole step). List phases in increasing `until`, at "
                     "least one step apart.",
                 )
             w = ph["weights"]
             if not isinstance(w, Mapping) or not w:
-                raise _err(where, f"weights {w!r} must be a non-empty mapping source -> weight.")
+                raise _err(
+                    where, f"weights {show(w)} must be a non-empty mapping source -> weight."
+                )
             bad_keys = [n for n in w if not isinstance(n, str)]
             if bad_keys:
                 raise _err(
                     where,
-                    f"weights are keyed by {bad_keys!r}; source names must be strings (quote "
+                    f"weights are keyed by {show(bad_keys)}; source names must be strings (quote "
                     "them in YAML, e.g. '2024': 0.5).",
                 )
             if names is None:
                 names = tuple(str(n) for n in w)
-            values = tuple(_weight_value(f"{where} source {n!r}", w[n]) for n in names)
+            values = tuple(_weight_value(f"{where} source {show(n)}", w[n]) for n in names)
             if sum(values) <= 0:
                 raise _err(where, f"all weights are 0 ({dict(w)}); give one source a weight > 0.")
             ramp = ph.get("ramp_steps", 0)
             if isinstance(ramp, bool) or not isinstance(ramp, numbers.Integral) or ramp < 0:
-                raise _err(where, f"ramp_steps = {ramp!r} must be an int >= 0.")
+                raise _err(where, f"ramp_steps = {show(ramp)} must be an int >= 0.")
             if ramp and i == 0:
                 raise _err(where, "ramp_steps on the first phase has nothing to ramp from; remove it.")
             if ramp > end - prev_end:
@@ -387,8 +393,11 @@ def unknown_source_message(name: str, known: Sequence[str]) -> str:
     """``"unknown source 'captoin' (did you mean 'caption'?)"``: names a source that is not
     among ``known`` and, if one is close, the source it was probably meant to be."""
     close = _closest(name, known)
-    hint = f" (did you mean {close!r}?)" if close else f" (known: {sorted(map(str, known))})"
-    return f"unknown source {name!r}{hint}"
+    hint = (
+        f" (did you mean {show(close)}?)" if close
+        else f" (known: {show(sorted(map(str, known)))})"
+    )
+    return f"unknown source {show(name)}{hint}"
 
 
 def _closest(name: str, known: Sequence[str]) -> str | None:
@@ -424,7 +433,7 @@ def _check_same_sources(phases: Sequence[Any]) -> None:
         meant = {_closest(n, missing) for n in unknown}
         problems += [f"phase {i}: {unknown_source_message(n, missing or sorted(reference))}"
                      for n in unknown]
-        problems += [f"phase {i}: source {n!r} is missing" for n in missing if n not in meant]
+        problems += [f"phase {i}: source {show(n)} is missing" for n in missing if n not in meant]
     others = ", ".join(str(i) for i in votes[reference])
     raise _err(
         "phases",
@@ -435,27 +444,29 @@ def _check_same_sources(phases: Sequence[Any]) -> None:
 
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise _err(name, f"{name} = {value!r} must be an int >= 1.")
+        raise _err(name, f"{name} = {show(value)} must be an int >= 1.")
     return int(value)
 
 
 def _phase_end(where: str, until: Any, total: int | None) -> int:
     if isinstance(until, bool) or not isinstance(until, numbers.Real) or not math.isfinite(until):
-        raise _err(where, f"until = {until!r} must be a fraction (float <= 1) or a step (int).")
+        raise _err(where, f"until = {show(until)} must be a fraction (float <= 1) or a step (int).")
     if isinstance(until, numbers.Integral):
         if until < 1:
-            raise _err(where, f"until = {until!r} must be a step >= 1 (or a fraction such as 0.9).")
+            raise _err(
+                where, f"until = {show(until)} must be a step >= 1 (or a fraction such as 0.9)."
+            )
         return int(until)
     if not 0 < until <= 1:
         raise _err(
             where,
-            f"until = {until!r}: a float is a fraction of total_steps and must lie in (0, 1]; "
+            f"until = {show(until)}: a float is a fraction of total_steps and must lie in (0, 1]; "
             "write an absolute step as an int.",
         )
     if total is None:
         raise _err(
             where,
-            f"until = {until!r} is a fraction of total_steps, but total_steps is not set; add "
+            f"until = {show(until)} is a fraction of total_steps, but total_steps is not set; add "
             "`total_steps: N` to the schedule (or OrderingConfig.total_steps).",
         )
     return int(round(until * total))
@@ -500,7 +511,7 @@ def implied_epochs(
         size = source_sizes[name]
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
             raise OrderingConfigError(
-                f"implied_epochs: source_sizes[{name!r}] = {size!r} must be an int >= 1."
+                f"implied_epochs: source_sizes[{show(name)}] = {show(size)} must be an int >= 1."
             )
         out[name] = float(draws * global_batch_size / size)
     if warn_above is not None:

@@ -48,7 +48,6 @@ encoder uses it for sources whose lengths come from a length index, with ``holds
 
 from __future__ import annotations
 
-import sqlite3
 from bisect import bisect_right
 from collections.abc import Generator
 from pathlib import Path
@@ -66,7 +65,8 @@ from megatron.energon.flavors.webdataset.sample_loader import (
 from megatron.energon.rng import WorkerRng
 from megatron.energon.state import FlexState
 
-from energon_ordering.errors import OrderingConfigError
+from energon_ordering.errors import OrderingConfigError, show
+from energon_ordering.sqlite_file import connect_readonly
 from energon_ordering.pool.byte_range_reader import ByteRangeReader, energon_index_path
 from energon_ordering.pool.deferred_load import INDEXED_LENGTH_FIELD
 
@@ -87,7 +87,7 @@ def index_fill_problem(loader: WebdatasetSampleLoaderDataset) -> str | None:
     index = energon_index_path(reader.base_path.local_path())
     if not index.is_file():
         return f"{reader.base_path} has no .nv-meta/index.sqlite"
-    con = sqlite3.connect(f"file:{index}?mode=ro", uri=True)
+    con = connect_readonly(index)
     try:
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     finally:
@@ -293,7 +293,7 @@ class IndexFilledLoader(WebdatasetSampleLoaderDataset):
         kind, index = restore_key
         if kind != "Webdataset" or not isinstance(index, int):
             raise OrderingConfigError(
-                f"IndexFilledLoader: restore key {restore_key!r} is not ('Webdataset', index)."
+                f"IndexFilledLoader: restore key {show(restore_key)} is not ('Webdataset', index)."
             )
         return RawSampleData(
             __restore_key__=("Webdataset", index), data=(self.byte_reader.read(index),)
