@@ -143,7 +143,7 @@ def _run_to_end(make, state):
     return out
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", ["alone", "samples", "packs"])
 def test_a_state_saved_at_the_end_of_a_finite_epoch_resumes_with_the_remainder(tail_dataset, mode, num_workers):
     # before the fix: "alone" re-emitted documents from the third-last micro-batch on, the pools

@@ -96,7 +96,8 @@ class FinitePackingDataset(
             self.epoch_end()
 
     def config(self) -> dict[str, Any]:
-        return {**super().config(), "epoch_end": None if self.epoch_end is None else self._function_config(self.epoch_end)}
+        epoch_end = None if self.epoch_end is None else self._function_config(self.epoch_end)
+        return {**super().config(), "epoch_end": epoch_end}
 
     def __str__(self) -> str:
         return f"Finite{super().__str__()}"

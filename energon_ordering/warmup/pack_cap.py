@@ -18,18 +18,23 @@ each pack is built to the target of the micro-batch it will be emitted in
 The default packer packs first-fit decreasing with these per-pack capacities (non-decreasing,
 since caps never shrink). A user's packer gets the round's first target (``cut_for_packing``
 and :func:`round_target`, which ``OrderingTaskEncoder.ordering_pack_target`` returns while it
-runs): caps never shrink, so every pack still fits the cap of its emission step. Measured with
-``tools/bench_packing.py`` during a steep warmup: building every pack of a pool of packs at the
-cap of the step the pool fills in left packs at 41% of their emission step's cap.
+runs; an encoder attribute it packs to, such as Megatron-LM's ``packing_seq_length``, holds the
+target for the call): caps never shrink, so every pack still fits the cap of its emission step.
+Whatever the packer returns, a pack of several documents above the target of its emission
+position is re-split first-fit decreasing, counted (``packs_over_cap``) and logged, or refused
+under ``overflow="error"`` (:meth:`PackCapDataset.fit_packs`): never emitted over its cap.
+Measured with ``tools/bench_packing.py`` during a steep warmup: building every pack of a pool of
+packs at the cap of the step the pool fills in left packs at 41% of their emission step's cap.
 
 :class:`PackCapPrePacker` wraps ``select_samples_to_pack``: it first cuts every sample longer
 than the target (text only, from the end; media never, see
 :mod:`energon_ordering.warmup.token_layout`), applies the overflow policy to samples whose media
-alone exceed it, then hands the buffer to the packer. A cut sample's restore key gets the cap
-it was cut to, through :class:`PackCapDataset`, the stage directly below ``PackingDataset``: when
-a checkpointed pack (or a buffered sample) is restored, Energon restores each packed sample by
-its key, and this stage cuts it again at the same point. So a restored pack is identical: keys,
-cut points and token contents.
+alone exceed it, then hands the buffer to the packer. The cut and the overflow policy are
+:class:`~energon_ordering.warmup.cap_cut.CapCutter`'s, as in the batch-time warmup. A cut
+sample's restore key gets the cap it was cut to, through :class:`PackCapDataset`, the stage
+directly below ``PackingDataset``, once per cut: when a checkpointed pack (or a buffered sample)
+is restored, Energon restores each packed sample by its key, and this stage cuts it again at
+every cap it names. So a restored pack is identical: keys, cut points and token contents.
 """
 
 from __future__ import annotations

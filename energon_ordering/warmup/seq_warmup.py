@@ -12,7 +12,13 @@ from megatron.energon.wrappers.base import BaseWrapperDataset
 
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.state_stamp import check_stamp
-from energon_ordering.warmup.cap_cut import MAX_CONSECUTIVE_DROPS, CapCutter, CapWording, new_counts, new_epoch_counts
+from energon_ordering.warmup.cap_cut import (
+    MAX_CONSECUTIVE_DROPS,
+    CapCutter,
+    CapWording,
+    new_counts,
+    new_epoch_counts,
+)
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES, TokenLayout
 
