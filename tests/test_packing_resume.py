@@ -232,6 +232,33 @@ def test_a_packer_that_reads_its_packing_seq_length_gets_the_rounds_target(tail_
     assert te.packing_seq_length == 2048  # set for the call only
 
 
+class KnapsackTE(AttributePackerTE):
+    """Refuses a document above its ``packing_seq_length``, as Megatron's greedy_knapsack does;
+    every third sample has 300 media tokens, more than the first caps (256)."""
+
+    def media_tokens(self, sample):
+        return 300 if int(sample.__key__.rsplit("-", 1)[1]) % 3 == 0 else 64
+
+    def select_samples_to_pack(self, samples):
+        longest = max(s.total_len for s in samples)
+        if longest > self.packing_seq_length:
+            raise ValueError(f"knapsack: A sample is larger {longest} than the max_sequence_length")
+        return super().select_samples_to_pack(samples)
+
+
+def test_documents_kept_over_the_cap_are_packed_alone_not_handed_to_a_target_attribute_packer(tail_dataset):
+    warm = SeqLenWarmup(**WARMUP)
+    loader = build_train_loader(tail_dataset, ordering=_cfg("samples"), batch_size=2, repeat=False,
+                                shuffle_buffer_size=8, task_encoder_factory=KnapsackTE)
+    batches = list(loader)
+    close_loader(loader)
+    assert not _over_cap(batches, warm)
+    # overflow "keep": every document arrives once, the big images alone and uncut
+    assert sorted(k for b in batches for k in b.keys) == [f"web-{i:08d}" for i in range(160)]
+    assert any(len(p) == 1 and p[0] > pack_target(i // 2, 2048, warm)
+               for i, b in enumerate(batches) for p in b.pack_lengths)
+
+
 def test_a_pack_over_its_cap_is_refused_under_overflow_error(tail_dataset):
     loader = build_train_loader(tail_dataset, ordering=_cfg("samples", seq_length_overflow="error"), batch_size=2,
                                 task_encoder_factory=FixedLengthPackerTE)

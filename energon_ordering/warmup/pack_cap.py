@@ -442,7 +442,9 @@ class PackCapPrePacker:
             pack is cut to the target of the pack it opens), and ``packer`` is not called.
         target_attribute: ``(owner, name)``: an attribute the user's packer reads as its pack
             length (Megatron-LM's ``examples/multimodal`` encoder packs to its
-            ``packing_seq_length``); set to the round's target while ``packer`` runs.
+            ``packing_seq_length``); set to the round's target while ``packer`` runs. A
+            document above that target (its media alone exceed it, overflow ``keep``) is then
+            packed alone instead of handed to the packer.
     """
 
     def __init__(
@@ -489,10 +491,19 @@ class PackCapPrePacker:
             # a user's packer: every pack of the round fits the first pack's target
             target = None if targets is None else targets[0]
             samples = self.stage.cut_for_packing(samples, target=target)
+            alone: list[list[Any]] = []
+            if self.target_attribute is not None and target is not None:
+                # overflow "keep": a document whose media alone exceed the target is packed
+                # alone, uncut; a packer told the target in an attribute would refuse it
+                # (Megatron's greedy_knapsack raises, and Energon then skips the whole buffer)
+                over = [self.length_fn(s) > target for s in samples]
+                alone = [[s] for s, o in zip(samples, over) if o]
+                samples = [s for s, o in zip(samples, over) if not o]
             if not samples:
-                return []
+                return alone
             with self._packer_reads(target):
                 packs = self.packer(samples)
+            packs = [*packs, *alone]
             if targets is None:
                 return packs
             return self.stage.fit_packs(packs, targets, self.length_fn, self.bin_packer, self._packer_name())
