@@ -22,6 +22,7 @@ from megatron.energon.wrappers import (
 
 from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
+from energon_ordering.pool.finite_packing import FinitePackingDataset
 from energon_ordering.pool.finite_shuffle_buffer import FiniteShuffleBufferDataset
 from energon_ordering.pool.deferred_load import Defer, DeferredLength, Materialize, split_loader
 from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
@@ -532,12 +533,6 @@ class OrderingTaskEncoder:
             )
         if packing:
             with self._ordering_default_packers():
-                if not (cfg.length_sort_enabled or cfg.seq_length_warmup is not None
-                        or cfg.pack_seq_length is not None):
-                    return super().build_batch(  # type: ignore[misc]
-                        dataset, batch_size=batch_size, worker_config=worker_config,
-                        packing_buffer_size=packing_buffer_size, **kwargs
-                    )
                 return self._ordering_build_packing(
                     cfg, dataset, batch_size=batch_size, worker_config=worker_config,
                     packing_buffer_size=packing_buffer_size, **kwargs
@@ -588,13 +583,14 @@ class OrderingTaskEncoder:
             cap, batch_size=None, worker_config=worker_config,
             packing_buffer_size=packing_buffer_size,
         )
-        if default_packer:
-            packed.pre_packer = PackCapPrePacker(
-                packed.pre_packer, cap, length_fn=self.ordering_sample_length,
-                bin_packer=first_fit_decreasing,
-            )
-        else:
-            packed.pre_packer = PackCapPrePacker(packed.pre_packer, cap)
+        # Energon's packer, resumable at the end of a finite epoch; the pre-packer cuts the
+        # buffer to the pack target and holds every pack to its emission step's target
+        packed = FinitePackingDataset.replacing(packed, epoch_end=cap.end_epoch)
+        packed.pre_packer = PackCapPrePacker(
+            packed.pre_packer, cap, length_fn=self.ordering_sample_length,
+            bin_packer=first_fit_decreasing, packs_itself=default_packer,
+            target_attribute=None if default_packer else _packer_target_attribute(self),
+        )
         if pool_of_packs:
             # under the warmup the pool tells the packer where each pack goes, and sorts only
             # among positions with one cap: every pack is built to its emission step's cap
@@ -635,6 +631,13 @@ class _DefaultPacker:
 
     def __repr__(self) -> str:
         return self.__qualname__
+
+
+def _packer_target_attribute(encoder: Any) -> tuple[Any, str] | None:
+    """Where a user's packer reads its pack length: Megatron-LM's ``examples/multimodal``
+    encoder packs with ``greedy_knapsack(..., self.packing_seq_length)``, so during the warmup
+    that attribute holds the round's target while ``select_samples_to_pack`` runs."""
+    return (encoder, "packing_seq_length") if hasattr(encoder, "packing_seq_length") else None
 
 
 def _source_name(loaded: Any) -> str:

@@ -589,7 +589,7 @@ def test_pack_pool_is_in_the_pipeline(small_dataset):
             break
         node = node.dataset
     i = chain.index("PackPoolSortDataset")
-    assert chain[i : i + 3] == ["PackPoolSortDataset", "PackingDataset", "PackCapDataset"]
+    assert chain[i : i + 3] == ["PackPoolSortDataset", "FinitePackingDataset", "PackCapDataset"]
     assert "LengthPoolSortDataset" not in chain and "SeqLenWarmupDataset" not in chain
     te.ordering = _cfg("samples")
     ds = get_train_dataset(small_dataset, batch_size=2, worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),

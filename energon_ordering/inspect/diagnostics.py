@@ -111,8 +111,9 @@ def switch_lag(realized: Sequence[float], target: Sequence[float]) -> float:
 
 def warmup_counts(loader_state: object) -> dict[str, int]:
     """Sums the sequence-length warmup counters (seen, truncated, truncated_tokens,
-    kept_over_cap, dropped) over every worker in a ``save_state_rank()`` result (of the batch-time
-    warmup, or of the pack-time cut with packing)."""
+    kept_over_cap, dropped; with packing also packs_over_cap: packs of the packer above the cap of
+    their emission step, re-split first-fit) over every worker in a ``save_state_rank()`` result
+    (of the batch-time warmup, or of the pack-time cut with packing)."""
     import dataclasses
 
     total: dict[str, int] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 from megatron.energon.flavors.base_dataset import SavableDataset
 from megatron.energon.wrappers.base import BaseWrapperDataset
 from megatron.energon.wrappers.map_dataset import MapDataset
+from megatron.energon.wrappers.packing_dataset import PackingDataset
 
 from energon_ordering.errors import NotRestorableError
 
@@ -50,7 +51,7 @@ def explain_not_restorable(dataset: SavableDataset) -> NotRestorableError | None
             f"`@stateless(restore_seeds=True)` if it draws random numbers) and make its output "
             f"depend on the sample only. {why}"
         )
-    if type(culprit).__name__ == "PackingDataset":
+    if isinstance(culprit, PackingDataset):  # Energon's, or our FinitePackingDataset
         fn = SavableDataset._function_config(culprit.final_packer)
         return NotRestorableError(
             f"{fn} (pack_selected_samples) is not marked stateless, so packs cannot be restored "

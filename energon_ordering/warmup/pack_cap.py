@@ -18,18 +18,23 @@ each pack is built to the target of the micro-batch it will be emitted in
 The default packer packs first-fit decreasing with these per-pack capacities (non-decreasing,
 since caps never shrink). A user's packer gets the round's first target (``cut_for_packing``
 and :func:`round_target`, which ``OrderingTaskEncoder.ordering_pack_target`` returns while it
-runs): caps never shrink, so every pack still fits the cap of its emission step. Measured with
-``tools/bench_packing.py`` during a steep warmup: building every pack of a pool of packs at the
-cap of the step the pool fills in left packs at 41% of their emission step's cap.
+runs; an encoder attribute it packs to, such as Megatron-LM's ``packing_seq_length``, holds the
+target for the call): caps never shrink, so every pack still fits the cap of its emission step.
+Whatever the packer returns, a pack of several documents above the target of its emission
+position is re-split first-fit decreasing, counted (``packs_over_cap``) and logged, or refused
+under ``overflow="error"`` (:meth:`PackCapDataset.fit_packs`): never emitted over its cap.
+Measured with ``tools/bench_packing.py`` during a steep warmup: building every pack of a pool of
+packs at the cap of the step the pool fills in left packs at 41% of their emission step's cap.
 
 :class:`PackCapPrePacker` wraps ``select_samples_to_pack``: it first cuts every sample longer
 than the target (text only, from the end; media never, see
 :mod:`energon_ordering.warmup.token_layout`), applies the overflow policy to samples whose media
-alone exceed it, then hands the buffer to the packer. A cut sample's restore key gets the cap
-it was cut to, through :class:`PackCapDataset`, the stage directly below ``PackingDataset``: when
-a checkpointed pack (or a buffered sample) is restored, Energon restores each packed sample by
-its key, and this stage cuts it again at the same point. So a restored pack is identical: keys,
-cut points and token contents.
+alone exceed it, then hands the buffer to the packer. The cut and the overflow policy are
+:class:`~energon_ordering.warmup.cap_cut.CapCutter`'s, as in the batch-time warmup. A cut
+sample's restore key gets the cap it was cut to, through :class:`PackCapDataset`, the stage
+directly below ``PackingDataset``, once per cut: when a checkpointed pack (or a buffered sample)
+is restored, Energon restores each packed sample by its key, and this stage cuts it again at
+every cap it names. So a restored pack is identical: keys, cut points and token contents.
 """
 
 from __future__ import annotations
@@ -46,10 +51,10 @@ from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.base import BaseWrapperDataset
 
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, SeqLenOverflowError
-from energon_ordering.sample_fields import sample_key
 from energon_ordering.state_stamp import check_stamp
+from energon_ordering.warmup.cap_cut import LOG_FIRST, CapCutter, CapWording, new_counts, new_epoch_counts
 from energon_ordering.warmup.schedule import SeqLenWarmup
-from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES, TokenLayout, truncate_sample
+from energon_ordering.warmup.token_layout import TokenLayout, truncate_sample
 
 __all__ = ["PackCapDataset", "PackCapPrePacker", "pack_target", "round_target"]
 
@@ -57,13 +62,18 @@ logger = logging.getLogger(__name__)
 
 T_sample = TypeVar("T_sample")
 
-#: Version of the stage's saved-state layout and logic.
-STATE_VERSION = 1
+#: Version of the stage's saved-state layout and logic. 2: restore keys cut more than once
+#: restore through every cut; per-epoch counters (``_epoch``); packs re-split over their cap
+#: (``_counts["packs_over_cap"]``).
+STATE_VERSION = 2
 
-_LOG_FIRST = 10
-
-#: With ``overflow="drop"``, this many samples dropped in a row is an error, not an endless loop.
-MAX_CONSECUTIVE_DROPS = 1000
+_WORDING = CapWording(
+    stage="Sequence packing",
+    cap="pack target",
+    kept="packed alone, uncut",
+    unit="no pack can be built",
+    fix="raise seq_length_warmup.start or pack_seq_length",
+)
 
 
 _ROUND_TARGET: contextvars.ContextVar[int | None] = contextvars.ContextVar(
@@ -104,10 +114,13 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
     """Directly below Energon's ``PackingDataset``: re-applies pack-time cuts on restore.
 
     Iterating passes samples through unchanged; the cut happens when a buffer is packed
-    (:class:`PackCapPrePacker` calls :meth:`cut_for_packing`). A cut sample's restore key is
-    prefixed with ``("PackCapDataset", cap)``; :meth:`restore_sample` restores the inner sample
-    and cuts it to that cap again. Counters of cut, kept and dropped samples are state
-    (``_counts``, summed by :func:`energon_ordering.inspect.diagnostics.warmup_counts`).
+    (:class:`PackCapPrePacker` calls :meth:`cut_for_packing`, which cuts with the
+    :class:`~energon_ordering.warmup.cap_cut.CapCutter` the batch-time warmup uses too). A cut
+    sample's restore key is prefixed with ``("PackCapDataset", cap)``, once per cut (the default
+    packer may cut a document to the round's largest target and then to its own pack's);
+    :meth:`restore_sample` restores the inner sample and cuts it again at every cap, innermost
+    first. Counters of cut, kept and dropped samples and of packs re-split over their cap are
+    state (``_counts``, summed by :func:`energon_ordering.inspect.diagnostics.warmup_counts`).
 
     Deterministic: the target is a pure function of the batch index being built.
     """
@@ -120,8 +133,9 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
 
     _stamp: dict[str, Any]
     _counts: dict[str, int]
+    _epoch: dict[str, int]
 
-    _savable_fields = ("_stamp", "_counts")
+    _savable_fields = ("_stamp", "_counts", "_epoch")
 
     def __init__(
         self,
@@ -166,23 +180,19 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
             raise OrderingConfigError(
                 f"PackCapDataset: pack_seq_length = {pack_seq_length!r} must be an int >= 1 or None."
             )
-        if overflow not in OVERFLOW_POLICIES:
-            raise OrderingConfigError(
-                f"PackCapDataset: overflow = {overflow!r} is unknown; use one of {list(OVERFLOW_POLICIES)}."
-            )
+        layout = TokenLayout() if layout is None else layout
+        cutter = CapCutter(overflow=overflow, layout=layout, wording=_WORDING, owner="PackCapDataset")
         if isinstance(micro_batches_per_step, bool) or not isinstance(micro_batches_per_step, int) or micro_batches_per_step < 1:
             raise OrderingConfigError(
                 f"PackCapDataset: micro_batches_per_step = {micro_batches_per_step!r} must be an int >= 1."
             )
-        layout = TokenLayout() if layout is None else layout
-        if not isinstance(layout, TokenLayout):
-            raise OrderingTypeError(f"PackCapDataset: layout = {layout!r} must be a TokenLayout.")
         super().__init__(dataset, worker_config=worker_config)
         self.pack_seq_length = pack_seq_length
         self.warmup = warmup
         self.micro_batches_per_step = micro_batches_per_step
         self.overflow = overflow
         self.layout = layout
+        self.cutter = cutter
         self.batch_size = batch_size
         self.per_pack_targets = bool(per_pack_targets)
         self.emission_batches: Callable[[int], list[int]] | None = None
@@ -216,9 +226,10 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
 
     def reset_state_own(self) -> None:
         self._stamp = self._expected_stamp()
-        self._counts = {"seen": 0, "truncated": 0, "truncated_tokens": 0, "kept_over_cap": 0, "dropped": 0}
+        self._counts = {**new_counts(), "packs_over_cap": 0}
+        self._epoch = new_epoch_counts()
         self._pending_error: SeqLenOverflowError | None = None
-        self._dropped_in_a_row = 0
+        self.cutter.reset_streak()
 
     def len_worker(self, worker_idx: int | None = None) -> int:
         return self.dataset.len_worker(worker_idx)
@@ -283,58 +294,81 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
         target = self.current_target() if target is None else target
         if target is None:
             return samples
-        media_limit = target if media_limit is None else media_limit
         out = []
         for sample in samples:
-            self._counts["seen"] += 1
-            result = truncate_sample(sample, target, self.layout)
-            if not result.overflow and media_limit < target:
-                n_media = truncate_sample(sample, media_limit, self.layout)
-                if n_media.overflow:
-                    result = n_media
-            if not result.overflow:
-                self._dropped_in_a_row = 0
-                if result.cut_tokens:
-                    self._counts["truncated"] += 1
-                    self._counts["truncated_tokens"] += result.cut_tokens
-                    out.append(add_sample_restore_key(result.sample, target, src=self))
-                else:
-                    out.append(sample)
+            try:
+                kept = self.cutter.cut(sample, target, step=self.current_step(), counts=self._counts,
+                                       epoch=self._epoch, media_limit=media_limit)
+            except SeqLenOverflowError as error:
+                self._pending_error = error
+                raise
+            if kept is not None:
+                out.append(add_sample_restore_key(kept[0], target, src=self) if kept[1] else kept[0])
+        return out
+
+    def fit_packs(
+        self,
+        packs: list[list[T_sample]],
+        targets: list[int],
+        length_fn: Callable[[Any], float],
+        bin_packer: Callable[[list[float], list[int]], list[list[int]]],
+        packer: str,
+    ) -> list[list[T_sample]]:
+        """The packer's ``packs`` with every pack within the target of its emission position.
+
+        Pack ``q`` of the result is emitted under ``targets[q]`` (non-decreasing). A pack of
+        several documents above its target is re-split with ``bin_packer`` (first-fit
+        decreasing) into packs with the targets of the positions they then take (later packs
+        move back, to targets never smaller) and counted (``packs_over_cap``); under
+        ``overflow="error"`` it is refused instead. A pack of one document above its target is
+        one whose media alone exceed it (the documents were cut to ``targets[0]``): kept as
+        the overflow policy ``keep`` says. Empty packs are left out, as Energon does.
+
+        Raises:
+            SeqLenOverflowError: ``overflow="error"`` and a pack exceeds its target.
+        """
+        out: list[list[T_sample]] = []
+        last = len(targets) - 1
+
+        def caps(start: int, n: int) -> list[int]:
+            return [targets[min(q, last)] for q in range(start, start + n)]
+
+        for pack in packs:
+            if not pack:
+                continue
+            lengths = [length_fn(s) for s in pack]
+            cap = caps(len(out), 1)[0]
+            if len(pack) == 1 or sum(lengths) <= cap:
+                out.append(pack)
                 continue
             what = (
-                f"sample {sample_key(sample)!r} has {result.media_tokens} media tokens, more than "
-                f"the pack target of {media_limit} tokens at step {self.current_step()}"
+                f"{packer} returned a pack of {len(pack)} documents and {sum(lengths):g} tokens, "
+                f"more than the pack target of {cap} tokens of the step it is emitted in "
+                f"(step {self.current_step()} is being built)"
             )
             if self.overflow == "error":
                 self._pending_error = SeqLenOverflowError(
-                    f"Sequence packing: {what}. Media tokens are never cut; raise "
-                    "seq_length_warmup.start or pack_seq_length, or set the overflow policy to "
-                    "'keep' (packed alone, uncut) or 'drop' (skip, counted)."
+                    f"Sequence packing: {what}. Pack to OrderingTaskEncoder.ordering_pack_target() "
+                    "inside select_samples_to_pack, or set the overflow policy to 'keep' or 'drop' "
+                    "to have such packs re-split first-fit (counted as packs_over_cap)."
                 )
                 raise self._pending_error
-            key = "kept_over_cap" if self.overflow == "keep" else "dropped"
-            self._counts[key] += 1
-            n = self._counts[key]
-            if n <= _LOG_FIRST or n % 1000 == 0:
+            self._counts["packs_over_cap"] += 1
+            n = self._counts["packs_over_cap"]
+            if n <= LOG_FIRST or n % 1000 == 0:
                 logger.warning(
-                    "Sequence packing: %s; %s (%d so far on this worker).",
-                    what, "packed alone, uncut" if self.overflow == "keep" else "dropped", n,
+                    "Sequence packing: %s; re-split first-fit (%d so far on this worker). Pack to "
+                    "OrderingTaskEncoder.ordering_pack_target() to keep your packer's packs.", what, n,
                 )
-            if self.overflow == "keep":
-                self._dropped_in_a_row = 0
-                out.append(sample)
-                continue
-            self._dropped_in_a_row += 1
-            if self._dropped_in_a_row >= MAX_CONSECUTIVE_DROPS:
-                self._pending_error = SeqLenOverflowError(
-                    f"Sequence packing: {self._dropped_in_a_row} samples in a row were dropped at "
-                    f"step {self.current_step()} (pack target {target} tokens): their media tokens "
-                    "alone exceed the target, so no pack can be built. Raise "
-                    "seq_length_warmup.start above the media tokens per sample, or use overflow "
-                    "'keep'."
-                )
-                raise self._pending_error
+            bins = bin_packer(lengths, caps(len(out), len(pack)))
+            out.extend([pack[i] for i in members] for members in bins)
         return out
+
+    def end_epoch(self) -> None:
+        """After the last pack of a finite epoch: warns once if the epoch dropped every sample."""
+        self.cutter.end_epoch(
+            self._epoch, worker=f"rank {self.worker_config.rank} worker {self.worker_config.rank_worker_id()}"
+        )
 
     def __iter__(self) -> Iterator[T_sample]:
         for sample in self.dataset:
@@ -347,12 +381,17 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
             raise self._pending_error
 
     def restore_sample(self, restore_key: tuple[str | int | tuple, ...]) -> T_sample:
-        if restore_key and restore_key[0] == type(self).__name__:
-            cap = int(restore_key[1])
-            inner = self.dataset.restore_sample(restore_key[2:])
-            result = truncate_sample(inner, cap, self.layout)
-            return add_sample_restore_key(result.sample, cap, src=self)
-        return self.dataset.restore_sample(restore_key)
+        caps = []
+        while restore_key and restore_key[0] == type(self).__name__:
+            caps.append(int(restore_key[1]))  # type: ignore[arg-type]
+            restore_key = restore_key[2:]
+        sample = self.dataset.restore_sample(restore_key)
+        for cap in reversed(caps):  # the innermost prefix is the first cut
+            cut = self.cutter.recut(sample, cap)
+            if cut is None:
+                raise ValueError(f"PackCapDataset: restore key {restore_key!r} names a dropped sample.")
+            sample = add_sample_restore_key(cut, cap, src=self)
+        return sample
 
     def restore_state(self, state: FlexState) -> None:
         check_stamp(
@@ -365,7 +404,8 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
         self._pending_error = None
 
     def counts(self) -> dict[str, int]:
-        """This worker's counters: seen, truncated, truncated_tokens, kept_over_cap, dropped."""
+        """This worker's counters: seen, truncated, truncated_tokens, kept_over_cap, dropped,
+        packs_over_cap."""
         return dict(self._counts)
 
     def config(self) -> dict[str, Any]:
@@ -387,45 +427,86 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
 
 
 class PackCapPrePacker:
-    """``select_samples_to_pack`` wrapped: cut the buffer to the pack target, then pack it.
+    """``select_samples_to_pack`` wrapped: cut the buffer to the pack target, pack it, and hold
+    every pack to the target of its emission step.
 
     Args:
         packer: The task encoder's ``select_samples_to_pack`` (the user's, or the default).
         stage: The :class:`PackCapDataset` below the ``PackingDataset``.
-        length_fn: Set for the default packer: the length of a sample in tokens. The wrapper
-            then packs itself with ``bin_packer`` and the per-pack targets of
-            :meth:`PackCapDataset.pack_targets` (a document that fits no pack is cut to the
-            target of the pack it opens), and ``packer`` is not called.
+        length_fn: The length of a sample in tokens (the encoder's ``ordering_sample_length``).
         bin_packer: ``(lengths, per-pack capacities) -> packs of indices`` (first-fit
-            decreasing), with ``length_fn``.
+            decreasing): packs for the default packer, re-splits of packs over their target
+            for any packer (:meth:`PackCapDataset.fit_packs`).
+        packs_itself: The default packer: the wrapper packs with ``bin_packer`` and the
+            per-pack targets of :meth:`PackCapDataset.pack_targets` (a document that fits no
+            pack is cut to the target of the pack it opens), and ``packer`` is not called.
+        target_attribute: ``(owner, name)``: an attribute the user's packer reads as its pack
+            length (Megatron-LM's ``examples/multimodal`` encoder packs to its
+            ``packing_seq_length``); set to the round's target while ``packer`` runs. A
+            document above that target (its media alone exceed it, overflow ``keep``) is then
+            packed alone instead of handed to the packer.
     """
 
     def __init__(
         self,
         packer: Callable[[list[Any]], list[list[Any]]],
         stage: PackCapDataset,
-        length_fn: Callable[[Any], float] | None = None,
-        bin_packer: Callable[[list[float], list[int]], list[list[int]]] | None = None,
+        *,
+        length_fn: Callable[[Any], float],
+        bin_packer: Callable[[list[float], list[int]], list[list[int]]],
+        packs_itself: bool = False,
+        target_attribute: tuple[Any, str] | None = None,
     ):
-        if (length_fn is None) != (bin_packer is None):
-            raise OrderingTypeError("PackCapPrePacker: give both length_fn and bin_packer, or neither.")
+        if not callable(length_fn) or not callable(bin_packer):
+            raise OrderingTypeError(
+                f"PackCapPrePacker: length_fn = {length_fn!r} and bin_packer = {bin_packer!r} must "
+                "be callable."
+            )
         self.packer = packer
         self.stage = stage
         self.length_fn = length_fn
         self.bin_packer = bin_packer
+        self.packs_itself = bool(packs_itself)
+        self.target_attribute = target_attribute
         self.__qualname__ = f"PackCapPrePacker({SavableDataset._function_config(packer)})"
 
+    @contextlib.contextmanager
+    def _packer_reads(self, target: int | None) -> Iterator[None]:
+        """The round's target where the user's packer reads it, for the duration of its call."""
+        with _round(target):
+            if self.target_attribute is None or target is None:
+                yield
+                return
+            owner, name = self.target_attribute
+            before = getattr(owner, name)
+            setattr(owner, name, target if not isinstance(before, int) else min(before, target))
+            try:
+                yield
+            finally:
+                setattr(owner, name, before)
+
     def __call__(self, samples: list[Any]) -> list[list[Any]]:
-        if self.length_fn is None or self.bin_packer is None:
+        targets = self.stage.pack_targets(len(samples))
+        if not self.packs_itself:
             # a user's packer: every pack of the round fits the first pack's target
-            targets = self.stage.pack_targets(1)
             target = None if targets is None else targets[0]
             samples = self.stage.cut_for_packing(samples, target=target)
+            alone: list[list[Any]] = []
+            if self.target_attribute is not None and target is not None:
+                # overflow "keep": a document whose media alone exceed the target is packed
+                # alone, uncut; a packer told the target in an attribute would refuse it
+                # (Megatron's greedy_knapsack raises, and Energon then skips the whole buffer)
+                over = [self.length_fn(s) > target for s in samples]
+                alone = [[s] for s, o in zip(samples, over) if o]
+                samples = [s for s, o in zip(samples, over) if not o]
             if not samples:
-                return []
-            with _round(target):
-                return self.packer(samples)
-        targets = self.stage.pack_targets(len(samples))
+                return alone
+            with self._packer_reads(target):
+                packs = self.packer(samples)
+            packs = [*packs, *alone]
+            if targets is None:
+                return packs
+            return self.stage.fit_packs(packs, targets, self.length_fn, self.bin_packer, self._packer_name())
         if targets is None:
             return self.packer(samples)  # no target: the default packer explains what to set
         samples = self.stage.cut_for_packing(samples, target=targets[-1], media_limit=targets[0])
@@ -438,7 +519,10 @@ class PackCapPrePacker:
             if len(pack) == 1 and self.length_fn(pack[0]) > targets[k]:
                 pack = [self.stage.cut_one(pack[0], targets[k])]
             packs.append(pack)
-        return packs
+        return self.stage.fit_packs(packs, targets, self.length_fn, self.bin_packer, self._packer_name())
+
+    def _packer_name(self) -> str:
+        return str(SavableDataset._function_config(self.packer))
 
     def __repr__(self) -> str:
         return self.__qualname__

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
@@ -11,31 +10,33 @@ from megatron.energon.state import FlexState
 from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.base import BaseWrapperDataset
 
-from energon_ordering.errors import (
-    OrderingConfigError,
-    OrderingTypeError,
-    SeqLenOverflowError,
-)
-from energon_ordering.sample_fields import sample_key
-from energon_ordering.warmup.schedule import SeqLenWarmup
+from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.state_stamp import check_stamp
-from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES, TokenLayout, truncate_sample
+from energon_ordering.warmup.cap_cut import (
+    MAX_CONSECUTIVE_DROPS,
+    CapCutter,
+    CapWording,
+    new_counts,
+    new_epoch_counts,
+)
+from energon_ordering.warmup.schedule import SeqLenWarmup
+from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES, TokenLayout
 
-__all__ = ["OVERFLOW_POLICIES", "SeqLenWarmupDataset"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["MAX_CONSECUTIVE_DROPS", "OVERFLOW_POLICIES", "SeqLenWarmupDataset"]
 
 T_sample = TypeVar("T_sample")
 
 
-#: Version of the stage's saved-state layout and logic.
-STATE_VERSION = 1
+#: Version of the stage's saved-state layout and logic. 2: per-epoch counters (``_epoch``).
+STATE_VERSION = 2
 
-_LOG_FIRST = 10
-
-#: With ``overflow="drop"``, this many samples dropped in a row is an error, not a hang: the cap
-#: is below the media tokens of (nearly) every sample, so no batch could ever fill.
-MAX_CONSECUTIVE_DROPS = 1000
+_WORDING = CapWording(
+    stage="Sequence-length warmup",
+    cap="warmup cap",
+    kept="emitted uncut",
+    unit="no batch can fill",
+    fix="raise seq_length_warmup.start",
+)
 
 
 class SeqLenWarmupDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
@@ -51,12 +52,13 @@ class SeqLenWarmupDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_samp
     From ``warmup.warmup_steps`` on the stage passes samples through untouched: limiting
     samples to the full length stays the task encoder's job, as without warmup.
 
-    Only text tokens are cut, from the end; media placeholder tokens never (see
-    :mod:`energon_ordering.warmup.token_layout`). A sample whose media alone exceed the cap follows
-    ``overflow``: ``keep`` (emitted uncut), ``drop`` (skipped) or ``error``
-    (:class:`SeqLenOverflowError`). Cut, kept and dropped samples are counted in the saved state
-    (``_counts``; :func:`energon_ordering.inspect.diagnostics.warmup_counts` sums them over workers) and
-    logged (the first ten, then every thousandth).
+    The cut is :class:`~energon_ordering.warmup.cap_cut.CapCutter`'s, shared with the pack-time
+    cut: only text tokens are cut, from the end; media placeholder tokens never. A sample whose
+    media alone exceed the cap follows ``overflow``: ``keep`` (emitted uncut), ``drop`` (skipped)
+    or ``error`` (:class:`SeqLenOverflowError`). Cut, kept and dropped samples are counted in the
+    saved state (``_counts``; :func:`energon_ordering.inspect.diagnostics.warmup_counts` sums them
+    over workers) and logged (the first ten, then every thousandth); a finite epoch that dropped
+    every sample warns once with the count (``_epoch`` counts the current epoch).
 
     Deterministic: the cap is a pure function of the batch index. The warmup changes shapes,
     never the order of the samples (with ``keep``). Finite if the inner dataset is.
@@ -69,8 +71,9 @@ class SeqLenWarmupDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_samp
 
     _stamp: dict[str, Any]
     _counts: dict[str, int]
+    _epoch: dict[str, int]
 
-    _savable_fields = ("_stamp", "_counts")
+    _savable_fields = ("_stamp", "_counts", "_epoch")
 
     def __init__(
         self,
@@ -95,23 +98,18 @@ class SeqLenWarmupDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_samp
         """
         if not isinstance(warmup, SeqLenWarmup):
             raise OrderingTypeError(f"SeqLenWarmupDataset: warmup = {warmup!r} must be a SeqLenWarmup.")
-        if overflow not in OVERFLOW_POLICIES:
-            raise OrderingConfigError(
-                f"SeqLenWarmupDataset: overflow = {overflow!r} is unknown; use one of "
-                f"{list(OVERFLOW_POLICIES)}."
-            )
         if isinstance(micro_batches_per_step, bool) or not isinstance(micro_batches_per_step, int) or micro_batches_per_step < 1:
             raise OrderingConfigError(
                 f"SeqLenWarmupDataset: micro_batches_per_step = {micro_batches_per_step!r} must be an int >= 1."
             )
         layout = TokenLayout() if layout is None else layout
-        if not isinstance(layout, TokenLayout):
-            raise OrderingTypeError(f"SeqLenWarmupDataset: layout = {layout!r} must be a TokenLayout.")
+        cutter = CapCutter(overflow=overflow, layout=layout, wording=_WORDING, owner="SeqLenWarmupDataset")
         super().__init__(dataset, worker_config=worker_config)
         self.warmup = warmup
         self.overflow = overflow
         self.micro_batches_per_step = micro_batches_per_step
         self.layout = layout
+        self.cutter = cutter
         self.reset_state_own()
 
     def _expected_stamp(self) -> dict[str, Any]:
@@ -124,72 +122,41 @@ class SeqLenWarmupDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_samp
 
     def reset_state_own(self) -> None:
         self._stamp = self._expected_stamp()
-        self._counts = {"seen": 0, "truncated": 0, "truncated_tokens": 0, "kept_over_cap": 0, "dropped": 0}
+        self._counts = new_counts()
+        self._epoch = new_epoch_counts()
 
     def len_worker(self, worker_idx: int | None = None) -> int:
         return self.dataset.len_worker(worker_idx)
 
-    def _cap(self, sample: T_sample, step: int, *, count: bool) -> T_sample | None:
-        if step >= self.warmup.warmup_steps:
-            return sample  # warmup over: untouched (capping to `full` is the encoder's job)
-        cap = self.warmup.max_seq_len(step)
-        result = truncate_sample(sample, cap, self.layout)
-        if not result.overflow:
-            if count and result.cut_tokens:
-                self._counts["truncated"] += 1
-                self._counts["truncated_tokens"] += result.cut_tokens
-            return result.sample
-        what = (
-            f"sample {sample_key(sample)!r} has {result.media_tokens} media tokens, more than the "
-            f"warmup cap of {cap} tokens at step {step}"
-        )
-        if self.overflow == "error":
-            raise SeqLenOverflowError(
-                f"Sequence-length warmup: {what}. Media tokens are never cut; raise "
-                "seq_length_warmup.start, or set the overflow policy to 'keep' (emit uncut) or "
-                "'drop' (skip, counted)."
-            )
-        key = "kept_over_cap" if self.overflow == "keep" else "dropped"
-        if count:
-            self._counts[key] += 1
-            n = self._counts[key]
-            if n <= _LOG_FIRST or n % 1000 == 0:
-                logger.warning(
-                    "Sequence-length warmup: %s; %s (%d so far on this worker).",
-                    what, "emitted uncut" if self.overflow == "keep" else "dropped", n,
-                )
-        return sample if self.overflow == "keep" else None
+    def _step_cap(self, step: int) -> int | None:
+        """The cap of ``step`` in tokens; None from the end of the warmup on (capping to
+        ``full`` is the encoder's job)."""
+        return None if step >= self.warmup.warmup_steps else self.warmup.max_seq_len(step)
 
     def current_step(self) -> int:
         """The optimizer step of the batch being built (in a loader worker only)."""
         return self.worker_config.active_worker_batch_index // self.micro_batches_per_step
 
     def __iter__(self) -> Iterator[T_sample]:
-        dropped_in_a_row = 0
+        self.cutter.reset_streak()
         for sample in self.dataset:
             step = self.current_step()
-            self._counts["seen"] += 1
-            out = self._cap(sample, step, count=True)
-            if out is None:
-                dropped_in_a_row += 1
-                if dropped_in_a_row >= MAX_CONSECUTIVE_DROPS:
-                    raise SeqLenOverflowError(
-                        f"Sequence-length warmup: {dropped_in_a_row} samples in a row were dropped "
-                        f"at step {step} (cap {self.warmup.max_seq_len(step)} tokens): their media "
-                        "tokens alone exceed the cap, so no batch can fill. Raise "
-                        "seq_length_warmup.start above the media tokens per sample, or use "
-                        "overflow 'keep'."
-                    )
-                continue
-            dropped_in_a_row = 0
-            yield add_sample_restore_key(out, step, src=self)
+            out = self.cutter.cut(
+                sample, self._step_cap(step), step=step, counts=self._counts, epoch=self._epoch
+            )
+            if out is not None:
+                yield add_sample_restore_key(out[0], step, src=self)
+        self.cutter.end_epoch(
+            self._epoch, worker=f"rank {self.worker_config.rank} worker {self.worker_config.rank_worker_id()}"
+        )
 
     def restore_sample(self, restore_key: tuple[str | int | tuple, ...]) -> T_sample:
         name, step = restore_key[:2]
         if name != type(self).__name__:
             raise ValueError(f"SeqLenWarmupDataset: restore key {restore_key!r} is not ours.")
         inner = self.dataset.restore_sample(restore_key[2:])
-        out = self._cap(inner, int(step), count=False)
+        cap = self._step_cap(int(step))
+        out = inner if cap is None else self.cutter.recut(inner, cap)
         if out is None:
             raise ValueError(f"SeqLenWarmupDataset: restore key {restore_key!r} names a dropped sample.")
         return add_sample_restore_key(out, step, src=self)
