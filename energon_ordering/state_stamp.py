@@ -151,18 +151,35 @@ class PipelineStampDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sam
     Placed on top of the pipeline, so that on restore its check runs before any stage below
     (Energon's included) interprets the state.
 
-    It also saves whether the pipeline's epoch has ended (``_ended``). With loader workers,
-    Energon (7.4.1) stores a last checkpoint when a worker's finite stream ends, and by then the
-    webdataset reader has reset itself to the start of a new epoch: a state saved at or after
-    the end of a finite epoch (``repeat=False``) restored as a replay of the whole epoch. A
-    pipeline restored from an ended state yields nothing for that iteration, like the
-    uninterrupted run; iterating again starts the next epoch.
+    It also saves whether this loader worker's finite epoch (``repeat=False``) has ended
+    (``_ended``), because Energon (7.4.1) cannot tell the end of an epoch from the start of the
+    next one. A worker's last samples reach the state in one of two ways, depending on whether
+    the worker had run into its end when ``save_state_rank()`` asked it (a race under load):
+
+    - it had: Energon saved the pipeline as it was after the end, and by then the webdataset
+      reader had reset itself to the start of a new epoch;
+    - it had not: Energon saved an older checkpoint plus the number of samples to skip; the
+      restored worker skips them, meets the end of the stream while still skipping, and
+      ``SavableDatasetWrapper.__iter__`` then iterates the pipeline again (its "restart after
+      skip" loop).
+
+    Either way the restored worker would replay its whole share of the epoch. So an iteration
+    that starts with ``_ended`` set yields nothing until the end is *confirmed*: with workers,
+    by Energon's end-of-iteration checkpoint of this worker (the ``save_state()`` that
+    ``SavableDatasetWrapper.__iter__`` always makes when the worker's iteration finishes, which
+    the skip restart never passes through); without workers (Energon restores the exact state
+    and never skips), as soon as the end is reached. Iterating after that starts the next epoch,
+    as in the uninterrupted run. Not handled: resuming Energon's skip across an epoch boundary,
+    i.e. a state saved after a worker already yielded samples of its next epoch.
     """
 
     stamp: dict[str, Any]
     _stamp: dict[str, Any]
     _ended: bool
-    _restored: bool = False
+    #: Not saved: this process reached the end of the epoch (or restored it and yielded nothing).
+    _end_reached: bool = False
+    #: Not saved: the end is confirmed, so the next iteration is a new epoch (see the docstring).
+    _end_confirmed: bool = False
 
     _savable_fields = ("_stamp", "_ended")
 
@@ -193,18 +210,34 @@ class PipelineStampDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sam
     def reset_state_own(self) -> None:
         self._stamp = dict(self.stamp)
         self._ended = False
-        self._restored = False
+        self._end_reached = False
+        self._end_confirmed = False
 
     def len_worker(self, worker_idx: int | None = None) -> int:
         return self.dataset.len_worker(worker_idx)
 
     def __iter__(self) -> Iterator[T_sample]:
-        ended, restored = self._ended, self._restored
-        self._ended = self._restored = False
-        if ended and restored:
-            return  # restored at the end of a finite epoch: nothing remains of it
+        if self._ended and not self._end_confirmed:
+            # Restored at the end of a finite epoch, or Energon iterating again after skipping
+            # to it: nothing remains of the epoch.
+            self._reach_end()
+            return
+        self._ended = self._end_reached = self._end_confirmed = False
         yield from self.dataset
         self._ended = True
+        self._reach_end()
+
+    def _reach_end(self) -> None:
+        self._end_reached = True
+        if self.worker_config.num_workers == 0:
+            self._end_confirmed = True  # no worker checkpoints, no replay by skipping
+
+    def save_state(self) -> FlexState:
+        state = super().save_state()
+        if self._end_reached:
+            # Energon's end-of-iteration checkpoint of this worker (see the class docstring).
+            self._end_confirmed = True
+        return state
 
     def restore_state(self, state: FlexState) -> None:
         check_writer(
@@ -222,7 +255,7 @@ class PipelineStampDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sam
         )
         super().restore_state(state)
         self._stamp = dict(self.stamp)
-        self._restored = True
+        self._end_reached = self._end_confirmed = False
 
     def config(self) -> dict[str, Any]:
         return {
