@@ -12,8 +12,10 @@ A restore compares a saved stamp with the configured one field by field
 the fix. :func:`check_loader_state` runs that check in the main process before Energon's
 ``restore_state_rank`` sees the state, so that the changes Energon itself would trip over (a
 different ``num_workers``) get the same typed error instead of a bare ``AssertionError``;
-:func:`restore_state_rank` is check-then-restore. Stamps are plain ``dict``/``list``/``str``/
-``int``/``float``/``bool``/``None`` values, so they pass restricted unpicklers (Megatron-Bridge).
+:func:`restore_state_rank` is check-then-restore (then it corrects Energon's record of what
+each restored loader worker has emitted, :func:`count_skipped_samples`). Stamps are plain
+``dict``/``list``/``str``/``int``/``float``/``bool``/``None`` values, so they pass restricted
+unpicklers (Megatron-Bridge).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ __all__ = [
     "check_loader_state",
     "check_stamp",
     "check_writer",
+    "count_skipped_samples",
     "restore_state_rank",
     "stamp_differences",
     "worker_identity",
@@ -351,6 +354,29 @@ def check_loader_state(loader: Any, state: Any) -> None:
 
 
 def restore_state_rank(loader: Any, state: Any) -> None:
-    """:func:`check_loader_state`, then Energon's ``loader.restore_state_rank(state)``."""
+    """:func:`check_loader_state`, then Energon's ``loader.restore_state_rank(state)``, then
+    :func:`count_skipped_samples`."""
     check_loader_state(loader, state)
     loader.restore_state_rank(state)
+    count_skipped_samples(loader, state)
+
+
+def count_skipped_samples(loader: Any, state: Any) -> None:
+    """Counts the samples each restored loader worker skips as already emitted.
+
+    A worker's entry in a saved state is a checkpoint plus ``offset`` samples to skip after it.
+    Energon (7.4.1) restores the loader's record of each worker's last emitted sample as the
+    checkpoint's index alone, so a ``save_state_rank()`` taken before that worker yields again
+    (e.g. right after restoring a state saved at the end of a finite epoch, or after fewer
+    micro-batches than loader workers) returns the checkpoint without the skip, and restoring
+    it replays those samples. Setting the record to checkpoint + offset makes Energon return
+    the checkpoint with the same offset. No-op without workers or without a state.
+    """
+    counters = getattr(loader, "_worker_sample_counters", None)
+    worker_states = getattr(state, "worker_states", None)
+    if not getattr(loader, "num_workers", 0) or not isinstance(counters, list) or not worker_states:
+        return
+    for worker, checkpoint in enumerate(worker_states[: len(counters)]):
+        snapshot = getattr(checkpoint, "state", None)
+        if snapshot is not None:
+            counters[worker] = int(snapshot.sample_index) + int(checkpoint.offset) - 1

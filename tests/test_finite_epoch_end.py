@@ -178,6 +178,35 @@ def test_cuts_at_and_after_the_last_micro_batch_resume_with_the_remainder(
         assert got == records[cut:], f"cut {cut}: skipping {_skipping(state) if num_workers else '-'}"
 
 
+def test_a_resumed_loader_saved_again_before_its_workers_yield_resumes_identically(finite_data):
+    """A state saved by a restored loader before each worker yielded again (at the end of the
+    epoch, or after fewer micro-batches than workers) keeps what each worker still skips, so its
+    restore continues identically (Energon alone returns the checkpoint without the skip, and
+    the restore replayed 48 and 9 micro-batches here)."""
+    records, states = _run(finite_data, 2, [0], hold_end=True)
+    loader, got = _resumed(finite_data, 2, states[BATCHES])
+    again = pickle.loads(pickle.dumps(loader.save_state_rank()))
+    close_loader(loader)
+    assert got == [] and _resumed_and_closed(finite_data, again) == []
+
+    cut = 20
+    records, states = _run(finite_data, 2, [BATCHES - cut], hold_end=False)
+    loader = _loader(finite_data, 2)
+    restore_state_rank(loader, states[cut])
+    it = iter(loader)
+    got = [record_batch(next(it))]  # from worker 0 only
+    again = pickle.loads(pickle.dumps(loader.save_state_rank()))
+    del it
+    close_loader(loader)
+    assert got + _resumed_and_closed(finite_data, again) == records[cut:]
+
+
+def _resumed_and_closed(path: Path, state: Any) -> list:
+    loader, got = _resumed(path, 2, state)
+    close_loader(loader)
+    return got
+
+
 # --- stress: the plain scenario in contending loader processes ------------------------------
 
 STRESS_COPIES = 6
