@@ -12,8 +12,10 @@ A restore compares a saved stamp with the configured one field by field
 the fix. :func:`check_loader_state` runs that check in the main process before Energon's
 ``restore_state_rank`` sees the state, so that the changes Energon itself would trip over (a
 different ``num_workers``) get the same typed error instead of a bare ``AssertionError``;
-:func:`restore_state_rank` is check-then-restore. Stamps are plain ``dict``/``list``/``str``/
-``int``/``float``/``bool``/``None`` values, so they pass restricted unpicklers (Megatron-Bridge).
+:func:`restore_state_rank` is check-then-restore (then it corrects Energon's record of what
+each restored loader worker has emitted, :func:`count_skipped_samples`). Stamps are plain
+``dict``/``list``/``str``/``int``/``float``/``bool``/``None`` values, so they pass restricted
+unpicklers (Megatron-Bridge).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
     "check_stamp",
     "check_state_shape",
     "check_writer",
+    "count_skipped_samples",
     "restore_state_rank",
     "stamp_differences",
     "worker_identity",
@@ -157,18 +160,35 @@ class PipelineStampDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sam
     Placed on top of the pipeline, so that on restore its check runs before any stage below
     (Energon's included) interprets the state.
 
-    It also saves whether the pipeline's epoch has ended (``_ended``). With loader workers,
-    Energon (7.4.1) stores a last checkpoint when a worker's finite stream ends, and by then the
-    webdataset reader has reset itself to the start of a new epoch: a state saved at or after
-    the end of a finite epoch (``repeat=False``) restored as a replay of the whole epoch. A
-    pipeline restored from an ended state yields nothing for that iteration, like the
-    uninterrupted run; iterating again starts the next epoch.
+    It also saves whether this loader worker's finite epoch (``repeat=False``) has ended
+    (``_ended``), because Energon (7.4.1) cannot tell the end of an epoch from the start of the
+    next one. A worker's last samples reach the state in one of two ways, depending on whether
+    the worker had run into its end when ``save_state_rank()`` asked it (a race under load):
+
+    - it had: Energon saved the pipeline as it was after the end, and by then the webdataset
+      reader had reset itself to the start of a new epoch;
+    - it had not: Energon saved an older checkpoint plus the number of samples to skip; the
+      restored worker skips them, meets the end of the stream while still skipping, and
+      ``SavableDatasetWrapper.__iter__`` then iterates the pipeline again (its "restart after
+      skip" loop).
+
+    Either way the restored worker would replay its whole share of the epoch. So an iteration
+    that starts with ``_ended`` set yields nothing until the end is *confirmed*: with workers,
+    by Energon's end-of-iteration checkpoint of this worker (the ``save_state()`` that
+    ``SavableDatasetWrapper.__iter__`` always makes when the worker's iteration finishes, which
+    the skip restart never passes through); without workers (Energon restores the exact state
+    and never skips), as soon as the end is reached. Iterating after that starts the next epoch,
+    as in the uninterrupted run. Not handled: resuming Energon's skip across an epoch boundary,
+    i.e. a state saved after a worker already yielded samples of its next epoch.
     """
 
     stamp: dict[str, Any]
     _stamp: dict[str, Any]
     _ended: bool
-    _restored: bool = False
+    #: Not saved: this process reached the end of the epoch (or restored it and yielded nothing).
+    _end_reached: bool = False
+    #: Not saved: the end is confirmed, so the next iteration is a new epoch (see the docstring).
+    _end_confirmed: bool = False
 
     _savable_fields = ("_stamp", "_ended")
 
@@ -199,18 +219,34 @@ class PipelineStampDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sam
     def reset_state_own(self) -> None:
         self._stamp = dict(self.stamp)
         self._ended = False
-        self._restored = False
+        self._end_reached = False
+        self._end_confirmed = False
 
     def len_worker(self, worker_idx: int | None = None) -> int:
         return self.dataset.len_worker(worker_idx)
 
     def __iter__(self) -> Iterator[T_sample]:
-        ended, restored = self._ended, self._restored
-        self._ended = self._restored = False
-        if ended and restored:
-            return  # restored at the end of a finite epoch: nothing remains of it
+        if self._ended and not self._end_confirmed:
+            # Restored at the end of a finite epoch, or Energon iterating again after skipping
+            # to it: nothing remains of the epoch.
+            self._reach_end()
+            return
+        self._ended = self._end_reached = self._end_confirmed = False
         yield from self.dataset
         self._ended = True
+        self._reach_end()
+
+    def _reach_end(self) -> None:
+        self._end_reached = True
+        if self.worker_config.num_workers == 0:
+            self._end_confirmed = True  # no worker checkpoints, no replay by skipping
+
+    def save_state(self) -> FlexState:
+        state = super().save_state()
+        if self._end_reached:
+            # Energon's end-of-iteration checkpoint of this worker (see the class docstring).
+            self._end_confirmed = True
+        return state
 
     def restore_state(self, state: FlexState) -> None:
         check_writer(
@@ -228,7 +264,7 @@ class PipelineStampDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sam
         )
         super().restore_state(state)
         self._stamp = dict(self.stamp)
-        self._restored = True
+        self._end_reached = self._end_confirmed = False
 
     def config(self) -> dict[str, Any]:
         return {
@@ -370,6 +406,29 @@ def check_loader_state(loader: Any, state: Any) -> None:
 
 
 def restore_state_rank(loader: Any, state: Any) -> None:
-    """:func:`check_loader_state`, then Energon's ``loader.restore_state_rank(state)``."""
+    """:func:`check_loader_state`, then Energon's ``loader.restore_state_rank(state)``, then
+    :func:`count_skipped_samples`."""
     check_loader_state(loader, state)
     loader.restore_state_rank(state)
+    count_skipped_samples(loader, state)
+
+
+def count_skipped_samples(loader: Any, state: Any) -> None:
+    """Counts the samples each restored loader worker skips as already emitted.
+
+    A worker's entry in a saved state is a checkpoint plus ``offset`` samples to skip after it.
+    Energon (7.4.1) restores the loader's record of each worker's last emitted sample as the
+    checkpoint's index alone, so a ``save_state_rank()`` taken before that worker yields again
+    (e.g. right after restoring a state saved at the end of a finite epoch, or after fewer
+    micro-batches than loader workers) returns the checkpoint without the skip, and restoring
+    it replays those samples. Setting the record to checkpoint + offset makes Energon return
+    the checkpoint with the same offset. No-op without workers or without a state.
+    """
+    counters = getattr(loader, "_worker_sample_counters", None)
+    worker_states = getattr(state, "worker_states", None)
+    if not getattr(loader, "num_workers", 0) or not isinstance(counters, list) or not worker_states:
+        return
+    for worker, checkpoint in enumerate(worker_states[: len(counters)]):
+        snapshot = getattr(checkpoint, "state", None)
+        if snapshot is not None:
+            counters[worker] = int(snapshot.sample_index) + int(checkpoint.offset) - 1

@@ -398,3 +398,65 @@ def test_finite_data_stops_all_ranks_at_the_same_step(tmp_path):
     for a, b in zip(out, resumed):
         assert b["drawn"] == a["drawn"][a["cut_at"]:]
     assert all(b["train_iters"] == full_steps for b in resumed)
+
+
+# ---- the lockstep iterator alone, with loader workers --------------------------------------
+
+
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'gloo_init'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)  # before the fix: save_state_rank() between iter() and next() hung here
+def test_lockstep_iterator_with_loader_workers_draws_and_resumes(tmp_path, gloo_world_of_one):
+    """OrderingDataIterator on finite data with 2 loader workers (Megatron's default
+    --num-workers): it never asks Energon for a state between iter(loader) and the first batch
+    (that hangs with worker processes), draws the epoch in whole steps, and each step-boundary
+    state, the first and the one at the end included, resumes with exactly the rest."""
+    from argparse import Namespace
+
+    from energon_ordering import restore_state_rank
+    from energon_ordering.inspect.rank_simulation import record_batch
+    from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+    from energon_ordering.integrations.megatron_lm import OrderingDataIterator
+
+    # 66 samples: 2 workers x 33 -> 9 micro-batches of 4 each, the last one short: 18 in all
+    make_synthetic_dataset(tmp_path / "data", [SourceSpec("web", 66, "short")], shard_size=11)
+    cfg = OrderingConfig(length_sort_pool_size=16, length_sort_mode="batch")
+
+    def loader():
+        return build_train_loader(tmp_path / "data" / "web", ordering=cfg, num_workers=2,
+                                  repeat=False, shuffle_buffer_size=None)
+
+    plain = loader()
+    epoch = [record_batch(b) for b in plain]
+    close_loader(plain)
+    steps = len(epoch) // 2
+    assert len(epoch) == 18 and steps == 9
+
+    def lockstep(iteration: int, state=None):
+        ld = loader()
+        if state is not None:
+            restore_state_rank(ld, state)
+        args = Namespace(iteration=iteration, train_iters=100)
+        return ld, args, OrderingDataIterator(ld, lockstep=True, args=args, micro_batches_per_step=2)
+
+    ld, args, it = lockstep(0)
+    states = [pickle.loads(pickle.dumps(it.save_state()))]  # before the first batch
+    drawn = []
+    for batch in it:
+        drawn.append(record_batch(batch))
+        if len(drawn) % 2 == 0:
+            states.append(pickle.loads(pickle.dumps(it.save_state())))
+    close_loader(ld)
+    assert drawn == epoch[: 2 * steps] and args.train_iters == steps
+    for step in (0, 4, steps):  # the start, inside the epoch, the end (Megatron's final save)
+        ld, args, it = lockstep(step, states[step])
+        assert [record_batch(b) for b in it] == drawn[2 * step:], f"resumed at step {step}"
+        assert args.train_iters == steps
+        close_loader(ld)

@@ -18,7 +18,9 @@ one every rank can fill), ``pretrain`` and thus ``train`` return normally (no ``
 no exception, no hang), and Megatron's own end-of-training path runs: the final
 ``save_checkpoint`` at that iteration, with each rank's dataloader state beside the model. A
 second run loads Megatron's checkpoint of iteration 2 (``--load --ckpt-step 2``, the real
-``load_checkpoint``) and draws exactly the remaining micro-batches to the same end.
+``load_checkpoint``) and draws exactly the remaining micro-batches to the same end; a run that
+loads the final checkpoint draws nothing and ends at once. Both with ``--num-workers 0`` and with
+Megatron's default ``--num-workers 2`` (Energon's loader worker processes; marked slow).
 
 CPU only: ``megatron_cpu_device_shim`` maps Megatron's CUDA device plumbing to the CPU (see there
 what and why); the loop, the optimizer, the checkpointing and the data path are Megatron's.
@@ -52,7 +54,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("megatron.core") is No
 TAGS = megatron_lm_sources.tag_params()
 
 
-def _argv(out: Path, data: Path, phase: str) -> list[str]:
+def _argv(out: Path, data: Path, phase: str, num_workers: int, load_step: int | None) -> list[str]:
     # --clip-grad 0: megatron-core's clip_grad_by_total_norm_fp32 asserts CUDA gradients
     # (``param.grad.type() == 'torch.cuda.FloatTensor'``); the fusion flags off: CUDA kernels.
     argv = (
@@ -64,15 +66,16 @@ def _argv(out: Path, data: Path, phase: str) -> list[str]:
         "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
         "--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm "
         f"--save {out / phase} --save-interval {CUT} --ckpt-format torch --eval-iters 0 --eval-interval 1000 "
-        f"--log-interval 1 --seed 1234 --data-path {data} --dataloader-type external --num-workers 0 "
+        f"--log-interval 1 --seed 1234 --data-path {data} --dataloader-type external --num-workers {num_workers} "
         f"--dataloader-save {out / 'first'} --length-sort-pool-size 32 --length-sort-mode batch"
     ).split()
-    if phase == "resume":
-        argv += ["--load", str(out / "first"), "--ckpt-step", str(CUT)]
+    if load_step is not None:
+        argv += ["--load", str(out / "first"), "--ckpt-step", str(load_step)]
     return argv
 
 
-def _worker(rank: int, tag: str, phase: str, data: str, out: str) -> None:
+def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: int,
+            load_step: int | None) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
     megatron_lm_sources.use_megatron_lm(tag)
     import megatron_cpu_device_shim
@@ -127,7 +130,7 @@ def _worker(rank: int, tag: str, phase: str, data: str, out: str) -> None:
         provider = functools.partial(train_valid_test_dataloaders_provider, task_encoder=SyntheticTaskEncoder(),
                                      repeat=False, image_decode=None)
         provider.is_distributed = True
-        sys.argv = ["pretrain_gpt.py", *_argv(Path(out), Path(data), phase)]
+        sys.argv = ["pretrain_gpt.py", *_argv(Path(out), Path(data), phase, num_workers, load_step)]
         store = dist.FileStore(str(Path(out) / f"store_{phase}"), WORLD)
         from megatron.training import arguments
 
@@ -149,14 +152,18 @@ def _worker(rank: int, tag: str, phase: str, data: str, out: str) -> None:
     Path(out, f"{phase}_rank{rank}.json").write_text(json.dumps(result))
 
 
-def _spawn(out: Path, data: Path, tag: str, phase: str) -> list[dict]:
-    args = (tag, phase, str(data), str(out))
+def _spawn(out: Path, data: Path, tag: str, phase: str, num_workers: int,
+           load_step: int | None = None) -> list[dict]:
+    args = (tag, phase, str(data), str(out), num_workers, load_step)
     return megatron_lm_sources.spawn_ranks(_worker, args, out, phase, WORLD, "Megatron's training loop")
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("tag", TAGS)
-def test_finite_data_ends_megatrons_real_training_loop_on_every_rank_at_once(tmp_path, tag):
+def test_finite_data_ends_megatrons_real_training_loop_on_every_rank_at_once(tmp_path, tag, num_workers):
+    """``--num-workers 2`` is Megatron's default: Energon's loader then runs worker processes,
+    and a state asked for between ``iter(loader)`` and the first batch would hang."""
     from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 
     # 81 samples: the two ranks' shares end after different numbers of micro-batches of 4
@@ -173,7 +180,7 @@ def test_finite_data_ends_megatrons_real_training_loop_on_every_rank_at_once(tmp
     # without the lockstep a rank's forward_step raises StopIteration inside train()
     assert alone[0] != alone[1] and full_steps > CUT, alone
 
-    first = _spawn(tmp_path, data, tag, "first")
+    first = _spawn(tmp_path, data, tag, "first", num_workers)
     for r in first:
         assert r["returned"] and r["train_iters"] == full_steps  # pretrain() and train() returned
         assert len(r["drawn"]) == MBPS * full_steps  # both ranks stopped after the same iteration
@@ -188,8 +195,15 @@ def test_finite_data_ends_megatrons_real_training_loop_on_every_rank_at_once(tmp
         for dp in range(WORLD):
             assert (folder / f"train_dataloader_dprank{dp:03d}.pt").is_file()
 
+    # Megatron's load_checkpoint of its final checkpoint: the data has ended, nothing is drawn
+    # and training ends at once (the state saved at the end of a finite run, issue 22)
+    ended = _spawn(tmp_path, data, tag, "resume_end", num_workers, load_step=full_steps)
+    for r in ended:
+        assert r["returned"] and r["loaded_iteration"] == full_steps == r["train_iters"]
+        assert r["drawn"] == []
+
     # Megatron's load_checkpoint at iteration CUT: the rest of the epoch, to the same end
-    resumed = _spawn(tmp_path, data, tag, "resume")
+    resumed = _spawn(tmp_path, data, tag, "resume", num_workers, load_step=CUT)
     for a, b in zip(first, resumed):
         assert b["returned"] and b["loaded_iteration"] == CUT and b["train_iters"] == full_steps
         assert b["drawn"] == a["drawn"][MBPS * CUT:], f"rank {a['rank']} resumed differently"

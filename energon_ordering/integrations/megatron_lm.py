@@ -276,8 +276,16 @@ class OrderingDataIterator:
     args.train_iters`` loop ends after this step and saves its final checkpoint as usual, instead
     of a rank raising ``StopIteration`` (which nothing in ``megatron/training`` catches) or
     hanging in the next collective. ``save_state()`` returns the state taken at the step
-    boundary, before the look-ahead, so a checkpoint there resumes exactly. Off for repeating
-    data, where it costs nothing.
+    boundary, before the look-ahead, so a checkpoint there resumes exactly. The first step is
+    drawn when the iterator is built (Megatron builds it before its loop), so a run resumed from
+    the checkpoint at the end of its data sets ``args.train_iters`` to the loaded iteration and
+    draws nothing. Off for repeating data, where it costs nothing.
+
+    The loader's iterator is created when the first micro-batch is drawn, after the first
+    step-boundary state is taken: with loader workers (Megatron's ``--num-workers``, default 2)
+    Energon's ``save_state_rank()`` between ``iter(loader)`` and the first ``next()`` waits
+    forever for worker processes that only start at that ``next()``. Taken before
+    ``iter(loader)``, the state is Energon's initial (or just restored) one.
     """
 
     def __init__(self, loader: Any, *, lockstep: bool = False, group: Any = None, args: Any = None,
@@ -287,11 +295,16 @@ class OrderingDataIterator:
         self.group = group
         self.args = args
         self.micro_batches_per_step = int(micro_batches_per_step)
-        self._iter = iter(loader)
+        self._iter: Any = None  # iter(loader), created at the first draw (see the class docstring)
         self._ahead: list[Any] = []  # the current step's remaining micro-batches (lockstep)
         self._boundary_state: Any = None
         self._steps_done = int(getattr(args, "iteration", 0) or 0)
         self.exhausted = False
+        if self.lockstep:
+            # The first step is drawn now, so that a run resumed at the end of its data (the state
+            # Megatron saves at the end of a finite run) ends before Megatron's loop draws.
+            self._fill_step()
+            self._end_training_if_exhausted()
 
     def __iter__(self) -> OrderingDataIterator:
         return self
@@ -305,6 +318,12 @@ class OrderingDataIterator:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    def _draw(self) -> Any:
+        """The loader's next micro-batch (``iter(loader)`` at the first one)."""
+        if self._iter is None:
+            self._iter = iter(self.loader)
+        return next(self._iter)
+
     def _fill_step(self) -> None:
         import torch
         import torch.distributed as dist
@@ -313,7 +332,7 @@ class OrderingDataIterator:
         batches = []
         for _ in range(self.micro_batches_per_step):
             try:
-                batches.append(next(self._iter))
+                batches.append(self._draw())
             except StopIteration:
                 break
         short = int(len(batches) < self.micro_batches_per_step)
@@ -325,21 +344,22 @@ class OrderingDataIterator:
             return
         self._ahead = batches
 
+    def _end_training_if_exhausted(self) -> None:
+        if self.exhausted and self.args is not None:
+            # Megatron's loop re-reads args.train_iters: it ends after the completed steps.
+            self.args.train_iters = min(int(getattr(self.args, "train_iters", None) or self._steps_done),
+                                        self._steps_done)
+
     def __next__(self) -> Any:
         if not self.lockstep:
-            return next(self._iter)
-        if not self._ahead and not self.exhausted:
-            self._fill_step()
+            return self._draw()
         if self.exhausted:
             raise StopIteration
         batch = self._ahead.pop(0)
         if not self._ahead:  # the step is complete: look ahead for the next one
             self._steps_done += 1
             self._fill_step()
-            if self.exhausted and self.args is not None:
-                # Megatron's loop re-reads args.train_iters: it ends after this step.
-                self.args.train_iters = min(int(getattr(self.args, "train_iters", None) or self._steps_done),
-                                            self._steps_done)
+            self._end_training_if_exhausted()
         return batch
 
     def save_state(self) -> Any:
@@ -347,8 +367,8 @@ class OrderingDataIterator:
 
         With lockstep: the state at the last step boundary (the look-ahead step not drawn).
         """
-        if self.lockstep and self._boundary_state is not None:
-            return self._boundary_state
+        if self.lockstep:
+            return self._boundary_state  # None: Energon's initial state (nothing drawn yet)
         return self.loader.save_state_rank()
 
 
