@@ -31,7 +31,7 @@ STATE_VERSION = 2
 
 #: The fields that state version 2 added (a version-1 ``random`` state restores with these at
 #: their initial values: the random policy never reads them).
-_V2_FIELDS = ("_draws", "_carry_step", "_carry")
+_V2_FIELDS = ("_draws", "_carry_step", "_carry", "_per_rank")
 
 
 class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
@@ -69,13 +69,16 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
       (2-3 sources; see the module for more). The weights are those of the step from
       Energon's batch index (with ``lag_batches``), as for ``random``.
     - With a pool (or packing, or samples skipped by an error handler) between blend and
-      batch, the samples of a step are those of other draws, so no per-step claim can hold;
-      the draws themselves still follow the layout of the step they are drawn in.
+      batch, the samples of a step come from other draws, so no per-step claim can hold, and
+      draw k no longer belongs to micro-batch b. The blend notices (Energon's batch index at
+      the draw differs from b) and from then on draws by the per-rank rule of
+      :func:`~energon_ordering.mixture.policy.deterministic_choice` (each rank within 2
+      samples of its target over any window of its own draws, the pre-version-2 behaviour),
+      with targets starting at the counts drawn so far.
     - Finite sources: once a source is exhausted (``repeat=False``) the global layout cannot
-      be followed (ranks run out at different draws); the blend then draws by the per-rank
-      rule of :func:`~energon_ordering.mixture.policy.deterministic_choice` over the sources
-      left, with targets starting at the counts drawn so far. That rule's counters are saved,
-      so this stays exact on resume too.
+      be followed either (ranks run out at different draws); the blend switches to the same
+      per-rank rule over the sources left. The switch and that rule's counters are saved, so
+      both cases stay exact on resume.
 
     Every yielded sample carries its source name in ``__subflavors__["source"]``.
 
@@ -99,10 +102,11 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
     _draws: int
     _carry_step: int
     _carry: list[float]
+    _per_rank: bool
 
     _savable_fields = (
         "_stamp", "_emitted", "_targets", "_exhausted", "_worker_rng",
-        "_draws", "_carry_step", "_carry",
+        "_draws", "_carry_step", "_carry", "_per_rank",
     )
 
     def __init__(
@@ -216,6 +220,7 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         self._draws = 0
         self._carry_step = 0
         self._carry = [0.0] * n
+        self._per_rank = False
         self._cached_layout = None
         self._cached_block = None
 
@@ -260,11 +265,15 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         self._cached_layout = (step, layout)
         return layout
 
+    def _nominal_micro_batch(self) -> int:
+        """Rank-level micro-batch of this worker's next draw if B draws make a micro-batch."""
+        num_workers = max(1, self.worker_config.num_workers)
+        return self.worker_config.rank_worker_id() + num_workers * (self._draws // (self.batch_size or 1))
+
     def _global_choice(self, step: int) -> int:
         """The source of this worker's next draw under the global layout (see the class)."""
         B = self.batch_size or 1
-        num_workers = max(1, self.worker_config.num_workers)
-        micro_batch = self.worker_config.rank_worker_id() + num_workers * (self._draws // B)
+        micro_batch = self._nominal_micro_batch()
         # lag_batches shifts the schedule by whole micro-batches: floor((b + lag) / M) equals
         # floor((b + floor(lag)) / M) for integer b and M.
         in_step = (micro_batch + int(self.lag_batches)) % self.micro_batches_per_step
@@ -277,15 +286,27 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
 
     def _choose(self, weights: np.ndarray, step: int) -> int:
         if self.policy == "deterministic":
-            if any(self._exhausted):
+            if (
+                not self._per_rank
+                and self._nominal_micro_batch() != self.worker_config.active_worker_batch_index
+            ):
+                # Something between the blend and the batch holds or drops samples (a pool,
+                # packing, an error handler): draws no longer map to micro-batches.
+                self._switch_to_per_rank()
+            if self._per_rank:
                 return deterministic_choice(self._targets, self._emitted, weights)
             return self._global_choice(step)
         return self._worker_rng.choice_idx(torch.tensor(weights, dtype=torch.float64))
 
-    def _mark_exhausted(self, idx: int) -> None:
-        if not any(self._exhausted):
-            # The per-rank fallback starts level: targets = what was drawn so far.
+    def _switch_to_per_rank(self) -> None:
+        """From now on the deterministic policy uses the per-rank rule, starting level
+        (targets = what was drawn so far). Saved, so a resume continues the same way."""
+        if not self._per_rank:
+            self._per_rank = True
             self._targets = [float(e) for e in self._emitted]
+
+    def _mark_exhausted(self, idx: int) -> None:
+        self._switch_to_per_rank()
         self._exhausted[idx] = True
 
     def __iter__(self) -> Iterator[T_sample]:
@@ -308,7 +329,7 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
                 iters[idx] = None
                 self._mark_exhausted(idx)
                 continue
-            if self.policy == "deterministic" and any(self._exhausted):
+            if self.policy == "deterministic" and self._per_rank:
                 for i, w in enumerate(weights):
                     self._targets[i] += float(w)
             self._emitted[idx] += 1
@@ -360,7 +381,8 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
                 "the data stream afresh (restore the model without the data-loader state)."
             )
         upgraded = FlexState(state)
-        upgraded.update(_draws=0, _carry_step=0, _carry=[0.0] * len(self.source_names))
+        upgraded.update(_draws=0, _carry_step=0, _carry=[0.0] * len(self.source_names),
+                        _per_rank=False)
         saved = {**saved, "state_version": STATE_VERSION, "batch_size": expected["batch_size"]}
         upgraded["_stamp"] = saved
         return upgraded, saved

@@ -205,7 +205,7 @@ class StepLayout:
 
     def sources(self, start: int, n: int) -> list[int]:
         """Sources of the step's positions ``[start, start + n)``; O(S^2 log G + n S)."""
-        if not 0 <= start and start + n <= self.size:
+        if start < 0 or n < 0 or start + n > self.size:
             raise ValueError(f"StepLayout.sources: [{start}, {start + n}) is outside [0, {self.size}).")
         if n <= 0:
             return []
