@@ -68,8 +68,6 @@ def test_every_step_on_eight_ranks_is_within_two_samples(two_sources, num_worker
     assert len(a) == steps
     # The guarantee is 2; the construction gives 1 (each step's count is floor or ceil).
     assert np.abs(dev).max() <= 1.0 + 1e-9, dev
-    keys = [k for rank in records for batch in rank for k in batch.keys]
-    assert len(keys) == len(set(keys)) or num_workers == 2  # (w=2 repeats a's 800 samples)
 
 
 @pytest.mark.slow

@@ -268,7 +268,8 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
     def _nominal_micro_batch(self) -> int:
         """Rank-level micro-batch of this worker's next draw if B draws make a micro-batch."""
         num_workers = max(1, self.worker_config.num_workers)
-        return self.worker_config.rank_worker_id() + num_workers * (self._draws // (self.batch_size or 1))
+        per_batch = self.batch_size or 1
+        return self.worker_config.rank_worker_id() + num_workers * (self._draws // per_batch)
 
     def _global_choice(self, step: int) -> int:
         """The source of this worker's next draw under the global layout (see the class)."""
