@@ -29,10 +29,6 @@ T_sample = TypeVar("T_sample")
 #: by the global draw index (exact per step across ranks); 1 drew a per-rank sequence.
 STATE_VERSION = 2
 
-#: The fields that state version 2 added (a version-1 ``random`` state restores with these at
-#: their initial values: the random policy never reads them).
-_V2_FIELDS = ("_draws", "_carry_step", "_carry", "_per_rank")
-
 
 class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
     """Draws each sample from one of several sources with the weights ``schedule.weights(step)``.
@@ -371,7 +367,8 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
     ) -> tuple[FlexState, dict[str, Any]]:
         """A version-1 state: its ``deterministic`` sequence was per rank and cannot be
         continued by the global one, so it is refused; a ``random`` state continues exactly
-        (that policy's draws did not change), with the version-2 fields at their start."""
+        (that policy's draws did not change), with the fields version 2 added (draw counter,
+        carry, per-rank switch) at their start: the random policy never reads them."""
         if "deterministic" in (saved.get("policy"), self.policy):
             raise StateMismatchError(
                 "ScheduledBlendDataset: the state was written by blend state version 1 "
