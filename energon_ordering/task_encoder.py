@@ -487,6 +487,7 @@ class OrderingTaskEncoder:
             schedule=schedule,
             worker_config=worker_config,
             micro_batches_per_step=cfg.micro_batches_per_step,
+            batch_size=batch_size,
             policy=cfg.blend_policy,
             lag_batches=lag,
             allow_schedule_change=cfg.allow_schedule_change,

@@ -6,6 +6,9 @@ One rank, micro-batch 4, one micro-batch per step, over a synthetic 3-source met
 
 1. schedule fidelity: max |realised - target| samples per window (and per prefix) for the
    ``deterministic`` and ``random`` policies over 20,000 samples of a 3-phase schedule with a ramp;
+   and, on 8 simulated ranks (micro-batch 4, 4 micro-batches per step, no pool, 2 loader
+   workers), max abs(realised - target) per optimizer step summed over the ranks, and the share
+   of steps within 2 samples per source;
 2. phase-switch lag in steps for pool sizes 0 / 1,000 / 10,000 (batch mode), with and without
    lag compensation: mean, min and max over several switches that land at different offsets of
    the pool's emission cycle;
@@ -27,7 +30,12 @@ import numpy as np
 
 from energon_ordering import OrderingConfig
 from energon_ordering.inspect.diagnostics import switch_lag
-from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, record_batch
+from energon_ordering.inspect.rank_simulation import (
+    build_train_loader,
+    close_loader,
+    record_batch,
+    run_ranks,
+)
 from energon_ordering.mixture.schedule import MixtureSchedule
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
@@ -89,6 +97,37 @@ def bench_fidelity(meta: Path, samples: int, window: int) -> list[dict]:
                          max_prefix_dev=float(np.abs(prefix).max()),
                          binomial_sigma=float(sigma.mean())))
         click.echo(f"  fidelity {policy}: {rows[-1]}", err=True)
+    return rows
+
+
+def bench_ranks_per_step(meta: Path, ranks: int, micro_batches: int, steps: int,
+                         num_workers: int) -> list[dict]:
+    """Per optimizer step, summed over ``ranks`` real rank pipelines: realised - target."""
+    sched = MixtureSchedule.from_dict({
+        "total_steps": steps,
+        "phases": [{"until": 0.5, "weights": LOW},
+                   {"until": 1.0, "ramp_steps": steps // 4, "weights": HIGH}],
+    })
+    target = sched.weights_table(np.arange(steps)) * ranks * micro_batches * BATCH
+    rows = []
+    for policy in ("deterministic", "random"):
+        cfg = OrderingConfig(mixture_schedule=sched, blend_policy=policy,
+                             micro_batches_per_step=micro_batches)
+        t0 = time.perf_counter()
+        records = run_ranks(meta, ordering=cfg, world_size=ranks, steps=steps * micro_batches,
+                            num_workers=num_workers, batch_size=BATCH)
+        counts = np.zeros((steps, len(SOURCES)))
+        for rank in records:
+            for i, batch in enumerate(rank):
+                for src in batch.sources:
+                    counts[i // micro_batches, SOURCES.index(src)] += 1
+        dev = np.abs(counts - target)
+        rows.append(dict(policy=policy, ranks=ranks, steps=steps,
+                         global_batch=ranks * micro_batches * BATCH,
+                         max_step_dev=float(dev.max()),
+                         steps_within_2=float((dev.max(axis=1) <= 2).mean()),
+                         seconds=time.perf_counter() - t0))
+        click.echo(f"  per step over {ranks} ranks, {policy}: {rows[-1]}", err=True)
     return rows
 
 
@@ -163,6 +202,8 @@ def main(out: str, quick: bool) -> None:
     meta = _dataset(out_dir)
     t0 = time.perf_counter()
     fidelity = bench_fidelity(meta, samples=8_000 if quick else 20_000, window=50)
+    per_step = bench_ranks_per_step(meta, ranks=8, micro_batches=4, steps=16 if quick else 30,
+                                    num_workers=2)
     lags = []
     for pool in ([0, 1_000] if quick else [0, 1_000, 10_000]):
         for compensate in ([False] if pool == 0 else [False, True]):
@@ -174,6 +215,12 @@ def main(out: str, quick: bool) -> None:
     for r in fidelity:
         click.echo(f"| {r['policy']} | {r['samples']:,} | {r['window_samples']} samples | "
                    f"{r['max_window_dev']:.2f} | {r['max_prefix_dev']:.2f} | {r['binomial_sigma']:.2f} |")
+    click.echo("\n## Per optimizer step across 8 ranks (micro-batch 4, 4 per step, 2 workers, no pool)\n")
+    click.echo("| policy | steps | global batch | max abs(realised - target) per step | steps within 2 samples |")
+    click.echo("|---|---:|---:|---:|---:|")
+    for r in per_step:
+        click.echo(f"| {r['policy']} | {r['steps']} | {r['global_batch']} | "
+                   f"{r['max_step_dev']:.2f} | {100 * r['steps_within_2']:.0f}% |")
     click.echo("\n## Phase-switch lag in steps (deterministic policy, batch-mode pool)\n")
     click.echo("| pool | lag compensation | switches | bound pool/micro-batch | mean lag | min | max |")
     click.echo("|---:|---|---:|---:|---:|---:|---:|")
@@ -192,7 +239,7 @@ def main(out: str, quick: bool) -> None:
                f"{warm['samples_per_s_off']:.0f} without -> ratio {warm['ratio']:.3f}")
     click.echo(f"\n(total {time.perf_counter() - t0:.0f} s; dataset {meta})")
     (out_dir / "schedule_results.json").write_text(
-        json.dumps(dict(fidelity=fidelity, lag=lags, warmup=warm), indent=2))
+        json.dumps(dict(fidelity=fidelity, per_step=per_step, lag=lags, warmup=warm), indent=2))
 
 
 if __name__ == "__main__":

@@ -6,13 +6,24 @@
     has binomial noise, standard deviation ``sqrt(n w (1 - w))``.
 
 ``deterministic``
-    Low-discrepancy, in the spirit of Megatron-LM's blended dataset: draw the source that is
-    furthest behind its cumulative target, where the target of a source is the running SUM of
-    its weight over all past draws (not the current weight times the draw count, which would
-    leave a long error after every phase switch). Ties go to the first source. With
-    ``D_s = target_s - emitted_s`` after each draw, ``sum_s D_s = 0`` and ``D_s`` stays within
-    (-1, 1), so over any window the realised count of a source is within 2 samples of its target
-    (within 1 over any prefix). No randomness: the sequence is a pure function of the weights.
+    Low-discrepancy over the GLOBAL draw sequence of all data-parallel ranks: the source of
+    global draw ``(b R + r) B + j`` (rank r's j-th draw of micro-batch b) is a pure function of
+    that index, the schedule, R, B and the micro-batches per step, computed by
+    :mod:`energon_ordering.mixture.step_counts` (exact counts per optimizer step with a carry,
+    laid out low-discrepancy within the step). No randomness and nothing simulated: each rank
+    computes only its own positions, and together the ranks hit each step's target within one
+    sample. :class:`~energon_ordering.mixture.scheduled_blend.ScheduledBlendDataset` maps its
+    draws to global indices.
+
+:func:`deterministic_choice` is the per-rank rule the deterministic policy used before blend
+state version 2, kept as its fallback once a finite source is exhausted: draw the source that is
+furthest behind its cumulative target, where the target of a source is the running SUM of its
+weight over all past draws (not the current weight times the draw count, which would leave a
+long error after every phase switch). Ties go to the first source. With
+``D_s = target_s - emitted_s`` after each draw, ``sum_s D_s = 0`` and ``D_s`` stays within
+(-1, 1), so over any window of ONE rank's draws the realised count of a source is within 2
+samples of its target. Every rank running it draws the same sequence, so across R ranks the
+errors add up: a step's error is R times a rank's.
 """
 
 from __future__ import annotations
