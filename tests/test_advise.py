@@ -116,6 +116,7 @@ def test_sources_by_step_groups_every_rank_and_micro_batch_of_a_step():
 # ---- against inspect, on real pipelines ---------------------------------------------------------
 
 
+@pytest.mark.slow  # 8 real rank pipelines per case
 @pytest.mark.parametrize("mode,pool", [("off", 0), ("batch", 256), ("sample", 256)])
 def test_eight_rank_prediction_matches_what_inspect_measures(two_sources, mode, pool):
     # inspect's own measurement: 8 real rank pipelines (WorkerConfig(rank=r, world_size=8)),

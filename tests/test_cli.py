@@ -146,6 +146,7 @@ def test_check_resume_errors(runner, three_sources, recipe):
     assert res.exit_code == 2 and "--cut" in res.output
 
 
+@pytest.mark.slow  # the demo on 4 real rank pipelines, pool off and on, with a cut
 def test_demo_end_to_end_small(runner, tmp_path):
     res = runner.invoke(main, ["demo", "--out", str(tmp_path), "--ranks", "4", "--steps", "60",
                                "--scale", "0.2"])

@@ -8,6 +8,8 @@ from energon_ordering import OrderingConfig
 from energon_ordering.inspect.diagnostics import padding_waste, straggler_idle
 from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, lengths_by_step, record_batch, run_ranks
 
+pytestmark = pytest.mark.slow  # the 8-rank validation: 8 real rank pipelines per configuration
+
 WORLD = 8
 STEPS = 96
 

@@ -342,6 +342,7 @@ def _spawn(tmp_path, phase, *, timeout=180, **kw):
 
 
 @needs_mcore
+@pytest.mark.slow  # two gloo processes
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_two_processes_save_and_resume_like_megatron(small_dataset, tmp_path, num_workers):
     first = _spawn(tmp_path, "first", data=str(small_dataset), num_workers=num_workers)
@@ -353,6 +354,7 @@ def test_two_processes_save_and_resume_like_megatron(small_dataset, tmp_path, nu
 
 
 @needs_mcore
+@pytest.mark.slow  # two gloo processes
 def test_two_processes_refuse_a_corrupted_state(small_dataset, tmp_path):
     _spawn(tmp_path, "first", data=str(small_dataset))
     from energon_ordering.integrations.megatron_lm import dataloader_state_path
@@ -372,6 +374,7 @@ def test_two_processes_refuse_a_corrupted_state(small_dataset, tmp_path):
 
 
 @needs_mcore
+@pytest.mark.slow  # two gloo processes
 def test_finite_data_stops_all_ranks_at_the_same_step(tmp_path):
     """Megatron's loop (``while iteration < args.train_iters``, 2 micro-batches per step, through
     Megatron's RerunDataIterator) ends after the last step every rank can fill, without an

@@ -50,7 +50,7 @@ WARMUP = dict(start=600, full=1024, steps=20, multiple=8)
 
 _MISSING = [m for m in ("transformers", "tokenizers", "triton", "torchvision", "megatron.core")
             if importlib.util.find_spec(m) is None]
-pytestmark = [pytest.mark.skipif(bool(_MISSING), reason=f"needs the [megatron] extra: {_MISSING}")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_MISSING), reason=f"needs the [megatron] extra: {_MISSING}")]
 
 
 TAGS = megatron_lm_sources.tag_params()

@@ -48,7 +48,7 @@ MBS = 4
 MBPS = 2  # micro-batches per iteration: --global-batch-size 16 / (--micro-batch-size 4 x 2 ranks)
 CUT = 2  # the iteration of the intermediate checkpoint (--save-interval 2)
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="needs the [megatron] extra")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="needs the [megatron] extra")]
 
 
 TAGS = megatron_lm_sources.tag_params()
