@@ -14,9 +14,9 @@ the fix. :func:`check_loader_state` runs that check in the main process before E
 different ``num_workers``) get the same typed error instead of a bare ``AssertionError``;
 :func:`restore_state_rank` is check-then-restore (then it corrects Energon's record of what
 each restored loader worker has emitted, :func:`count_skipped_samples`); in between it marks
-the worker checkpoints that begin a later finite epoch (:func:`start_begun_epochs`). Stamps are plain
-``dict``/``list``/``str``/``int``/``float``/``bool``/``None`` values, so they pass restricted
-unpicklers (Megatron-Bridge).
+the worker checkpoints that begin a later finite epoch (:func:`start_begun_epochs`). Stamps
+are plain ``dict``/``list``/``str``/``int``/``float``/``bool``/``None`` values, so they pass
+restricted unpicklers (Megatron-Bridge).
 """
 
 from __future__ import annotations
@@ -42,12 +42,12 @@ from energon_ordering.errors import StateMismatchError, show
 __all__ = [
     "PIPELINE_STAMP_VERSION",
     "PipelineStampDataset",
+    "VERIFIED_ENERGON_VERSION",
     "check_loader_state",
     "check_stamp",
     "check_state_shape",
     "check_writer",
     "count_skipped_samples",
-    "VERIFIED_ENERGON_VERSION",
     "begun_epochs",
     "check_energon_version",
     "restore_state_rank",
@@ -189,7 +189,7 @@ class PipelineStampDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sam
     as in the uninterrupted run.
 
     It also counts the ends this worker's stream has run into (``_epochs``), for a loader
-    iterated over several finite epoch (``for epoch ...: for batch in loader``). Inside epoch
+    iterated over several finite epochs (``for epoch ...: for batch in loader``). Inside epoch
     ``n + 1``, Energon's checkpoint of a worker is usually its end-of-iteration checkpoint of
     epoch ``n`` (``_ended`` set) plus the samples of epoch ``n + 1`` to skip, or that
     checkpoint with nothing to skip for a worker not yet asked again in the new epoch; both
