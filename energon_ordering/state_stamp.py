@@ -13,13 +13,17 @@ the fix. :func:`check_loader_state` runs that check in the main process before E
 ``restore_state_rank`` sees the state, so that the changes Energon itself would trip over (a
 different ``num_workers``) get the same typed error instead of a bare ``AssertionError``;
 :func:`restore_state_rank` is check-then-restore (then it corrects Energon's record of what
-each restored loader worker has emitted, :func:`count_skipped_samples`). Stamps are plain
-``dict``/``list``/``str``/``int``/``float``/``bool``/``None`` values, so they pass restricted
-unpicklers (Megatron-Bridge).
+each restored loader worker has emitted, :func:`count_skipped_samples`); in between it marks
+the worker checkpoints that begin a later finite epoch (:func:`start_begun_epochs`). Stamps
+are plain ``dict``/``list``/``str``/``int``/``float``/``bool``/``None`` values, so they pass
+restricted unpicklers (Megatron-Bridge).
 """
 
 from __future__ import annotations
 
+import copy
+import importlib.metadata
+import warnings
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
@@ -38,13 +42,17 @@ from energon_ordering.errors import StateMismatchError, show
 __all__ = [
     "PIPELINE_STAMP_VERSION",
     "PipelineStampDataset",
+    "VERIFIED_ENERGON_VERSION",
     "check_loader_state",
     "check_stamp",
     "check_state_shape",
     "check_writer",
     "count_skipped_samples",
+    "begun_epochs",
+    "check_energon_version",
     "restore_state_rank",
     "stamp_differences",
+    "start_begun_epochs",
     "worker_identity",
 ]
 
@@ -178,19 +186,30 @@ class PipelineStampDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sam
     ``SavableDatasetWrapper.__iter__`` always makes when the worker's iteration finishes, which
     the skip restart never passes through); without workers (Energon restores the exact state
     and never skips), as soon as the end is reached. Iterating after that starts the next epoch,
-    as in the uninterrupted run. Not handled: resuming Energon's skip across an epoch boundary,
-    i.e. a state saved after a worker already yielded samples of its next epoch.
+    as in the uninterrupted run.
+
+    It also counts the ends this worker's stream has run into (``_epochs``), for a loader
+    iterated over several finite epochs (``for epoch ...: for batch in loader``). Inside epoch
+    ``n + 1``, Energon's checkpoint of a worker is usually its end-of-iteration checkpoint of
+    epoch ``n`` (``_ended`` set) plus the samples of epoch ``n + 1`` to skip, or that
+    checkpoint with nothing to skip for a worker not yet asked again in the new epoch; both
+    must start the next epoch, not yield nothing. Only the whole loader state tells the second
+    case from a state saved at the end of epoch ``n``: :func:`start_begun_epochs` (run by
+    :func:`restore_state_rank`) clears ``_ended`` in those checkpoints. Energon's own
+    ``loader.restore_state_rank`` does not, so with loader workers a state saved inside a later
+    epoch restores exactly only through :func:`restore_state_rank`.
     """
 
     stamp: dict[str, Any]
     _stamp: dict[str, Any]
     _ended: bool
+    _epochs: int
     #: Not saved: this process reached the end of the epoch (or restored it and yielded nothing).
     _end_reached: bool = False
     #: Not saved: the end is confirmed, so the next iteration is a new epoch (see the docstring).
     _end_confirmed: bool = False
 
-    _savable_fields = ("_stamp", "_ended")
+    _savable_fields = ("_stamp", "_ended", "_epochs")
 
     def __init__(
         self,
@@ -219,6 +238,7 @@ class PipelineStampDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sam
     def reset_state_own(self) -> None:
         self._stamp = dict(self.stamp)
         self._ended = False
+        self._epochs = 0
         self._end_reached = False
         self._end_confirmed = False
 
@@ -234,6 +254,7 @@ class PipelineStampDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sam
         self._ended = self._end_reached = self._end_confirmed = False
         yield from self.dataset
         self._ended = True
+        self._epochs += 1
         self._reach_end()
 
     def _reach_end(self) -> None:
@@ -262,6 +283,8 @@ class PipelineStampDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sam
             "Restore with the configuration the state was written with, or start the data "
             "stream fresh.",
         )
+        if "_epochs" not in state:  # written before the count was saved: no epoch ended before
+            state = FlexState({**state, "_epochs": 0})
         super().restore_state(state)
         self._stamp = dict(self.stamp)
         self._end_reached = self._end_confirmed = False
@@ -406,11 +429,111 @@ def check_loader_state(loader: Any, state: Any) -> None:
 
 
 def restore_state_rank(loader: Any, state: Any) -> None:
-    """:func:`check_loader_state`, then Energon's ``loader.restore_state_rank(state)``, then
-    :func:`count_skipped_samples`."""
+    """:func:`check_loader_state`, then :func:`start_begun_epochs`, then Energon's
+    ``loader.restore_state_rank`` on the result, then :func:`count_skipped_samples`.
+
+    ``state`` itself is never modified (:func:`start_begun_epochs` works on a copy)."""
     check_loader_state(loader, state)
+    state = start_begun_epochs(state)
     loader.restore_state_rank(state)
     count_skipped_samples(loader, state)
+
+
+#: The Energon version whose worker checkpoints :func:`start_begun_epochs` and
+#: :func:`count_skipped_samples` were verified against (see :func:`check_energon_version`).
+VERIFIED_ENERGON_VERSION = "7.4.1"
+
+
+def check_energon_version() -> None:
+    """Warns once if the installed Energon is not :data:`VERIFIED_ENERGON_VERSION`.
+
+    :func:`start_begun_epochs` and :func:`count_skipped_samples` compensate for how Energon's
+    ``SavableDatasetWrapper`` checkpoints a loader worker (a checkpoint stored at the start of
+    each iteration, on time, and always at its end, plus a count of samples to skip) and how
+    ``SavableDataLoader.restore_state_rank`` sets ``_worker_sample_counters``; both are private
+    behaviour of that version. Other versions are not refused (the compensation is still
+    likely right), but the finite-epoch tests should be run against them.
+    """
+    global _energon_version_checked
+    if _energon_version_checked:
+        return
+    _energon_version_checked = True
+    try:
+        installed = importlib.metadata.version("megatron-energon")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    if installed != VERIFIED_ENERGON_VERSION:
+        warnings.warn(
+            f"energon_ordering.restore_state_rank: megatron-energon {installed} is installed, but "
+            f"its compensation for Energon's worker checkpoints at finite epoch ends was verified "
+            f"against {VERIFIED_ENERGON_VERSION}; run tests/test_finite_epoch_end.py and "
+            "tests/test_multi_epoch_resume.py against this version.",
+            stacklevel=3,
+        )
+
+
+_energon_version_checked = False
+
+
+def begun_epochs(workers: list[tuple[int, bool, int]]) -> list[bool]:
+    """Which loader workers' checkpoints must start their next epoch on restore.
+
+    Pure function of one rank's saved loader state, one ``(epochs, ended, offset)`` per worker:
+    the ends the worker's stream had run into at its checkpoint (``_epochs``), whether the
+    checkpoint was taken after such an end (``_ended``), and the samples Energon skips after it
+    (``SavableDatasetCheckpoint.offset``).
+
+    Each worker's position in epochs (1-based): a checkpoint inside an epoch (not ended) is in
+    epoch ``epochs + 1``, also when its skip reaches that epoch's end; an ended checkpoint with
+    samples to skip is in the next epoch, ``epochs + 1``; an ended one with nothing to skip is
+    at the end of epoch ``epochs``. The loader is in the latest of these, ``L``. An ended
+    checkpoint must start the next epoch if it has samples to skip, or if it ended epoch
+    ``L - 1``: the loader had begun epoch ``L`` before the worker was asked for it again. Every
+    other ended checkpoint is at the end of epoch ``L`` (the remainder is nothing). A loader
+    saved before its first micro-batch of a new epoch cannot be told from one saved at the end
+    of the previous epoch (Energon's state is the same): it resumes as at the end.
+
+    Returns:
+        Per worker, True if its ``_ended`` must be cleared before Energon restores it.
+    """
+    if not workers:
+        return []
+    latest = max(
+        epochs + 1 if (not ended or offset > 0) else epochs for epochs, ended, offset in workers
+    )
+    return [ended and (offset > 0 or epochs < latest) for epochs, ended, offset in workers]
+
+
+def start_begun_epochs(state: Any) -> Any:
+    """``state`` with ``_ended`` cleared in the loader workers' checkpoints that start their
+    next finite epoch (:func:`begun_epochs`), as a copy; ``state`` itself if there are none.
+
+    Without that, a worker restored from such a checkpoint yields nothing where the loader was
+    inside a later epoch (see :class:`PipelineStampDataset`). It reads and writes only the saved
+    state (``SavableDatasetCheckpoint.offset`` and the pipeline stamp's saved fields), no
+    attribute of a loader. No-op without workers (the saved state is the pipeline's exact
+    state) or without a stamp.
+    """
+    entries = getattr(state, "worker_states", None)
+    if not isinstance(entries, list) or not all(
+        isinstance(e, SavableDatasetCheckpoint) for e in entries
+    ):
+        return state
+    stamps = [_find_saved_stamp(_saved_pipeline_state(e)) for e in entries]
+    if any(s is None for s in stamps):
+        return state
+    check_energon_version()
+    begun = begun_epochs(
+        [(int(s.get("_epochs", 0)), bool(s.get("_ended")), int(e.offset))
+         for s, e in zip(stamps, entries)]
+    )
+    if not any(begun):
+        return state
+    state = copy.deepcopy(state)
+    for entry, start in zip(state.worker_states, begun):
+        if start:
+            _find_saved_stamp(_saved_pipeline_state(entry))["_ended"] = False
+    return state
 
 
 def count_skipped_samples(loader: Any, state: Any) -> None:
