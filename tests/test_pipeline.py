@@ -84,7 +84,7 @@ def test_every_shipped_recipe_is_listed():
 
 
 @pytest.mark.parametrize("name", sorted(RECIPE_STAGES))
-def test_recipe_stages(name, capsys):
+def test_recipe_stages(name):
     cfg = OrderingConfig.from_yaml(resolve_recipe(name))
     plan = plan_pipeline(cfg, _recipe_args(cfg))
     text = plan.describe()

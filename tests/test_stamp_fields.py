@@ -18,6 +18,7 @@ from energon_ordering import OrderingConfig, StateMismatchError, restore_state_r
 from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, resume, run_with_cuts
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
+from energon_ordering.pipeline import BuildArgs, Source, pipeline_stamp, plan_pipeline
 from energon_ordering.state_stamp import PIPELINE_STAMP_VERSION, PipelineStampDataset
 
 WARMUP = dict(start=256, full=2048, warmup_steps=6)
@@ -235,3 +236,35 @@ def test_the_stamp_holds_plain_builtins_only(data):
     assert plain(stamp), stamp
     assert stamp["packer"] == ["OwnPackerTE.select_samples_to_pack",
                                "OwnPackerTE.pack_selected_samples"]
+
+
+def test_the_new_fields_are_read_off_the_plan():
+    """Without a dataset: which fields a plan stamps, and None for a stage that is off."""
+    def stamp(cfg, **kw):
+        return pipeline_stamp(plan_pipeline(cfg, BuildArgs(**kw)), length_indexes=None)
+
+    packed = stamp(PACK, batch_size=4, own_select_samples_to_pack=True,
+                   packer=("MyTE.select_samples_to_pack", "MyTE.pack_selected_samples"))
+    assert {k: packed[k] for k in ("batch_size", "packing_buffer_size", "pack_seq_length",
+                                   "pack_pool_placement", "packer", "seq_length_overflow")} == {
+        "batch_size": 4, "packing_buffer_size": 16, "pack_seq_length": 2048,
+        "pack_pool_placement": "packs",
+        "packer": ["MyTE.select_samples_to_pack", "MyTE.pack_selected_samples"],
+        "seq_length_overflow": "keep",
+    }
+    plain = stamp(OrderingConfig(length_sort_pool_size=8), batch_size=2)
+    assert [plain[k] for k in ("packing_buffer_size", "pack_seq_length", "pack_pool_placement",
+                               "packer", "seq_length_overflow", "blend")] == [None] * 6
+    # the packing buffer given to get_train_dataset counts like the config's
+    assert stamp(OrderingConfig(pack_seq_length=512), batch_size=2,
+                 packing_buffer_size=8)["packing_buffer_size"] == 8
+    # Energon's blend: weights when it draws by weight, repetitions when it repeats
+    two = (Source(weight=0.25), Source(weight=0.75))
+    assert stamp(OrderingConfig(), batch_size=2, blend_mode="dataset_weight", sources=two)[
+        "blend"] == {"mode": "dataset_weight", "weights": [0.25, 0.75]}
+    assert stamp(OrderingConfig(), batch_size=2, blend_mode="sample_repetitions", repeat=False,
+                 sources=(Source(repetitions=3),))["blend"] == {"repetitions": [3]}
+    # a schedule replaces the metadataset's blend: its weights do not matter
+    sched = OrderingConfig(mixture_schedule={"sources": {"a": {"weight": 1}, "b": {"weight": 1}}})
+    assert stamp(sched, batch_size=2, blend_mode="dataset_weight",
+                 sources=(Source(name="a", weight=1), Source(name="b", weight=9)))["blend"] is None
