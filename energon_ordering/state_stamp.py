@@ -5,7 +5,9 @@ version of its logic and its settings. :class:`PipelineStampDataset`, which
 :class:`~energon_ordering.task_encoder.OrderingTaskEncoder` puts on top of every training
 pipeline it builds, stamps what the whole pipeline depends on: the data-parallel rank and world
 size, ``num_workers``, each dataset's identity (Energon's ``index.uuid`` and split), the length
-index it sorts by, micro-batches per step, lag compensation and the ordering settings.
+index it sorts by, the micro-batch size, micro-batches per step, lag compensation, the
+metadataset's blend weights, the packing settings and packer, and the ordering settings (read off
+the pipeline's plan: :mod:`energon_ordering.pipeline.stamp`).
 
 A restore compares a saved stamp with the configured one field by field
 (:func:`check_stamp`) and raises :class:`StateMismatchError` naming the field, both values and
@@ -59,7 +61,9 @@ __all__ = [
 T_sample = TypeVar("T_sample")
 
 #: Version of the pipeline stamp's layout; bumped when a field is added or changes meaning.
-PIPELINE_STAMP_VERSION = 1
+#: 2: adds batch_size, blend, packing_buffer_size, pack_seq_length, pack_pool_placement and
+#: packer, and stamps seq_length_overflow under any cap (the warmup or pack_seq_length).
+PIPELINE_STAMP_VERSION = 2
 
 _REDIST = (
     "energon_ordering does not support redistributing a data state to another data-parallel "
@@ -87,7 +91,43 @@ FIELD_FIXES: dict[str, str] = {
         "another length function). Select the original one (OrderingConfig.length_index) or "
         "start the data stream fresh."
     ),
+    "batch_size": (
+        "The micro-batch size (get_train_dataset's batch_size, Megatron: --micro-batch-size) "
+        "decides which samples meet in a micro-batch and the step every stage counts by; resume "
+        "with the micro-batch size the state was written with."
+    ),
+    "blend": (
+        "The metadataset's blend (its `weight`s or `repetitions`) changed, so Energon would draw "
+        "the sources in other proportions from here on; resume with the original metadataset, "
+        "or give a step schedule (OrderingConfig.mixture_schedule) from the start."
+    ),
+    "packing_buffer_size": (
+        "Packs are built from buffers of OrderingConfig.packing_buffer_size samples (Megatron: "
+        "--packing-buffer-size); resume with the buffer size the state was written with."
+    ),
+    "pack_seq_length": (
+        "OrderingConfig.pack_seq_length (Megatron: --packing-seq-length) is the pack target and "
+        "the length samples are cut to; resume with the target the state was written with."
+    ),
+    "pack_pool_placement": (
+        "OrderingConfig.pack_pool_placement decides whether the pool sorts packs after packing "
+        "('packs') or samples before it ('samples'): the pipeline holds other stages. Resume "
+        "with the placement the state was written with."
+    ),
+    "packer": (
+        "Packs are built by other functions (the task encoder's select_samples_to_pack / "
+        "pack_selected_samples, or the default packer, by qualified name); resume with the task "
+        "encoder the state was written with."
+    ),
+    "seq_length_overflow": (
+        "OrderingConfig.seq_length_overflow decides what happens to a sample over the cap "
+        "(keep, drop or error); resume with the policy the state was written with."
+    ),
 }
+
+#: The field naming the version of a stamp's layout: a state of another version is refused as
+#: a whole (its fields cannot be compared one by one).
+_VERSION_FIELD = "stamp_version"
 
 
 def stamp_differences(saved: Any, expected: dict[str, Any]) -> str | None:
@@ -118,7 +158,9 @@ def check_stamp(owner: str, state: Any, expected: dict[str, Any], fix: str) -> N
     """Raises :class:`StateMismatchError` if ``state["_stamp"]`` differs from ``expected``.
 
     The one check every stage runs. The message names each differing field with both values,
-    the fix for that field where one is known (:data:`FIELD_FIXES`), then ``fix``.
+    the fix for that field where one is known (:data:`FIELD_FIXES`), then ``fix``. A stamp of
+    another layout version (``stamp_version``) is refused as a whole, naming both versions: its
+    fields cannot be compared one by one.
 
     Args:
         owner: The wrapper's name, for the message.
@@ -127,6 +169,11 @@ def check_stamp(owner: str, state: Any, expected: dict[str, Any], fix: str) -> N
         fix: What the user can do, appended to the message.
     """
     saved = state.get("_stamp") if isinstance(state, dict) else None
+    if isinstance(saved, dict) and _VERSION_FIELD in expected and (
+        saved.get(_VERSION_FIELD) != expected[_VERSION_FIELD]
+    ):
+        raise StateMismatchError(_version_mismatch(owner, saved.get(_VERSION_FIELD),
+                                                   expected[_VERSION_FIELD]))
     diff = stamp_differences(saved, expected)
     if diff is not None:
         specific = _fixes(saved, expected)
@@ -134,6 +181,19 @@ def check_stamp(owner: str, state: Any, expected: dict[str, Any], fix: str) -> N
             f"{owner}: cannot restore a state written by a different configuration ({diff}). "
             f"{specific + ' ' if specific else ''}{fix}"
         )
+
+
+def _version_mismatch(owner: str, saved: Any, current: Any) -> str:
+    older = isinstance(saved, int) and isinstance(current, int) and saved < current
+    return (
+        f"{owner}: cannot restore a state written by {'an older' if older else 'another'} "
+        f"version of energon_ordering ({_VERSION_FIELD}: saved {saved!r} != configured "
+        f"{current!r}). "
+        + ("This version stamps more of what the continuation depends on, so the state cannot "
+           "be checked against this configuration. " if older else "")
+        + "Resume with the energon_ordering version that wrote the state, or start the data "
+        "stream fresh."
+    )
 
 
 def check_writer(owner: str, state: Any, hint: str) -> None:

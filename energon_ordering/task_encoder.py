@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import types
-import hashlib
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -23,11 +22,28 @@ from megatron.energon.wrappers import (
 from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.pool.finite_packing import FinitePackingDataset
+from energon_ordering.pipeline.build import TrainBuild, current_build
+from energon_ordering.pipeline.plan import (
+    DEFER,
+    EPOCHIZE,
+    KEY_POOL,
+    LENGTH_POOL,
+    PACK_CAP,
+    PACK_POOL,
+    REPEAT,
+    SCHEDULED_BLEND,
+    SEQ_WARMUP,
+    SHUFFLE,
+    BuildArgs,
+    PipelinePlan,
+    plan_pipeline,
+)
+from energon_ordering.pipeline.sources import describe_source
+from energon_ordering.pipeline.stamp import pipeline_stamp
 from energon_ordering.pool.finite_shuffle_buffer import FiniteShuffleBufferDataset
 from energon_ordering.pool.deferred_load import Defer, DeferredLength, Materialize, split_loader
 from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
 from energon_ordering.pool.index_fill import index_fill_problem, index_filled
-from energon_ordering.pool.order import BATCHED_MODES
 from energon_ordering.length_index.index import (
     LengthIndex,
     length_index_files,
@@ -42,7 +58,6 @@ from energon_ordering.mixture.scheduled_blend import ScheduledBlendDataset
 from energon_ordering.warmup.pack_cap import PackCapDataset, PackCapPrePacker, pack_target, round_target
 from energon_ordering.warmup.seq_warmup import SeqLenWarmupDataset
 from energon_ordering.sample_fields import sample_field, sample_key
-from energon_ordering.source_tag import SOURCE_KEY
 from energon_ordering.state_stamp import PipelineStampDataset
 from energon_ordering.warmup.token_layout import TokenLayout
 
@@ -62,7 +77,9 @@ class OrderingTaskEncoder:
         te.ordering = OrderingConfig(length_sort_pool_size=1000, length_sort_mode="batch")
         ds = get_train_dataset(path, batch_size=4, task_encoder=te, worker_config=wc, ...)
 
-    The training pipeline becomes::
+    Which stages a training pipeline gets is decided in one place,
+    :func:`energon_ordering.pipeline.plan_pipeline` (print its result to see them); the hooks
+    below only instantiate what it says. The training pipeline becomes::
 
         per source: load -> repeat -> shuffle buffer     (only with a mixture schedule)
         -> ScheduledBlendDataset                         (only with a mixture schedule)
@@ -121,14 +138,6 @@ class OrderingTaskEncoder:
     #: from the indexes, reading no payload (:mod:`energon_ordering.pool.index_fill`); the
     #: emitted order is the same either way. False reads every sample during the fill.
     ordering_index_fill: bool = True
-
-    _ordering_building_train: bool = False
-    #: While a pre-encode pipeline is built: per source, its load functions and length source.
-    _ordering_deferred: list[tuple[list[Any], Any]] | None = None
-    _ordering_batch_size: int | None = None
-    _ordering_packing_buffer_size: int | None = None
-    #: While a pre-encode pipeline is built: the identity of each length index it sorts by.
-    _ordering_length_indexes: list[dict[str, Any]] | None = None
 
     def ordering_sample_length(self, sample: Any) -> float:
         """Length of an encoded sample in tokens; the key the pool sorts by."""
@@ -233,16 +242,6 @@ class OrderingTaskEncoder:
             is not OrderingTaskEncoder.ordering_raw_sample_length
         )
 
-    def _ordering_pre_encode(self) -> bool:
-        cfg = self._ordering_config()
-        return (
-            self._ordering_building_train
-            and cfg.length_sort_enabled
-            and cfg.length_sort_placement == "pre-encode"
-            and not (self._ordering_packing_buffer_size is not None
-                     and cfg.pack_pool_placement == "packs")
-        )
-
     def _ordering_config(self) -> OrderingConfig:
         cfg = self.ordering
         if not isinstance(cfg, OrderingConfig):
@@ -252,91 +251,56 @@ class OrderingTaskEncoder:
             )
         return cfg
 
-    def build_train_datasets(self, *, batch_size: int | None, **kwargs: Any) -> SavableDataset:
+    def ordering_plan(self, *, batch_size: int | None, **kwargs: Any) -> PipelinePlan:
+        """The training pipeline this encoder builds for Energon's ``build_train_datasets``
+        arguments (validated; print it to see the stages). Reads the datasets' names and
+        identities, opens nothing else."""
         cfg = self._ordering_config()
-        stages = []
-        if cfg.length_sort_enabled:
-            stages.append(f"length_sort_pool_size = {cfg.length_sort_pool_size}")
-        if cfg.seq_length_warmup is not None:
-            stages.append("seq_length_warmup")
-        packing = kwargs.get("packing_buffer_size")
-        if cfg.packing_buffer_size is not None:
-            if packing is not None and packing != cfg.packing_buffer_size:
-                raise OrderingConfigError(
-                    f"OrderingConfig.packing_buffer_size = {cfg.packing_buffer_size} contradicts "
-                    f"get_train_dataset(packing_buffer_size={packing}); give it once (Megatron: "
-                    "--packing-buffer-size)."
-                )
-            packing = kwargs["packing_buffer_size"] = cfg.packing_buffer_size
-        if packing is not None:
-            if cfg.length_sort_enabled and cfg.pack_pool_placement == "packs" and (
-                cfg.length_sort_placement == "pre-encode"
-            ):
-                raise OrderingConfigError(
-                    "OrderingConfig.pack_pool_placement = 'packs' pools packs after packing, so "
-                    "it cannot also sit before encoding (length_sort_placement = 'pre-encode'); "
-                    "use pack_pool_placement = 'samples' with the pre-encode pool."
-                )
-            if (
-                not self._ordering_own("select_samples_to_pack")
-                and cfg.pack_seq_length is None
-                and cfg.seq_length_warmup is None
-            ):
-                raise OrderingConfigError(
-                    f"{type(self).__name__} has no select_samples_to_pack, so packing "
-                    f"(packing_buffer_size = {packing}) uses the default first-fit-decreasing "
-                    "packer, which needs OrderingConfig.pack_seq_length (Megatron: "
-                    "--packing-seq-length); set it or define select_samples_to_pack."
-                )
-        if stages:
-            if self._is_overridden(self.batch_group_criterion):  # type: ignore[attr-defined]
-                raise OrderingConfigError(
-                    f"OrderingConfig.{' and '.join(stages)} cannot be combined with "
-                    f"{type(self).__name__}.batch_group_criterion yet; remove the override or "
-                    "turn the ordering stage off."
-                )
-        if cfg.length_sort_enabled:
-            if cfg.length_sort_mode in BATCHED_MODES and batch_size is None:
-                raise OrderingConfigError(
-                    f"OrderingConfig.length_sort_mode = {cfg.length_sort_mode!r} needs batching; pass batch_size "
-                    "to get_train_dataset or use length_sort_mode = 'sample'."
-                )
-        self._ordering_building_train = True
-        self._ordering_deferred = []
-        self._ordering_length_indexes = []
-        self._ordering_batch_size = batch_size
-        self._ordering_packing_buffer_size = packing
-        try:
-            if cfg.mixture_schedule is not None:
-                dataset = self._build_scheduled_train(cfg, batch_size=batch_size, **kwargs)
+        datasets = kwargs.get("datasets", [])
+        worker_config = kwargs.get("worker_config")
+        mode = kwargs.get("blend_mode")
+        own_select = self._ordering_own("select_samples_to_pack")
+        return plan_pipeline(cfg, BuildArgs(
+            batch_size=batch_size,
+            packing_buffer_size=kwargs.get("packing_buffer_size"),
+            shuffle_buffer_size=kwargs.get("shuffle_buffer_size"),
+            repeat=kwargs.get("repeat", True),
+            blend_mode=getattr(mode, "value", mode) or "none",
+            batch_drop_last=kwargs.get("batch_drop_last", False),
+            virtual_epoch_length=kwargs.get("virtual_epoch_length", 0),
+            num_workers=worker_config.num_workers if worker_config is not None else 0,
+            sources=tuple(
+                describe_source(d, named=cfg.mixture_schedule is not None) for d in datasets
+            ),
+            encoder=type(self).__name__,
+            own_select_samples_to_pack=own_select,
+            own_batch_group_criterion=self._ordering_own("batch_group_criterion"),
+            packer=(self._ordering_packer_name("select_samples_to_pack"),
+                    self._ordering_packer_name("pack_selected_samples")),
+            index_fill=bool(self.ordering_index_fill),
+        ))
+
+    def _ordering_packer_name(self, name: str) -> str:
+        """Qualified name of the packing function ``name`` a build uses: the encoder's own, or
+        the package's default (``ordering_<name>``)."""
+        fn = getattr(self, name if self._ordering_own(name) else f"ordering_{name}")
+        return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+    def build_train_datasets(self, *, batch_size: int | None, **kwargs: Any) -> SavableDataset:
+        """Plans the pipeline (:meth:`ordering_plan`), builds it through Energon's hooks, which
+        read the plan from the active :class:`~energon_ordering.pipeline.build.TrainBuild`,
+        and stamps it."""
+        plan = self.ordering_plan(batch_size=batch_size, **kwargs)
+        if plan.packing_buffer_size is not None:
+            kwargs["packing_buffer_size"] = plan.packing_buffer_size
+        build = TrainBuild(encoder=self, plan=plan)
+        with build.active():
+            if plan.has(SCHEDULED_BLEND):
+                dataset = self._build_scheduled_train(plan, batch_size=batch_size, **kwargs)
             else:
                 dataset = super().build_train_datasets(batch_size=batch_size, **kwargs)  # type: ignore[misc]
-            worker_config = kwargs["worker_config"]
-            stamp = _pipeline_stamp(
-                cfg,
-                datasets=kwargs.get("datasets", []),
-                length_indexes=self._ordering_length_indexes,
-                lag_batches=self._ordering_lag_batches(cfg, batch_size, worker_config),
-                repeat=kwargs.get("repeat", True),
-                shuffle_buffer_size=kwargs.get("shuffle_buffer_size"),
-            )
-            return PipelineStampDataset(dataset, stamp=stamp, worker_config=worker_config)
-        finally:
-            self._ordering_building_train = False
-            self._ordering_deferred = None
-            self._ordering_packing_buffer_size = None
-            self._ordering_length_indexes = None
-
-    @staticmethod
-    def _ordering_lag_batches(
-        cfg: OrderingConfig, batch_size: int | None, worker_config: WorkerConfig
-    ) -> float:
-        """Rank-level batches the scheduled blend looks ahead (lag compensation); 0 if off."""
-        if not (cfg.length_sort_enabled and cfg.schedule_lag_compensation):
-            return 0.0
-        per_batch = batch_size or 1
-        lag = (cfg.length_sort_pool_size / per_batch - 1) / 2 * max(1, worker_config.num_workers)
-        return max(0.0, lag)
+        stamp = pipeline_stamp(plan, length_indexes=build.loads.length_indexes)
+        return PipelineStampDataset(dataset, stamp=stamp, worker_config=kwargs["worker_config"])
 
     def _load_dataset(
         self, dataset: Any, worker_rotation_offset: int, worker_config: WorkerConfig
@@ -346,16 +310,15 @@ class OrderingTaskEncoder:
         loaded = super()._load_dataset(  # type: ignore[misc]
             dataset, worker_rotation_offset, worker_config=worker_config
         )
-        if not self._ordering_pre_encode():
+        build = current_build(self)
+        defer = build.plan.stage(DEFER) if build is not None else None
+        if defer is None:
             return loaded
-        assert self._ordering_deferred is not None
         raw, load_fns = split_loader(loaded)
-        source_index = len(self._ordering_deferred)
-        length_source = self._ordering_length_source(dataset.dataset)
-        self._ordering_deferred.append((load_fns, length_source))
+        length_source = self._ordering_length_source(build, dataset.dataset)
+        source_index = build.loads.add(load_fns, length_source)
         if (
-            self.ordering_index_fill
-            and self._ordering_config().length_sort_pool_holds == "keys"
+            defer.kwargs["index_fill"]
             and hasattr(length_source, "length")
             and index_fill_problem(raw) is None
         ):
@@ -370,9 +333,10 @@ class OrderingTaskEncoder:
             map_fn_config=dict(defer=source_index),
         )
 
-    def _ordering_length_source(self, factory: Any) -> Any:
-        """The length index of a source's dataset, else ``ordering_raw_sample_length``."""
-        cfg = self._ordering_config()
+    def _ordering_length_source(self, build: TrainBuild, factory: Any) -> Any:
+        """The length index of a source's dataset (recorded in ``build``), else
+        ``ordering_raw_sample_length``."""
+        cfg = build.plan.config
         path = getattr(factory, "path", None)
         has_index = path is not None and (
             cfg.length_index is not None
@@ -390,8 +354,7 @@ class OrderingTaskEncoder:
             index = LengthIndex.open(
                 path, cfg.length_index, prefer=mine, index_dir=cfg.length_index_dir
             )
-            if self._ordering_length_indexes is not None:
-                self._ordering_length_indexes.append(index.identity())
+            build.loads.add_length_index(index.identity())
             if index.computed_by != mine:
                 warnings.warn(
                     f"length index {index.path} was computed by {index.computed_by}, not by "
@@ -407,37 +370,36 @@ class OrderingTaskEncoder:
     def build_encode_sample(
         self, dataset: SavableDataset, *, worker_config: WorkerConfig
     ) -> SavableDataset:
-        if self._ordering_building_train and type(dataset) is ShuffleBufferDataset:
+        build = current_build(self)
+        if build is None:
+            return super().build_encode_sample(dataset, worker_config=worker_config)  # type: ignore[misc]
+        plan = build.plan
+        if plan.has(SHUFFLE) and type(dataset) is ShuffleBufferDataset:
             # Energon's buffer forgets that a finite stream ended (see finite_shuffle_buffer).
             dataset = FiniteShuffleBufferDataset(
                 dataset.dataset, size=dataset.size, worker_config=worker_config
             )
-        if self._ordering_pre_encode():
-            _check_pool_share(self._ordering_config(), dataset, worker_config)
-            cfg = self._ordering_config()
-            assert self._ordering_deferred is not None
+        pool = plan.stage(KEY_POOL)
+        if pool is not None:
+            _check_pool_share(pool.kwargs["pool_size"], dataset, worker_config)
             dataset = KeyPoolSortDataset(
                 dataset,
-                pool_size=cfg.length_sort_pool_size,
+                **pool.kwargs,
                 worker_config=worker_config,
-                key_fn=DeferredLength([length for _, length in self._ordering_deferred]),
-                mode=cfg.length_sort_mode,
-                batch_size=self._ordering_batch_size,
-                seed=cfg.seed,
-                keep_samples=cfg.length_sort_pool_holds == "raw",
+                key_fn=DeferredLength(build.loads.length_sources),
             )
             dataset = MapDataset(
                 dataset,
-                Materialize([fns for fns, _ in self._ordering_deferred]),
+                Materialize(build.loads.load_fns),
                 worker_config=worker_config,
                 stateless_map_fn=True,
-                map_fn_config=dict(materialize=len(self._ordering_deferred)),
+                map_fn_config=dict(materialize=len(build.loads)),
             )
         return super().build_encode_sample(dataset, worker_config=worker_config)  # type: ignore[misc]
 
     def _build_scheduled_train(
         self,
-        cfg: OrderingConfig,
+        plan: PipelinePlan,
         *,
         datasets: list[Any],
         worker_config: WorkerConfig,
@@ -450,47 +412,26 @@ class OrderingTaskEncoder:
         repeat: bool = True,
     ) -> SavableDataset:
         """Energon's build_train_datasets with the scheduled blend after per-source shuffles."""
-        schedule = cfg.mixture_schedule
-        assert schedule is not None
-        names = [_source_name(d) for d in datasets]
-        epochized = [n for n, d in zip(names, datasets) if d.repetitions not in (None, 1)]
-        if epochized:
-            raise OrderingConfigError(
-                f"OrderingConfig.mixture_schedule replaces the metadataset's blend, but the "
-                f"entries {epochized} use `blend_epochized` repetitions, which a step schedule "
-                "cannot honour; use `blend:` with weights (they are replaced by the schedule)."
-            )
-        if len(set(names)) != len(names):
-            raise OrderingConfigError(
-                f"OrderingConfig.mixture_schedule: metadataset entries share source names "
-                f"{names}; give each blend entry its own `subflavors: {{{SOURCE_KEY}: NAME}}`."
-            )
+        names = [s.name for s in plan.args.sources]
         # Same worker rotation as Energon's build_train_datasets, so shards spread evenly.
         global_workers = max(1, worker_config.num_workers) * worker_config.world_size
         offsets, acc = [], 0
         for d in datasets:
             offsets.append(acc % global_workers)
             acc += len(d.dataset)
+        shuffle = plan.stage(SHUFFLE)
         sources = []
         for name, d, offset in zip(names, datasets, offsets):
             ds = self._load_dataset(d, offset, worker_config=worker_config)  # type: ignore[attr-defined]
-            if repeat:
+            if plan.has(REPEAT):
                 ds = RepeatDataset(ds, worker_config=worker_config)
-            if shuffle_buffer_size is not None and shuffle_buffer_size > 1:
-                ds = FiniteShuffleBufferDataset(
-                    ds, size=shuffle_buffer_size, worker_config=worker_config
-                )
+            if shuffle is not None:
+                ds = FiniteShuffleBufferDataset(ds, **shuffle.kwargs, worker_config=worker_config)
             sources.append((name, ds))
-        lag = self._ordering_lag_batches(cfg, batch_size, worker_config)
+        blend = plan.stage(SCHEDULED_BLEND)
+        assert blend is not None
         dataset: SavableDataset = ScheduledBlendDataset(
-            sources,
-            schedule=schedule,
-            worker_config=worker_config,
-            micro_batches_per_step=cfg.micro_batches_per_step,
-            batch_size=batch_size,
-            policy=cfg.blend_policy,
-            lag_batches=lag,
-            allow_schedule_change=cfg.allow_schedule_change,
+            sources, **blend.kwargs, worker_config=worker_config
         )
         dataset = self.build_encode_sample(dataset, worker_config=worker_config)  # type: ignore[attr-defined]
         dataset = self.build_batch(
@@ -500,8 +441,9 @@ class OrderingTaskEncoder:
             packing_buffer_size=packing_buffer_size,
             worker_config=worker_config,
         )
-        if virtual_epoch_length > 0:
-            dataset = EpochizeDataset(dataset, length=virtual_epoch_length, worker_config=worker_config)
+        epochize = plan.stage(EPOCHIZE)
+        if epochize is not None:
+            dataset = EpochizeDataset(dataset, **epochize.kwargs, worker_config=worker_config)
         if worker_config.should_log(level=1):
             dataset = LogSampleDataset(dataset, mode="train", worker_config=worker_config)
         return dataset
@@ -515,36 +457,30 @@ class OrderingTaskEncoder:
         packing_buffer_size: int | None = None,
         **kwargs: Any,
     ) -> SavableDataset:
-        cfg = self._ordering_config()
-        train = self._ordering_building_train
-        packing = train and packing_buffer_size is not None
-        pool_of_packs = packing and cfg.pack_pool_placement == "packs"
-        if train and cfg.length_sort_placement == "post-encode" and cfg.length_sort_enabled and (
-            not pool_of_packs
-        ):
-            _check_pool_share(cfg, dataset, worker_config)
-            dataset = LengthPoolSortDataset(
-                dataset,
-                pool_size=cfg.length_sort_pool_size,
-                worker_config=worker_config,
-                mode=cfg.length_sort_mode,
-                batch_size=batch_size,
-                key_fn=self.ordering_sample_length,
-                seed=cfg.seed,
+        build = current_build(self)
+        if build is None:  # not a training build (validation): Energon's batching unchanged
+            return super().build_batch(  # type: ignore[misc]
+                dataset, batch_size=batch_size, worker_config=worker_config,
+                packing_buffer_size=packing_buffer_size, **kwargs
             )
-        if packing:
+        plan = build.plan
+        pool = plan.stage(LENGTH_POOL)
+        if pool is not None:
+            _check_pool_share(pool.kwargs["pool_size"], dataset, worker_config)
+            dataset = LengthPoolSortDataset(
+                dataset, **pool.kwargs, worker_config=worker_config,
+                key_fn=self.ordering_sample_length,
+            )
+        if plan.packing_buffer_size is not None:
             with self._ordering_default_packers():
                 return self._ordering_build_packing(
-                    cfg, dataset, batch_size=batch_size, worker_config=worker_config,
+                    plan, dataset, batch_size=batch_size, worker_config=worker_config,
                     packing_buffer_size=packing_buffer_size, **kwargs
                 )
-        if train and cfg.seq_length_warmup is not None:
+        warmup = plan.stage(SEQ_WARMUP)
+        if warmup is not None:
             dataset = SeqLenWarmupDataset(
-                dataset,
-                warmup=cfg.seq_length_warmup,
-                worker_config=worker_config,
-                micro_batches_per_step=cfg.micro_batches_per_step,
-                overflow=cfg.seq_length_overflow,
+                dataset, **warmup.kwargs, worker_config=worker_config,
                 layout=self.ordering_token_layout,
             )
         return super().build_batch(  # type: ignore[misc]
@@ -554,7 +490,7 @@ class OrderingTaskEncoder:
 
     def _ordering_build_packing(
         self,
-        cfg: OrderingConfig,
+        plan: PipelinePlan,
         dataset: SavableDataset,
         *,
         batch_size: int | None,
@@ -564,19 +500,14 @@ class OrderingTaskEncoder:
     ) -> SavableDataset:
         """Pack cap -> Energon's PackingDataset (the encoder's packers) -> [pool of packs] ->
         Energon's batching."""
-        pool_of_packs = cfg.length_sort_enabled and cfg.pack_pool_placement == "packs"
+        cap_stage, pool_stage = plan.stage(PACK_CAP), plan.stage(PACK_POOL)
+        assert cap_stage is not None
         default_packer = isinstance(getattr(self, "select_samples_to_pack"), _DefaultPacker)
         cap = PackCapDataset(
             dataset,
+            **cap_stage.kwargs,
             worker_config=worker_config,
-            pack_seq_length=cfg.pack_seq_length,
-            warmup=cfg.seq_length_warmup,
-            micro_batches_per_step=cfg.micro_batches_per_step,
-            overflow=cfg.seq_length_overflow,
             layout=self.ordering_token_layout,
-            batch_size=batch_size or 1,
-            # packs go straight to the batcher in creation order: each gets its own step's cap
-            per_pack_targets=default_packer and not pool_of_packs,
         )
         # Energon builds the PackingDataset exactly as without ordering (batch_size=None: the
         # packs only); the pre-packer is then wrapped to cut the buffer to the pack target.
@@ -592,18 +523,15 @@ class OrderingTaskEncoder:
             bin_packer=first_fit_decreasing, packs_itself=default_packer,
             target_attribute=None if default_packer else _packer_target_attribute(self),
         )
-        if pool_of_packs:
+        if pool_stage is not None:
             # under the warmup the pool tells the packer where each pack goes, and sorts only
             # among positions with one cap: every pack is built to its emission step's cap
-            capped = cfg.seq_length_warmup is not None
+            capped = cap_stage.kwargs["warmup"] is not None
             packed = PackPoolSortDataset(
                 packed,
-                pool_size=cfg.length_sort_pool_size,
+                **pool_stage.kwargs,
                 worker_config=worker_config,
-                mode=cfg.length_sort_mode,
-                batch_size=(batch_size or 1) if capped else batch_size,
                 doc_lengths=self.ordering_pack_lengths,
-                seed=cfg.seed,
                 batch_cap=cap.batch_target if capped else None,
             )
             if capped:
@@ -641,31 +569,16 @@ def _packer_target_attribute(encoder: Any) -> tuple[Any, str] | None:
     return (encoder, "packing_seq_length") if hasattr(encoder, "packing_seq_length") else None
 
 
-def _source_name(loaded: Any) -> str:
-    """A metadataset entry's source name: ``subflavors.source``, else its folder name."""
-    factory = loaded.dataset
-    subflavors = getattr(factory, "subflavors", None) or {}
-    if subflavors.get(SOURCE_KEY):
-        return str(subflavors[SOURCE_KEY])
-    path = getattr(factory, "path", None)
-    if path is None:
-        raise OrderingConfigError(
-            f"OrderingConfig.mixture_schedule: cannot name the metadataset entry {factory!r}; "
-            f"give it `subflavors: {{{SOURCE_KEY}: NAME}}`."
-        )
-    return str(path).rstrip("/").rsplit("/", 1)[-1]
-
-
-def _check_pool_share(cfg: OrderingConfig, dataset: SavableDataset, worker_config: WorkerConfig) -> None:
+def _check_pool_share(pool_size: int, dataset: SavableDataset, worker_config: WorkerConfig) -> None:
     """Refuses a pool larger than a loader worker's share of repeating data: it would only fill
     after many epochs, holding every sample meanwhile (no emission, growing memory)."""
     if not _repeats(dataset):
         return
     shares = [dataset.len_worker(w) for w in range(max(1, worker_config.num_workers))]
     share = min(shares)
-    if 0 < share < cfg.length_sort_pool_size:
+    if 0 < share < pool_size:
         raise OrderingConfigError(
-            f"OrderingConfig.length_sort_pool_size = {cfg.length_sort_pool_size} is larger than a "
+            f"OrderingConfig.length_sort_pool_size = {pool_size} is larger than a "
             f"loader worker's share of the data ({share} samples per epoch for rank "
             f"{worker_config.rank}, {max(1, worker_config.num_workers)} worker(s)); with repeating "
             f"data the pool would fill only after several epochs. Use length_sort_pool_size <= "
@@ -682,75 +595,3 @@ def _repeats(dataset: Any) -> bool:
             return True
         stack.extend(getattr(ds, "datasets", None) or [])
     return False
-
-
-def _dataset_identity(loaded: Any) -> dict[str, Any]:
-    """A metadataset entry's identity: Energon's ``index.uuid``, a digest of its split (shard
-    names and sample counts, excludes) and the loading settings that decide its stream."""
-    factory = loaded.dataset
-    path = getattr(factory, "path", None)
-    uuid = None
-    if path is not None:
-        try:
-            uuid = (path / ".nv-meta" / "index.uuid").read_text().strip()
-        except (OSError, TypeError):
-            uuid = None
-    shards = getattr(factory, "shards", None) or []
-    split = hashlib.sha1(
-        repr(
-            (
-                [(str(getattr(s, "name", s)), int(getattr(s, "count", 0))) for s in shards],
-                sorted(str(x) for x in (getattr(factory, "sample_excludes", None) or ())),
-                repr(getattr(factory, "subset", None)),
-            )
-        ).encode()
-    ).hexdigest()[:16]
-    return {
-        "uuid": uuid,
-        "split": split,
-        "max_samples_per_sequence": getattr(factory, "max_samples_per_sequence", None),
-        "shuffle_over_epochs": getattr(factory, "shuffle_over_epochs", None),
-        "parallel_shard_iters": getattr(factory, "parallel_shard_iters", None),
-        "repetitions": getattr(loaded, "repetitions", None),
-    }
-
-
-def _pipeline_stamp(
-    cfg: OrderingConfig,
-    *,
-    datasets: list[Any],
-    length_indexes: list[dict[str, Any]] | None,
-    lag_batches: float,
-    repeat: bool,
-    shuffle_buffer_size: int | None,
-) -> dict[str, Any]:
-    """What a training pipeline's continuation depends on besides rank, world size and
-    num_workers (which :class:`PipelineStampDataset` adds); plain builtin values only. A
-    setting whose stage is off is stamped as None, so changing it is not refused."""
-    pool = cfg.length_sort_enabled
-    schedule = cfg.mixture_schedule
-    warmup = cfg.seq_length_warmup
-    step_based = schedule is not None or warmup is not None
-    ids = [_dataset_identity(d) for d in datasets]
-    return {
-        "datasets": [{k: v for k, v in i.items() if k in ("uuid", "split")} for i in ids],
-        "max_samples_per_sequence": [i["max_samples_per_sequence"] for i in ids],
-        "shuffle_over_epochs": [i["shuffle_over_epochs"] for i in ids],
-        "parallel_shard_iters": [i["parallel_shard_iters"] for i in ids],
-        "repeat": bool(repeat),
-        "shuffle_buffer_size": shuffle_buffer_size if (shuffle_buffer_size or 0) > 1 else None,
-        "length_sort_pool_size": cfg.length_sort_pool_size,
-        "length_sort_mode": cfg.length_sort_mode if pool else None,
-        "length_sort_placement": cfg.length_sort_placement if pool else None,
-        "seed": cfg.seed if pool else None,
-        "length_index": list(length_indexes) if length_indexes else None,
-        "mixture_schedule": list(schedule.sources) if schedule is not None else None,
-        "blend_policy": cfg.blend_policy if schedule is not None else None,
-        "seq_length_warmup": warmup.to_dict() if warmup is not None else None,
-        "seq_length_overflow": cfg.seq_length_overflow if warmup is not None else None,
-        "micro_batches_per_step": cfg.micro_batches_per_step if step_based else None,
-        "schedule_lag_compensation": (
-            cfg.schedule_lag_compensation if schedule is not None and pool else None
-        ),
-        "schedule_lag_batches": float(lag_batches) if schedule is not None else None,
-    }

@@ -1,14 +1,14 @@
 """The package's imports run down only (DESIGN.md, "Layout").
 
-Rooms, from the top: ``cli/``; ``integrations/`` and ``inspect/``; ``task_encoder``; ``config``;
-``pool/``, ``mixture/``, ``warmup/``, ``length_index/``; the shared base (``errors``,
-``state_stamp``, ``yaml_file``, ``sqlite_file``, ``sample_fields``, ``source_tag``). A room may
-import rooms below it and itself. Within the middle level, ``length_index`` may use ``pool``
-(building an index reads samples with the pool's deferred loading and measures them with its
-length key); no other sideways import is allowed. ``cli/`` is at the top: it may import every
-other room (and the package's ``__version__``), and no room imports it. Every import counts,
-including lazy ones
-inside functions.
+Rooms, from the top: ``cli/``; ``integrations/`` and ``inspect/``; ``task_encoder``;
+``pipeline/`` (which stages a configuration gets); ``config``; ``pool/``, ``mixture/``,
+``warmup/``, ``length_index/``; the shared base (``errors``, ``state_stamp``, ``yaml_file``,
+``sqlite_file``, ``sample_fields``, ``source_tag``). A room may import rooms below it and itself.
+Within the middle level, ``length_index`` may use ``pool`` (building an index reads samples with
+the pool's deferred loading and measures them with its length key); no other sideways import is
+allowed. ``cli/`` is at the top: it may import every other room (and the package's
+``__version__``), and no room imports it. Every import counts, including lazy ones inside
+functions.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ ALLOWED: dict[str, set[str]] = {
     "length_index": BASE | {"pool"},
     "schedules": BASE | {"mixture", "warmup"},  # deprecated re-export
     "config": BASE | MIDDLE,
-    "task_encoder": BASE | MIDDLE | {"config"},
-    "inspect": BASE | MIDDLE | {"config", "task_encoder"},
-    "integrations": BASE | MIDDLE | {"config", "task_encoder"},
+    "pipeline": BASE | MIDDLE | {"config"},
+    "task_encoder": BASE | MIDDLE | {"config", "pipeline"},
+    "inspect": BASE | MIDDLE | {"config", "pipeline", "task_encoder"},
+    "integrations": BASE | MIDDLE | {"config", "pipeline", "task_encoder"},
 }
 #: The command line is at the top: it may import everything below it.
 ALLOWED["cli"] = set(ALLOWED) | {"__init__"}

@@ -547,7 +547,8 @@ def test_restoring_with_another_pack_target_raises(small_dataset):
     state = loader.save_state_rank()
     close_loader(loader)
     loader = build_train_loader(small_dataset, ordering=_cfg(target=4096), batch_size=2)
-    with pytest.raises(StateMismatchError, match=r"PackCapDataset.*pack_seq_length: saved 2048 != configured 4096"):
+    # the pipeline's stamp (checked first, on top) names it; PackCapDataset's own stamp too
+    with pytest.raises(StateMismatchError, match=r"PipelineStampDataset.*pack_seq_length: saved 2048 != configured 4096"):
         loader.restore_state_rank(state)
     close_loader(loader)
 

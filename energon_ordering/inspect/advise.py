@@ -146,7 +146,7 @@ def load_population(
         population: Draws that represent a blend of several sources (by blend weight).
         seed: Seed of those draws.
     """
-    from energon_ordering.task_encoder import _source_name
+    from energon_ordering.pipeline.sources import source_name as _source_name
 
     entries = _entries(path)
     paths = [getattr(e.dataset, "path", None) for e in entries]

@@ -170,7 +170,7 @@ def _loaded(path: str | Path) -> list[Any]:
 
 def source_sizes_from_metadataset(path: str | Path) -> dict[str, int]:
     """Samples per source of a metadataset (sources named as the task encoder names them)."""
-    from energon_ordering.task_encoder import _source_name
+    from energon_ordering.pipeline.sources import source_name as _source_name
 
     sizes: dict[str, int] = {}
     for d in _loaded(path):
