@@ -54,7 +54,7 @@ RECIPE_STAGES = {
     ],
     "slm_350m_20b": [
         "load", "RepeatDataset", "FiniteShuffleBufferDataset", "ScheduledBlendDataset",
-        "encode_sample", "PackCapDataset", "PackingDataset", "PackPoolSortDataset",
+        "encode_sample", "PackCapDataset", "FinitePackingDataset", "PackPoolSortDataset",
         "BatchDataset", "PipelineStampDataset",
     ],
 }
@@ -152,13 +152,14 @@ def test_packing_paths():
     plain = OrderingConfig()
     args = BuildArgs(batch_size=2, packing_buffer_size=16, own_select_samples_to_pack=True)
     assert [s.name for s in plan_pipeline(pool, args)][3:7] == [
-        "PackCapDataset", "PackingDataset", "PackPoolSortDataset", "BatchDataset"]
+        "PackCapDataset", "FinitePackingDataset", "PackPoolSortDataset", "BatchDataset"]
     assert [s.name for s in plan_pipeline(samples, args)][2:6] == [
-        "encode_sample", "LengthPoolSortDataset", "PackCapDataset", "PackingDataset"]
-    # no ordering stage: Energon's packing unchanged (the encoder's own packer)
+        "encode_sample", "LengthPoolSortDataset", "PackCapDataset", "FinitePackingDataset"]
+    # packing alone (the encoder's own packer): still the cap stage (a no-op without a target)
+    # and the finite-safe packer, so a finite epoch resumes exactly there too
     plan = plan_pipeline(plain, args)
-    assert [s.name for s in plan][3:5] == ["PackingDataset", "BatchDataset"]
-    assert plan.stage("PackingDataset").energon and not plan.has("PackCapDataset")
+    assert [s.name for s in plan][3:6] == ["PackCapDataset", "FinitePackingDataset", "BatchDataset"]
+    assert plan.stage("FinitePackingDataset").energon
     # the config's packing buffer turns packing on without the build argument
     via_config = OrderingConfig(packing_buffer_size=16, pack_seq_length=512)
     assert plan_pipeline(via_config, BuildArgs(batch_size=2)).packing_buffer_size == 16
@@ -281,7 +282,7 @@ def test_hooks_build_the_plan_and_leave_no_state(small_dataset, case):
     assert isinstance(ds, PipelineStampDataset)
     chain = _chain(ds)
     ours = {"FiniteShuffleBufferDataset", "LengthPoolSortDataset", "PackCapDataset",
-            "PackingDataset", "PackPoolSortDataset", "SeqLenWarmupDataset", "PipelineStampDataset"}
+            "FinitePackingDataset", "PackPoolSortDataset", "SeqLenWarmupDataset", "PipelineStampDataset"}
     planned = [s.name for s in reversed(_plan_of(te, small_dataset, kw).stages) if s.name in ours]
     assert [c for c in chain if c in ours] == planned
     # nothing of the build stays on the encoder, and no build is active any more
