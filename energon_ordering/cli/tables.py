@@ -49,6 +49,8 @@ def measure_table(results: dict[str, Any]) -> str:
         ["keys on two ranks (must be 0)", *(str(results[n].overlapping_keys) for n in names)],
         ["sawtooth at shard period", *("yes" if results[n].sawtooth else "no" for n in names)],
     ]
+    if any(results[n].docs_per_pack == results[n].docs_per_pack for n in names):
+        rows.insert(3, ["documents per pack", *(f"{results[n].docs_per_pack:.2f}" for n in names)])
     return table(["", *names], rows)
 
 
@@ -57,9 +59,11 @@ def definitions(extra: dict[str, Any]) -> str:
     return "\n".join([
         "straggler idle: share of each step the ranks wait for the slowest (cost L + L^2/4096 "
         "per sample); lower is better.",
-        "padding waste: share of a micro-batch that is padding up to its longest sample; lower "
-        "is better.",
+        "padding waste: share of a micro-batch that is padding up to its longest sample (with "
+        "packing: its longest pack); lower is better.",
         "tokens per step: tokens of one micro-batch of every rank together, before padding.",
+        *(["documents per pack: mean number of documents packed into one sequence; idle, "
+           "tokens and the source mix count documents."] if extra.get("packed") else []),
         "source histogram dispersion: variance of each source's count per micro-batch (per "
         "step: all ranks' micro-batches of the step, against the schedule at that step) over "
         "that of independent draws; 1 = iid, below 1 more even, above 1 clumped by source "

@@ -54,6 +54,10 @@ class Measurement:
     (:func:`~energon_ordering.inspect.diagnostics.sources_by_step`), against the schedule's
     weights at each step when there is one. Both are 1 for independent draws, higher when
     groups are clumped by source.
+
+    With packing, ``padding_waste`` pads each micro-batch's packs to its longest pack, the
+    costs behind ``straggler_idle`` sum over documents (attention does not cross documents), and
+    ``docs_per_pack`` is the mean number of documents in a pack (NaN without packing).
     """
 
     straggler_idle: float
@@ -65,6 +69,7 @@ class Measurement:
     sawtooth: bool
     sawtooth_autocorrelation: dict[str, float]
     sources: tuple[str, ...]
+    docs_per_pack: float = float("nan")
 
 
 def measure(
@@ -101,11 +106,17 @@ def measure(
     if schedule is not None and set(schedule.sources) >= set(sources):
         table = schedule.weights_table(np.arange(len(step_groups)))
         expected = table[:, [schedule.sources.index(s) for s in sources]]
+    packs = [p for b in all_batches for p in b.pack_lengths]
+    if packs:
+        rows = [[sum(p) for p in b.pack_lengths] for b in all_batches if b.pack_lengths]
+        padding, docs_per_pack = padding_waste(rows), float(np.mean([len(p) for p in packs]))
+    else:
+        padding, docs_per_pack = padding_waste([b.lengths for b in all_batches]), float("nan")
     step_dispersion = (histogram_dispersion(step_groups, sources, expected)
                        if sources and len(step_groups) > 1 else float("nan"))
     return Measurement(
         straggler_idle=straggler_idle(step_lengths),
-        padding_waste=padding_waste([b.lengths for b in all_batches]),
+        padding_waste=padding,
         tokens_per_step=float(np.mean([sum(sum(x) for x in st) for st in step_lengths])),
         histogram_dispersion=dispersion,
         step_histogram_dispersion=step_dispersion,
@@ -113,6 +124,7 @@ def measure(
         sawtooth=sawtooth,
         sawtooth_autocorrelation=ac,
         sources=sources,
+        docs_per_pack=docs_per_pack,
     )
 
 

@@ -347,12 +347,18 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
             raise self._pending_error
 
     def restore_sample(self, restore_key: tuple[str | int | tuple, ...]) -> T_sample:
-        if restore_key and restore_key[0] == type(self).__name__:
-            cap = int(restore_key[1])
-            inner = self.dataset.restore_sample(restore_key[2:])
-            result = truncate_sample(inner, cap, self.layout)
-            return add_sample_restore_key(result.sample, cap, src=self)
-        return self.dataset.restore_sample(restore_key)
+        """Re-fetches the inner sample and repeats its cuts, innermost (first applied) first.
+
+        A sample that waits in the packer's buffer across a change of cap is cut again, so its
+        key may name several caps, ``(name, cap_k, ..., name, cap_1, *inner)``."""
+        name, caps = type(self).__name__, []
+        while restore_key and restore_key[0] == name:
+            caps.append(int(restore_key[1]))
+            restore_key = restore_key[2:]
+        sample = self.dataset.restore_sample(restore_key)
+        for cap in reversed(caps):
+            sample = add_sample_restore_key(truncate_sample(sample, cap, self.layout).sample, cap, src=self)
+        return sample
 
     def restore_state(self, state: FlexState) -> None:
         check_stamp(
