@@ -40,6 +40,7 @@ __all__ = [
     "check_resume",
     "measure",
     "shard_length",
+    "source_lengths_from_indexes",
     "source_sizes_from_metadataset",
 ]
 
@@ -189,6 +190,34 @@ def source_sizes_from_metadataset(path: str | Path) -> dict[str, int]:
         name = _source_name(d)
         sizes[name] = sizes.get(name, 0) + len(d.dataset)
     return sizes
+
+
+def source_lengths_from_indexes(
+    path: str | Path, *, name: str | None = None, index_dir: str | Path | None = None,
+    max_rows: int = 200_000,
+) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Document lengths per source from the length indexes of a metadataset's datasets.
+
+    Returns:
+        ``({source: lengths}, {source: why it has none})``: a source whose dataset has no
+        usable index (missing, stale, ambiguous) is in the second dict, with the reason.
+    """
+    from energon_ordering.errors import LengthIndexError
+    from energon_ordering.length_index.index import LengthIndex, local_dataset_path
+    from energon_ordering.task_encoder import _source_name
+
+    lengths: dict[str, list[float]] = {}
+    missing: dict[str, str] = {}
+    for d in _loaded(path):
+        source = _source_name(d)
+        try:
+            index = LengthIndex.open(local_dataset_path(d.dataset.path), name, index_dir=index_dir)
+            lengths.setdefault(source, []).extend(index.lengths(max_rows))
+        except LengthIndexError as e:
+            missing[source] = str(e)
+    for source in missing:
+        lengths.pop(source, None)
+    return lengths, missing
 
 
 def shard_length(path: str | Path) -> int:
