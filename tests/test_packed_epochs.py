@@ -47,7 +47,7 @@ def test_long_documents_fill_a_pack_alone_and_the_warmup_makes_fewer_documents_p
     lengths = {"a": np.full(10, 256.0), "b": np.full(10, 256.0)}
     full = packed_implied_epochs(sched, 100, 8, SIZES, lengths, pack_seq_length=2048, fill=1.0)
     warm = packed_implied_epochs(sched, 100, 8, SIZES, lengths, pack_seq_length=2048, fill=1.0,
-                                 warmup=SeqLenWarmup(start=512, full=2048, warmup_steps=50))
+                                 max_seq_len=SeqLenWarmup(start=512, full=2048, warmup_steps=50).max_seq_len)
     assert full.docs_per_pack == pytest.approx(8.0)
     assert 2.0 < warm.docs_per_pack < 8.0
     assert warm["a"] < full["a"]

@@ -86,8 +86,10 @@ def _packed_epochs(cfg: Any, total_steps: int, packs_per_step: int, sizes: dict[
         # No lengths: one document per pack, a lower bound on every source's epochs.
         lengths = {s: np.array([float(target)]) for s in sched.sources}
         basis += "; assumed 1 document per pack, so the epochs below are LOWER BOUNDS"
+    warmup = cfg.seq_length_warmup
     epochs = packed_implied_epochs(sched, total_steps, packs_per_step, sizes, lengths,
-                                   pack_seq_length=target, warmup=cfg.seq_length_warmup)
+                                   pack_seq_length=target,
+                                   max_seq_len=warmup.max_seq_len if warmup else None)
     rows = [[name, f"{sizes[name]:,}", f"{e:.2f}", "!" if e > warn_above else ""]
             for name, e in epochs.items()]
     over = {n: round(e, 2) for n, e in epochs.items() if e > warn_above}

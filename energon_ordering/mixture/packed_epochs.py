@@ -17,12 +17,11 @@ fills 97-98% (``tools/bench_packing.py``). Pure functions; no dataset needed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from energon_ordering.mixture.schedule import MixtureSchedule
-from energon_ordering.warmup.schedule import SeqLenWarmup
 
 __all__ = ["DEFAULT_PACK_FILL", "PackedEpochs", "capped_mean_lengths", "packed_implied_epochs"]
 
@@ -55,7 +54,7 @@ def packed_implied_epochs(
     source_lengths: Mapping[str, np.ndarray],
     *,
     pack_seq_length: int,
-    warmup: SeqLenWarmup | None = None,
+    max_seq_len: Callable[[int], int] | None = None,
     fill: float = DEFAULT_PACK_FILL,
 ) -> PackedEpochs:
     """Expected passes over each source when every step trains on ``packs_per_step`` packs.
@@ -69,7 +68,8 @@ def packed_implied_epochs(
         source_lengths: Per source, document lengths in tokens (a length index's, or a single
             assumed mean).
         pack_seq_length: The pack's token target.
-        warmup: Sequence-length warmup; its ``max_seq_len(step)`` caps the pack target.
+        max_seq_len: The sequence-length warmup's ``max_seq_len(step)``, which caps the pack
+            target (None: no warmup).
         fill: Share of a pack's tokens that are documents (see the module docstring).
 
     Returns:
@@ -89,8 +89,8 @@ def packed_implied_epochs(
     for start in range(0, total_steps, chunk):
         steps = np.arange(start, min(total_steps, start + chunk))
         caps = np.full(steps.size, float(pack_seq_length))
-        if warmup is not None:
-            caps = np.minimum(caps, [warmup.max_seq_len(int(s)) for s in steps])
+        if max_seq_len is not None:
+            caps = np.minimum(caps, [max_seq_len(int(s)) for s in steps])
         weights = schedule.weights_table(steps)  # (steps, sources)
         means = np.stack([capped_mean_lengths(source_lengths[s], caps) for s in schedule.sources],
                          axis=1)
