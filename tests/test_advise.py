@@ -4,6 +4,8 @@ the per-step source grouping; the CLI."""
 from __future__ import annotations
 
 import random
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ from energon_ordering.inspect.advise import (
 )
 from energon_ordering.inspect.diagnostics import histogram_dispersion, sources_by_step, straggler_idle
 from energon_ordering.inspect.inspection import measure
-from energon_ordering.inspect.rank_simulation import run_ranks
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, run_ranks
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
 from energon_ordering.length_index.build import build_length_index
@@ -140,23 +142,149 @@ def test_eight_rank_prediction_matches_what_inspect_measures(two_sources, mode, 
 # ---- CLI ----------------------------------------------------------------------------------------
 
 
-def test_advise_cli_prints_the_table_recommends_and_plots(two_sources, tmp_path):
+@pytest.fixture(scope="module")
+def advise_run(two_sources, tmp_path_factory):
+    """One ``advise`` CLI run at 8 ranks x 2 workers: a worker's share is 12,800 / 16 = 800."""
+    out = tmp_path_factory.mktemp("advise_out")
     result = CliRunner().invoke(main, [
-        "advise", str(two_sources), "--ranks", "32", "--micro-batch", "4", "--num-workers", "2",
-        "--memory-per-worker", "64MiB", "--steps", "200", "--out", str(tmp_path),
+        "advise", str(two_sources), "--ranks", "8", "--micro-batch", "4", "--num-workers", "2",
+        "--memory-per-worker", "64MiB", "--steps", "200", "--out", str(out),
         "--task-encoder", "energon_ordering.inspect.synthetic_task:IndexedSyntheticTaskEncoder"])
+    return result, out
+
+
+@pytest.mark.slow
+def test_advise_cli_prints_the_table_recommends_and_plots(advise_run):
+    result, out_dir = advise_run
     assert result.exit_code == 0, result.output
     out = result.output
-    assert "lengths: length index" in out and "sources code, web" in out
-    for row in ("pool off", "batch 1,000", "sample 1,000", "stratified 1,000", "batch 1,000,000"):
+    assert "dataset: 12,800 samples; lengths: length index" in out and "sources code, web" in out
+    for row in ("pool off", "batch 800", "batch 1,000", "sample 1,000", "stratified 1,000",
+                "batch 1,000,000"):
         assert row in out
-    for col in ("idle 8", "idle 32*", "idle 64", "idle 256", "idle 1024", "disp/step"):
+    for col in ("idle 8*", "idle 64", "idle 256", "idle 1024", "disp/step", "accepted"):
         assert col in out
     assert "pre-encode/keys" in out and "post-encode/encoded" in out
     assert "recommended: length_sort_pool_size:" in out
-    # Two sources of different lengths: the recommended order clusters them per step.
-    assert "length_sort_mode: stratified keeps the ranks in sync" in out
-    assert (tmp_path / "advise.png").stat().st_size > 10_000
+    # Absolute per-step mix, defined, and stratified described by what it does.
+    assert "pp typical/worst: code" in out and "typical = median step" in out
+    assert "mixes sources" not in out
+    assert (out_dir / "advise.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_advise_recommends_only_pools_the_package_accepts(advise_run, two_sources):
+    # 8 ranks x 2 workers over 12,800 samples: a worker's share is 800; a 1,000 pool needs
+    # 16,000 samples, and is refused by the package exactly as advise says.
+    result, _ = advise_run
+    assert result.exit_code == 0, result.output
+    assert re.search(r"batch 1,000 .* needs 16,000", result.output)
+    assert re.search(r"batch 800 .* yes", result.output)
+    m = re.search(r"recommended: length_sort_pool_size: (\d+), length_sort_mode: (\w+), "
+                  r"length_sort_placement: ([\w-]+)(?:, length_sort_pool_holds: (\w+))?",
+                  result.output)
+    assert m, result.output
+    size, mode, placement, holds = int(m[1]), m[2], m[3], m[4] or "raw"
+    assert 0 < size <= 800
+
+    def build(pool):
+        cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode=mode,
+                             length_sort_placement=placement, length_sort_pool_holds=holds)
+        loader = build_train_loader(two_sources, ordering=cfg, rank=7, world_size=8,
+                                    num_workers=2, batch_size=4,
+                                    task_encoder_factory=IndexedSyntheticTaskEncoder)
+        close_loader(loader)
+
+    build(size)  # accepted
+    with pytest.raises(OrderingConfigError, match="larger than a loader worker's share"):
+        build(1000)
+
+
+@pytest.mark.slow
+def test_first_batch_fit_predicts_the_largest_pool_within_one_and_a_half(two_sources):
+    # Fitted at 400 and 1,600 (start-up + per sample), checked by a measurement at 3,200: the
+    # largest pool that fits 12,800 samples on 4 ranks x 1 worker.
+    from energon_ordering.inspect.advise import measure_costs
+
+    costs = measure_costs(two_sources, batch_size=4, pool_sizes=(400, 1600), check_pool=3200,
+                          task_encoder_factory=IndexedSyntheticTaskEncoder)
+    measured = [c for c in costs if not c.note]
+    assert measured, costs
+    for c in measured:
+        assert c.check_pool == 3200 and c.startup_seconds >= 0 and c.fill_seconds >= 0
+        assert 1 / 1.5 <= c.check_ratio <= 1.5, c
+
+
+def test_fit_first_batch_is_a_line_clamped_at_zero():
+    from energon_ordering.inspect.advise import fit_first_batch
+
+    assert fit_first_batch([100, 1000], [1.1, 2.0]) == pytest.approx((1.0, 0.001))
+    assert fit_first_batch([100, 1000], [2.0, 1.9]) == pytest.approx((1.95, 0.0))
+
+
+def test_step_share_deviation_in_percentage_points():
+    from energon_ordering.inspect.advise import step_share_deviation
+
+    steps = np.array([[0, 0, 0, 1], [0, 1, 0, 1], [1, 1, 1, 1]])
+    dev = step_share_deviation(steps, np.array([0.5, 0.5]))
+    np.testing.assert_allclose(dev, [[25, 25], [0, 0], [50, 50]])
+
+
+# ---- bounded inputs: one Error line, exit 2, before anything is allocated -----------------------
+
+
+def _advise(*args):
+    return CliRunner().invoke(main, ["advise", *map(str, args), "--no-measure", "--steps", "16"])
+
+
+def _one_error_line(result, match):
+    assert result.exit_code == 2, result.output
+    lines = [l for l in result.output.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error:"), result.output
+    assert re.search(match, lines[0]), lines[0]
+
+
+def test_advise_refuses_a_recipe_as_dataset():
+    recipe = Path(__file__).parent.parent / "recipes" / "demo.yaml"
+    _one_error_line(_advise(recipe, "--ranks", 8, "--micro-batch", 4), r"DATASET .* is a recipe")
+
+
+def test_advise_refuses_a_folder_that_is_no_dataset(tmp_path):
+    _one_error_line(_advise(tmp_path, "--ranks", 8, "--micro-batch", 4),
+                    r"DATASET .* is not a prepared Energon dataset")
+
+
+def test_advise_refuses_a_micro_batch_larger_than_the_data(small_dataset):
+    _one_error_line(_advise(small_dataset, "--ranks", 8, "--micro-batch", 100000),
+                    r"640 samples, fewer than one micro-batch per loader worker")
+
+
+def test_advise_refuses_a_billion_ranks(small_dataset):
+    _one_error_line(_advise(small_dataset, "--ranks", 1_000_000_000, "--micro-batch", 4),
+                    r"1,000,000,000 ranks .* lower --ranks")
+
+
+def test_advise_refuses_a_simulation_larger_than_its_memory_limit(align_dataset):
+    # 4,096 samples fit 1,024 ranks x 4; 1,024 ranks x 100,000 micro-batches do not fit 4 GiB.
+    r = CliRunner().invoke(main, ["advise", str(align_dataset), "--ranks", "1024", "--micro-batch",
+                                  "4", "--no-measure", "--steps", "100000"])
+    _one_error_line(r, r"GiB, over advise's limit .* lower --steps to")
+
+
+def test_advise_refuses_blend_weights_that_are_all_zero(small_dataset, tmp_path):
+    meta = tmp_path / "zero.yaml"
+    meta.write_text(
+        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+        f"      - weight: 0\n        path: {small_dataset}\n"
+        f"      - weight: 0.0\n        path: {small_dataset}\n")
+    _one_error_line(_advise(meta, "--ranks", 8, "--micro-batch", 4), r"every blend weight .* is 0")
+
+
+def test_advise_refuses_a_one_sample_dataset(tmp_path):
+    root = tmp_path / "one"
+    make_synthetic_dataset(root, [SourceSpec("web", 1, "short")], shard_size=1)
+    _one_error_line(_advise(root / "web", "--ranks", 1, "--micro-batch", 4),
+                    r"has 1 samples, fewer than one micro-batch")
 
 
 def test_advise_cli_rejects_a_bad_memory_size(two_sources):

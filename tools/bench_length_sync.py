@@ -348,13 +348,23 @@ def main(out: str, quick: bool, samples: int | None, world_size: int, only: str)
     """Measure cross-rank length sync, overhead, checkpoint size, restore latency and lean pools."""
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = _dataset(out_dir, samples or (8_000 if quick else 80_000))
+    n_sync = samples or (8_000 if quick else 80_000)
+    path = _dataset(out_dir, n_sync)
     if only in ("all", "lean"):
         photo = _photo_dataset(out_dir, 3_000 if quick else 12_000)
         t0 = time.perf_counter()
+        # The package refuses a pool larger than a loader worker's share of repeating data, so
+        # the lean pool is sized to the sync data: at most n_sync / world_size (one worker).
+        lean_pool = 2_000 if quick else 10_000
+        share = n_sync // world_size // BATCH * BATCH
+        if share < lean_pool:
+            click.echo(f"lean pool {share:,} instead of {lean_pool:,}: a loader worker's share of "
+                       f"{n_sync:,} samples at {world_size} ranks (a larger pool is refused)",
+                       err=True)
+            lean_pool = share
         lean = bench_lean(path, photo, world_size,
-                          encoded_pool=200 if quick else 1_000,
-                          lean_pool=2_000 if quick else 10_000,
+                          encoded_pool=min(200 if quick else 1_000, lean_pool),
+                          lean_pool=lean_pool,
                           rate_samples=2_000 if quick else 10_000, repeats=1 if quick else 3)
         _print_lean(lean)
         click.echo(f"\n(lean section {time.perf_counter() - t0:.0f} s)")

@@ -10,13 +10,15 @@ On a synthetic trimodal dataset with a length index (micro-batch 4), prints:
    (``WorkerConfig(rank=r, world_size=8)``, what ``inspect`` measures), side by side;
 3. **Real loaders**: time to first batch and pool memory per loader worker for the key pool
    filled from the indexes (up to 100k), the key pool filled by reading the payload (the fill
-   before issue 16), the raw pool and the encoded pool; samples/s against no pool, side by side;
+   before issue 16), the raw pool and the encoded pool; ``advise``'s first-batch model
+   (start-up + per sample, fitted at the two smallest pools) against the first batch measured at
+   the largest; samples/s against no pool, side by side;
 4. **Random reads**: Energon's random access against the byte-range reader, ms per sample, and
    where Energon's time goes (``.tar.idx`` lookup vs tar header walk).
 
 Usage:
-    python tools/bench_scale.py --quick          # 20k samples, real pools 1k / 10k
-    python tools/bench_scale.py                  # 120k samples, real pools 1k / 10k / 100k
+    python tools/bench_scale.py --quick          # 20k samples, real pools 1k / 3k / 10k
+    python tools/bench_scale.py                  # 120k samples, real pools 1k / 3k / 10k / 100k
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import click
 import numpy as np
 
 from energon_ordering import OrderingConfig
-from energon_ordering.inspect.advise import load_population, predict_order
+from energon_ordering.inspect.advise import fit_first_batch, load_population, predict_order
 from energon_ordering.inspect.inspection import measure
 from energon_ordering.inspect.pool_memory import find_stage, pool_holdings, resident_bytes
 from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, run_ranks
@@ -113,12 +115,16 @@ def _real_loader(path: Path, setting: str | None, pool: int, samples: int) -> di
     return {"first": first, "bytes": held, "rate": samples / total}
 
 
+def validation_steps(n: int, requested: int, pool: int = 1024, ranks: int = 8) -> int:
+    """Micro-batches per real rank that stay within one epoch of a rank's share (n / ranks)
+    with a pool of ``pool`` still to drain: at most ``requested``."""
+    return max(0, min(requested, (n // ranks - pool) // BATCH))
+
+
 def _validation_rows(path: Path, pop, n: int, validate_steps: int) -> list[list[str]]:
     """The model's idle and padding against 8 real rank pipelines, per order."""
     rows = []
     for mode, pool in (("off", 0), ("batch", 1024), ("sample", 1024)):
-        if (validate_steps * BATCH + pool) * 8 > n:
-            continue  # stay within one epoch
         cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode=mode if pool else "sample")
         records = run_ranks(path, ordering=cfg, world_size=8, steps=validate_steps,
                             batch_size=BATCH, task_encoder_factory=IndexedSyntheticTaskEncoder)
@@ -188,8 +194,9 @@ def _random_reads(path: Path, n: int) -> list[list[str]]:
                    "since idle measured within one pool is noisy (200 micro-batches, batch 1,024: "
                    "5.5% and 7.6% in two runs against 5.9% predicted).")
 @click.option("--samples", type=int, default=None,
-              help="Dataset size (default 20,000 with --quick, else 120,000); a pool larger than "
-                   "the dataset fills from the repeated stream.")
+              help="Dataset size (default 20,000 with --quick, else 120,000). A real pool may "
+                   "not exceed the dataset (one in-process worker's share): the package refuses "
+                   "a larger pool on repeating data.")
 @click.option("--real-pools", default=None,
               help="Pool sizes of the real loaders, e.g. 1000,10000,100000.")
 @click.option("--repeats", default=3, help="Rounds of the throughput comparison (3b).")
@@ -200,18 +207,20 @@ def main(quick: bool, out: str, steps: int, validate_steps: int, samples: int | 
     if real_pools:
         pools = tuple(int(x) for x in real_pools.split(","))
     else:
-        pools = (1_000, 10_000) if quick else (1_000, 10_000, 100_000)
+        pools = (1_000, 3_000, 10_000) if quick else (1_000, 3_000, 10_000, 100_000)
     real_pools = pools
     path = _dataset(Path(out), n)
     # The real loaders' first batches are measured before anything else, in a process that holds
     # nothing yet, as a fresh loader worker does (a process holding the other sections' objects
     # pays more for Python's garbage collection during a 100,000-sample fill).
     real_rows = []
+    firsts: dict[str, list[tuple[int, float]]] = {}
     for pool in real_pools:
         for setting in SETTINGS:
             if pool >= 100_000 and setting != "keys, index fill":
                 continue  # the others take minutes (payload) or gigabytes (raw, encoded)
             r = _real_loader(path, setting, pool, BATCH)
+            firsts.setdefault(setting, []).append((pool, r["first"]))
             walk = f"{_walk_below_pool(path, pool):.2f}" if setting == "keys, index fill" else ""
             real_rows.append([setting, f"{pool:,}", f"{r['first']:.2f}", walk,
                               f"{r['bytes'] / 2**20:,.1f}", f"{r['bytes'] / pool:,.0f}"])
@@ -231,14 +240,37 @@ def main(quick: bool, out: str, steps: int, validate_steps: int, samples: int | 
                          *(f"{100 * p.idle[r]:.2f}%" for r in ranks), f"{100 * p.padding:.1f}%"])
     click.echo(_table(["order", *(f"{r} ranks" for r in ranks), "padding"], rows) + "\n")
 
-    click.echo(f"2. validation at 8 ranks: model vs 8 real pipelines ({validate_steps} micro-batches)")
-    click.echo(_table(["order", "measured idle", "predicted", "diff (points)", "measured pad",
-                       "predicted pad"], _validation_rows(path, pop, n, validate_steps)) + "\n")
+    fit_steps = validation_steps(n, validate_steps)
+    click.echo(f"2. validation at 8 ranks: model vs 8 real pipelines ({fit_steps} micro-batches)")
+    if fit_steps < validate_steps:
+        click.echo(f"   ({fit_steps} instead of --validate-steps {validate_steps}: each rank stays "
+                   f"within one epoch of its share, {n:,} / 8 samples, less a pool of 1,024; "
+                   "fewer micro-batches measure idle more noisily)")
+    if fit_steps < 16:
+        click.echo(f"   skipped: {n:,} samples leave under 16 micro-batches per rank; pass "
+                   "--samples 20000 or more\n")
+    else:
+        click.echo(_table(["order", "measured idle", "predicted", "diff (points)", "measured pad",
+                           "predicted pad"], _validation_rows(path, pop, n, fit_steps)) + "\n")
 
     click.echo("3. real loaders, one worker, in-process, batch mode: time to first batch and "
                "pool memory (measured first, see above)")
     click.echo(_table(["pool", "size", "first batch (s)", "Energon below pool (s)",
                        "pool MiB / worker", "bytes / sample"], real_rows) + "\n")
+    click.echo("3a. advise's first-batch model: start-up + per sample, fitted at the two smallest "
+               "pools, against the first batch measured at the largest (target: within 1.5x)")
+    fit_rows = []
+    for setting, points in firsts.items():
+        if len(points) < 3:
+            fit_rows.append([setting, "-", "-", "-", "-", "fewer than 3 pools measured"])
+            continue
+        startup, per_sample = fit_first_batch([p for p, _ in points[:2]], [t for _, t in points[:2]])
+        pool, measured = points[-1]
+        predicted = startup + per_sample * pool
+        fit_rows.append([setting, f"{startup:.2f} s + {1e3 * per_sample:.3f} ms x pool", f"{pool:,}",
+                         f"{predicted:.2f}", f"{measured:.2f}", f"{predicted / measured:.2f}x"])
+    click.echo(_table(["pool", "fit", "check at", "predicted (s)", "measured (s)", "ratio"],
+                      fit_rows) + "\n")
 
     tp_pool, tp_samples = real_pools[0], max(8 * real_pools[0], 8_000)
     click.echo(f"3b. throughput: samples/s over {tp_samples:,} samples from the start (fills "

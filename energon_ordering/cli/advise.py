@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from energon_ordering.cli.options import CONTEXT, resolve_task_encoder, with_task_encoder
+from energon_ordering.cli.preflight import check_dataset
 from energon_ordering.cli.tables import advice_tables
 from energon_ordering.cli.user_error import user_errors
 
@@ -49,6 +50,7 @@ def command(dataset: str, ranks: int, micro_batch: int, num_workers: int, memory
     from energon_ordering.inspect.advise import plot_advice, source_mix_note
 
     budget = _parse_bytes(memory_per_worker)
+    check_dataset(dataset, "DATASET")
     factory = resolve_task_encoder(task_encoder, tokens_per_media)
     with user_errors():
         adv = run_advise(dataset, ranks=ranks, batch_size=micro_batch, num_workers=num_workers,
@@ -56,8 +58,8 @@ def command(dataset: str, ranks: int, micro_batch: int, num_workers: int, memory
                          steps=steps, seed=seed, task_encoder_factory=factory, measure=measure,
                          progress=lambda line: click.echo(f"... {line}", err=True))
     pop = adv.population
-    click.echo(f"lengths: {pop.origin}, {len(pop.lengths):,} samples, mean {pop.lengths.mean():,.0f} "
-               f"tokens, sources {', '.join(pop.source_names)}")
+    click.echo(f"dataset: {adv.total_samples:,} samples; lengths: {pop.origin} ({len(pop.lengths):,} "
+               f"drawn), mean {pop.lengths.mean():,.0f} tokens, sources {', '.join(pop.source_names)}")
     click.echo(advice_tables(adv))
     if adv.recommended is None:
         click.echo(f"\nrecommended: none ({adv.reason})")
@@ -67,7 +69,9 @@ def command(dataset: str, ranks: int, micro_batch: int, num_workers: int, memory
                    f"length_sort_placement: {placement}"
                    + (f", length_sort_pool_holds: {holds}" if placement == "pre-encode" else "")
                    + f"\n  ({adv.reason})")
+    if adv.other_mode:
+        click.echo(adv.other_mode)
     note = source_mix_note(adv)
     if note:
-        click.echo(f"  {note}")
+        click.echo(note)
     click.echo(f"wrote {plot_advice(Path(out) / 'advise.png', adv)}")

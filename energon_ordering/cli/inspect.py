@@ -80,7 +80,9 @@ def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, nu
     png = plot_run(out / "inspect.png", runs=records, micro_batches_per_step=mbps,
                    schedule=cfg.mixture_schedule, warmup=cfg.seq_length_warmup,
                    window_steps=window, note=note)
-    return results, {"png": png, "period": period, "note": note, "window_steps": window}
+    packed = any(r.docs_per_pack == r.docs_per_pack for r in results.values())
+    return results, {"png": png, "period": period, "note": note, "window_steps": window,
+                     "packed": packed}
 
 
 @click.command("inspect", context_settings=CONTEXT)

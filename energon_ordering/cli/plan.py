@@ -31,6 +31,76 @@ def _parse_sizes(text: str) -> dict[str, int]:
     return sizes
 
 
+def _parse_doc_tokens(text: str, sources: list[str]) -> dict[str, float]:
+    """``--doc-tokens 900`` (every source) or ``web=600,code=1500`` as ``{source: tokens}``."""
+    try:
+        if "=" not in text:
+            value = float(text)
+            parsed = {s: value for s in sources}
+        else:
+            parsed = {n.strip(): float(v) for n, _, v in
+                      (p.partition("=") for p in text.split(",") if p.strip())}
+    except ValueError:
+        raise UserError(f"--doc-tokens {text!r}: expected TOKENS or NAME=TOKENS,..., e.g. "
+                        "web=600,code=1500.") from None
+    missing = [s for s in sources if s not in parsed]
+    bad = {n: v for n, v in parsed.items() if not v >= 1}
+    if missing or bad:
+        raise UserError(f"--doc-tokens {text!r}: give a mean of at least 1 token for every source "
+                        f"of the schedule ({', '.join(sources)}); "
+                        + (f"missing {missing}." if missing else f"not >= 1: {bad}."))
+    return parsed
+
+
+def _packed_epochs(cfg: Any, total_steps: int, packs_per_step: int, sizes: dict[str, int],
+                   target: int, metadataset: str | None, doc_tokens: str | None,
+                   warn_above: float) -> tuple[list[list[Any]], list[str], str]:
+    """Rows ``source, samples, epochs, flag`` under packing, their warnings, and the line that
+    says where the documents per pack come from."""
+    import numpy as np
+
+    from energon_ordering.mixture.packed_epochs import DEFAULT_PACK_FILL, packed_implied_epochs
+
+    sched = cfg.mixture_schedule
+    lengths: dict[str, Any] = {}
+    basis = ""
+    if doc_tokens is not None:
+        lengths = {s: np.array([v]) for s, v in _parse_doc_tokens(doc_tokens, sched.sources).items()}
+        basis = "an estimate from --doc-tokens (mean tokens per document)"
+    elif metadataset is not None:
+        from energon_ordering.inspect.inspection import source_lengths_from_indexes
+
+        with user_errors():
+            found, missing = source_lengths_from_indexes(
+                metadataset, name=cfg.length_index, index_dir=cfg.length_index_dir)
+        absent = [s for s in sched.sources if s not in found]
+        if not absent:
+            lengths = {s: np.asarray(found[s]) for s in sched.sources}
+            basis = "the length indexes of --metadataset"
+        else:
+            basis = (f"no length index for {absent} (build them with `energon-ordering index "
+                     f"{metadataset}`, or pass --doc-tokens)")
+    else:
+        basis = "no document lengths (pass --metadataset with length indexes, or --doc-tokens)"
+    if not lengths:
+        # No lengths: one document per pack, a lower bound on every source's epochs.
+        lengths = {s: np.array([float(target)]) for s in sched.sources}
+        basis += "; assumed 1 document per pack, so the epochs below are LOWER BOUNDS"
+    warmup = cfg.seq_length_warmup
+    epochs = packed_implied_epochs(sched, total_steps, packs_per_step, sizes, lengths,
+                                   pack_seq_length=target,
+                                   max_seq_len=warmup.max_seq_len if warmup else None)
+    rows = [[name, f"{sizes[name]:,}", f"{e:.2f}", "!" if e > warn_above else ""]
+            for name, e in epochs.items()]
+    over = {n: round(e, 2) for n, e in epochs.items() if e > warn_above}
+    warns = ([f"implied epochs above {warn_above} for {over}: these sources repeat often enough "
+              "to risk memorisation; lower their weight or add data."] if over else [])
+    line = (f"documents per pack: {epochs.docs_per_pack:.2f} on average over the run, from "
+            f"{basis}; a pack holds {target:,} tokens (less under the warmup), filled to "
+            f"{DEFAULT_PACK_FILL:.0%} (first-fit decreasing).")
+    return rows, warns, line
+
+
 def _schedule_marks(sched: Any, total_steps: int) -> list[tuple[int, str]]:
     """The steps at which the weights change, with what happens there: each phase boundary
     (last step before, first step after) and the last step of each ramp; each knot."""
@@ -63,14 +133,20 @@ def _schedule_marks(sched: Any, total_steps: int) -> list[tuple[int, str]]:
 @click.option("--total-steps", type=click.IntRange(min=1), default=None,
               help="Optimizer steps of the run; overrides the recipe's total_steps "
                    "[default: the recipe's total_steps].")
-@click.option("--global-batch-size", type=click.IntRange(min=1), required=True, help="Samples per optimizer step.")
+@click.option("--global-batch-size", type=click.IntRange(min=1), required=True,
+              help="Samples per optimizer step; with packing, packs per step (Megatron counts "
+                   "packs).")
 @click.option("--metadataset", type=click.Path(exists=True), default=None,
               help="Prepared metadataset to read the source sizes from.")
 @click.option("--source-sizes", default=None, help="Samples per source, e.g. web=1000000,code=200000.")
+@click.option("--doc-tokens", default=None,
+              help="With packing: mean tokens per document, one number or per source "
+                   "(web=600,code=1500), for documents per pack [default: from the length "
+                   "indexes of --metadataset].")
 @click.option("--warn-above", default=4.0, help="Flag sources repeated more than this many epochs.")
 @click.option("--out", type=click.Path(file_okay=False), default=".", help="Folder for plan.png.")
 def command(recipe: str, total_steps: int | None, global_batch_size: int, metadataset: str | None,
-            source_sizes: str | None, warn_above: float, out: str) -> None:
+            source_sizes: str | None, doc_tokens: str | None, warn_above: float, out: str) -> None:
     """Before a run: the schedule at its boundaries, implied epochs, warmup, plan.png."""
     from energon_ordering.inspect.inspection import source_sizes_from_metadataset
     from energon_ordering.inspect.plots import plot_plan
@@ -91,10 +167,20 @@ def command(recipe: str, total_steps: int | None, global_batch_size: int, metada
             sizes = source_sizes_from_metadataset(metadataset)
     elif source_sizes:
         sizes = _parse_sizes(source_sizes)
-    epochs = None
+    w = cfg.seq_length_warmup
+    packing = cfg.packing_buffer_size is not None or cfg.pack_seq_length is not None
+    pack_target = cfg.pack_seq_length or (w.full if packing and w is not None else None)
+    epochs, pack_line = None, None
     if sched is not None and sizes is not None:
         check_source_sizes(sched.sources, sizes, metadataset=metadataset)
-        epochs = epochs_rows(cfg, total_steps, global_batch_size, sizes, warn_above)
+        if pack_target:
+            *epochs, pack_line = _packed_epochs(cfg, total_steps, global_batch_size, sizes,
+                                                pack_target, metadataset, doc_tokens, warn_above)
+        else:
+            epochs = epochs_rows(cfg, total_steps, global_batch_size, sizes, warn_above)
+    if doc_tokens is not None and not pack_target:
+        raise UserError("--doc-tokens is for packing recipes (pack_seq_length); this recipe does "
+                        "not pack, so its global batch counts documents: drop --doc-tokens.")
     try:
         Path(out).mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -112,15 +198,17 @@ def command(recipe: str, total_steps: int | None, global_batch_size: int, metada
         click.echo(table(["step", *sched.sources, "note"], rows, left=("note",)))
         if epochs is not None:
             rows, warns = epochs
-            click.echo(f"\nImplied epochs ({total_steps:,} steps x {global_batch_size:,} samples)\n")
+            unit = "packs" if pack_line else "samples"
+            click.echo(f"\nImplied epochs ({total_steps:,} steps x {global_batch_size:,} {unit})\n")
+            if pack_line:
+                click.echo(pack_line + "\n")
             click.echo(table(["source", "samples", "epochs", f"> {warn_above}"], rows))
-            for w in warns:
-                click.echo(f"warning: {w}")
+            for warning in warns:
+                click.echo(f"warning: {warning}")
         else:
             click.echo("\n(implied epochs: pass --metadataset or --source-sizes)")
     else:
         click.echo("No mixture schedule in this recipe (the metadataset weights apply).")
-    w = cfg.seq_length_warmup
     if w is not None:
         click.echo(f"\nSequence-length warmup ({w.kind}, multiple of {w.multiple_of}, overflow "
                    f"{cfg.seq_length_overflow})\n")
@@ -129,7 +217,6 @@ def command(recipe: str, total_steps: int | None, global_batch_size: int, metada
         click.echo(table(["step", "max_seq_len"], [[f"{m:,}", f"{w.max_seq_len(m):,}"] for m in marks]))
     else:
         click.echo("\nNo sequence-length warmup.")
-    packing = cfg.packing_buffer_size is not None or cfg.pack_seq_length is not None
     if packing:
         target = f"{cfg.pack_seq_length:,} tokens" if cfg.pack_seq_length else "the warmup cap"
         click.echo(f"\nSequence packing: buffer of {cfg.packing_buffer_size or '(get_train_dataset)'} "

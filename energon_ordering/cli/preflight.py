@@ -52,6 +52,9 @@ def check_dataset(path: str, what: str, recipe_goes: str | None = None, *,
 
             dataset.get_datasets(training=True, split_part="train",
                                  worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    except ZeroDivisionError as e:  # Energon normalises the blend weights by their sum
+        raise UserError(f"{what} {path}: every blend weight of the metadataset is 0, so nothing "
+                        "would be drawn; give at least one entry a positive weight.") from e
     except Exception as e:  # Energon raises ValueError, TypeError, OSError or YAML errors here
         raise UserError(f"{what} {path} is not a prepared Energon dataset or metadataset "
                         f"({type(e).__name__}: {e}); {how}.") from e

@@ -49,6 +49,8 @@ def measure_table(results: dict[str, Any]) -> str:
         ["keys on two ranks (must be 0)", *(str(results[n].overlapping_keys) for n in names)],
         ["sawtooth at shard period", *("yes" if results[n].sawtooth else "no" for n in names)],
     ]
+    if any(results[n].docs_per_pack == results[n].docs_per_pack for n in names):
+        rows.insert(3, ["documents per pack", *(f"{results[n].docs_per_pack:.2f}" for n in names)])
     return table(["", *names], rows)
 
 
@@ -57,9 +59,11 @@ def definitions(extra: dict[str, Any]) -> str:
     return "\n".join([
         "straggler idle: share of each step the ranks wait for the slowest (cost L + L^2/4096 "
         "per sample); lower is better.",
-        "padding waste: share of a micro-batch that is padding up to its longest sample; lower "
-        "is better.",
+        "padding waste: share of a micro-batch that is padding up to its longest sample (with "
+        "packing: its longest pack); lower is better.",
         "tokens per step: tokens of one micro-batch of every rank together, before padding.",
+        *(["documents per pack: mean number of documents packed into one sequence; idle, "
+           "tokens and the source mix count documents."] if extra.get("packed") else []),
         "source histogram dispersion: variance of each source's count per micro-batch (per "
         "step: all ranks' micro-batches of the step, against the schedule at that step) over "
         "that of independent draws; 1 = iid, below 1 more even, above 1 clumped by source "
@@ -102,17 +106,25 @@ def _mib(n: float) -> str:
 
 
 def advice_tables(adv: Any) -> str:
-    """The predictions of ``advise`` per pool setting and rank count, and the measured costs."""
+    """The predictions of ``advise`` per pool setting and rank count, whether the package
+    accepts each pool at the requested ranks and workers, and the measured costs."""
     counts = adv.rank_counts
     rows = []
     for p in adv.predictions:
         name = "pool off" if p.pool_size == 0 else f"{p.mode} {p.pool_size:,}"
+        accepted = ("" if p.pool_size == 0 else "yes" if p.pool_size <= adv.share
+                    else f"needs {adv.samples_needed(p.pool_size):,}")
         rows.append([name, *(f"{100 * p.idle[r]:.1f}%" for r in counts),
                      f"{100 * p.padding:.1f}%", f"{p.dispersion_batch:.2f}",
-                     f"{p.dispersion_step:.2f}"])
+                     f"{p.dispersion_step:.2f}", accepted])
     headers = ["order", *(f"idle {r}" + ("*" if r == adv.ranks else "") for r in counts),
-               "padding", "disp/mb", "disp/step"]
-    text = [table(headers, rows)]
+               "padding", "disp/mb", "disp/step", "accepted"]
+    workers = max(1, adv.num_workers)
+    text = [table(headers, rows, left=("accepted",)),
+            f"\naccepted: the package accepts a pool up to a loader worker's share of the data, "
+            f"{adv.share:,} samples here ({adv.total_samples:,} samples / ({adv.ranks:,} ranks x "
+            f"{workers} worker(s))); a larger pool needs the data size shown (pool x ranks x "
+            "workers)."]
     if adv.costs:
         sizes = sorted({p.pool_size for p in adv.predictions if p.pool_size})
         rows = []
@@ -123,8 +135,21 @@ def advice_tables(adv: Any) -> str:
                 continue
             rows.append([label, *(f"{_mib(c.memory_bytes(n))}, {c.first_batch_seconds(n):,.1f} s"
                                   for n in sizes)])
-        text += ["", "memory per loader worker, time to first batch (measured per pooled sample "
-                 f"on a real loader, pool {adv.costs[0].measured_pool}, scaled):",
+        a, b = adv.costs[0].measured_pools
+        text += ["", "memory per loader worker, time to first batch (first batch measured on real "
+                 f"in-process loaders at pools {a:,} and {b:,}, fitted as start-up + per sample):",
                  table(["placement", *(f"{n:,}" for n in sizes)], rows)]
-        text += [f"  {c.placement}/{c.holds}: {c.note}" for c in adv.costs if c.note]
+        for c in adv.costs:
+            if c.note:
+                text.append(f"  {c.placement}/{c.holds}: {c.note}")
+                continue
+            fit = (f"  {c.placement}/{c.holds}: first batch = {c.startup_seconds:.2f} s + "
+                   f"{1e3 * c.fill_seconds:.3f} ms x pool")
+            if c.check_pool:
+                fit += (f"; check at pool {c.check_pool:,}: predicted "
+                        f"{c.first_batch_seconds(c.check_pool):.2f} s, measured "
+                        f"{c.check_seconds:.2f} s ({c.check_ratio:.2f}x)")
+            else:
+                fit += "; no larger pool fits the data to check the fit at"
+            text.append(fit)
     return "\n".join(text)

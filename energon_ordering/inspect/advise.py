@@ -26,8 +26,20 @@ package's own order functions (:data:`energon_ordering.pool.order.POOL_ORDERS`):
    histogram dispersion per micro-batch and per optimizer step (all micro-batches of all ranks
    of a step, :func:`~energon_ordering.inspect.diagnostics.sources_by_step`).
 
-Memory per worker and time to first batch are measured on real loaders of the dataset (a small
-pool per placement), per pooled sample, and scaled to each pool size.
+**Feasible pools.** The package refuses a pool larger than a loader worker's share of repeating
+data (``_check_pool_share`` in :mod:`energon_ordering.task_encoder`): Energon splits every source
+evenly over the ``ranks x max(1, num_workers)`` loader workers of the job, so a worker's share is
+``sum_k floor(samples_k / (ranks x workers))`` (:func:`worker_share`). ``advise`` predicts every
+pool size but recommends only those within the share, and adds the largest pool that fits it.
+
+Memory per worker and time to first batch are measured on real in-process loaders of the
+dataset, per placement: the first batch at two pool sizes is fitted as start-up + per-sample
+seconds, and the fit is checked against a third, measured first batch at the largest pool that
+fits (:class:`CostPerSample`).
+
+Inputs are bounded before anything is allocated (:func:`check_inputs`): a dataset too small for
+one micro-batch per loader worker, blend weights that are all 0, and a simulation that would
+need more memory than ``advise`` allows itself are refused with a typed error.
 
 The model's assumptions: lengths independent of their position in the stream (Energon shuffles
 shard slices and samples), a stream longer than the pool (each worker's pool is filled from its
@@ -37,6 +49,7 @@ the idle ``inspect`` measures on real pipelines.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -65,20 +78,33 @@ __all__ = [
     "LengthPopulation",
     "OrderPrediction",
     "advise",
+    "check_inputs",
+    "fit_first_batch",
+    "step_share_deviation",
+    "data_sizes",
     "load_population",
     "measure_costs",
     "order_positions",
+    "other_mode_note",
     "plot_advice",
     "predict_order",
     "recommend",
     "source_mix_note",
     "vector_straggler_idle",
+    "worker_share",
 ]
 
 #: Pool sizes ``advise`` predicts (samples per loader worker; rounded to the micro-batch).
 ADVISE_POOL_SIZES = (1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000)
 #: Rank counts of the idle curves (the requested ``--ranks`` is added).
 ADVISE_RANKS = (8, 64, 256, 1024)
+#: Memory ``advise``'s own simulation may use (bytes); larger runs are refused by check_inputs.
+MODEL_MEMORY_LIMIT = 4 * 2**30
+#: Bytes the simulation holds per simulated sample (indices, lengths, sources, per-step lists).
+_MODEL_BYTES_PER_SAMPLE = 96
+#: Idle at the requested ranks below which a pool is good enough; above it, another mode would
+#: do better (the planned global order).
+GOOD_IDLE = 0.01
 #: Placements and what the pool holds, as ``(placement, holds)``.
 PLACEMENTS = (("pre-encode", "keys"), ("pre-encode", "raw"), ("post-encode", "encoded"))
 
@@ -117,6 +143,64 @@ def _entries(path: str | Path) -> list[Any]:
         training=True, split_part="train", worker_config=wc, max_samples_per_sequence=None,
         shuffle_over_epochs_multiplier=1,
     ).datasets
+
+
+def data_sizes(path: str | Path) -> list[tuple[str, int, float | None]]:
+    """``(source, samples, blend weight)`` of each entry of a prepared dataset or metadataset
+    (from Energon's index: nothing is read)."""
+    from energon_ordering.task_encoder import _source_name
+
+    return [(_source_name(e), len(e.dataset), e.weight) for e in _entries(path)]
+
+
+def worker_share(sizes: Sequence[int], ranks: int, num_workers: int) -> int:
+    """Samples per epoch of one loader worker: Energon splits each source evenly over the
+    ``ranks x max(1, num_workers)`` workers of the job (the smallest share, rounded down)."""
+    workers = ranks * max(1, num_workers)
+    return int(sum(n // workers for n in sizes))
+
+
+def check_inputs(
+    sizes: Sequence[tuple[str, int, float | None]],
+    *,
+    ranks: int,
+    batch_size: int,
+    num_workers: int,
+    steps: int,
+    rank_counts: Sequence[int] = ADVISE_RANKS,
+) -> None:
+    """Refuses inputs ``advise`` cannot answer, before anything is allocated.
+
+    Raises:
+        OrderingConfigError: No samples; blend weights all 0; fewer samples than one
+            micro-batch per loader worker of the job; or a simulation larger than
+            :data:`MODEL_MEMORY_LIMIT`.
+    """
+    total = sum(n for _, n, _ in sizes)
+    if total == 0:
+        raise OrderingConfigError("advise: the dataset has no samples in its train split.")
+    weights = [w for _, _, w in sizes if w is not None]
+    if weights and len(weights) == len(sizes) and not sum(float(w) for w in weights) > 0:
+        raise OrderingConfigError(
+            f"advise: every blend weight of the metadataset is 0 ({', '.join(n for n, _, _ in sizes)}"
+            "): nothing would be drawn; give at least one entry a positive weight.")
+    workers = max(1, num_workers)
+    need = ranks * workers * batch_size
+    if total < need:
+        raise OrderingConfigError(
+            f"advise: the dataset has {total:,} samples, fewer than one micro-batch per loader "
+            f"worker of the job ({ranks:,} ranks x {workers} worker(s) x micro-batch "
+            f"{batch_size:,} = {need:,}); lower --ranks, --num-workers or --micro-batch, or add "
+            "data.")
+    largest = max([ranks, *rank_counts])
+    model = largest * steps * batch_size * _MODEL_BYTES_PER_SAMPLE
+    if model > MODEL_MEMORY_LIMIT:
+        fit = max(1, MODEL_MEMORY_LIMIT // (largest * batch_size * _MODEL_BYTES_PER_SAMPLE))
+        raise OrderingConfigError(
+            f"advise: simulating {largest:,} ranks x {steps:,} micro-batches x {batch_size:,} "
+            f"samples needs about {model / 2**30:,.1f} GiB, over advise's limit of "
+            f"{MODEL_MEMORY_LIMIT / 2**30:.0f} GiB; lower --steps to {fit:,} or less, or "
+            "--micro-batch.")
 
 
 def _index_lengths(dataset_path: Any) -> np.ndarray:
@@ -169,7 +253,8 @@ def load_population(
         all_l, all_s = np.concatenate(parts_l), np.concatenate(parts_s)
         order = np.argsort(all_l, kind="stable")
         return LengthPopulation(all_l[order], all_s[order], tuple(unique), "length index")
-    return _estimated_population(path, task_encoder_factory, estimate_samples)
+    total = sum(len(e.dataset) for e in entries)
+    return _estimated_population(path, task_encoder_factory, min(estimate_samples, total))
 
 
 def _estimated_population(
@@ -190,6 +275,7 @@ def _estimated_population(
         rec = record_batch(next(it))
         lengths.extend(rec.lengths)
         sources.extend(rec.sources or ("-",) * len(rec.lengths))
+    lengths, sources = lengths[:samples], sources[:samples]
     del it
     close_loader(loader)
     unique = tuple(sorted(set(sources)))
@@ -242,6 +328,9 @@ class OrderPrediction:
         padding: Padding waste fraction (rank-independent).
         dispersion_batch: Source histogram dispersion per micro-batch (nan: one source).
         dispersion_step: Dispersion per optimizer step at the requested rank count.
+        step_share_pp: ``{source: (typical, worst)}``: how far a source's share of an
+            optimizer step's samples (all ranks, all micro-batches) lies from its share of the
+            data, in percentage points; typical = median over steps, worst = maximum.
     """
 
     mode: str
@@ -250,6 +339,22 @@ class OrderPrediction:
     padding: float
     dispersion_batch: float
     dispersion_step: float
+    step_share_pp: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+def step_share_deviation(step_sources: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """``|share - target|`` in percentage points, per step and source.
+
+    Args:
+        step_sources: ``[step, sample]`` source codes of every sample of a step.
+        target: Each source's expected share (sums to 1).
+
+    Returns:
+        ``[step, source]`` deviations, in percentage points.
+    """
+    k = len(target)
+    counts = np.stack([(step_sources == j).sum(axis=1) for j in range(k)], axis=1)
+    return 100.0 * np.abs(counts / step_sources.shape[1] - np.asarray(target)[None, :])
 
 
 class _OrderCache:
@@ -343,6 +448,7 @@ def predict_order(
     idle: dict[int, float] = {}
     padding = float("nan")
     disp_batch = disp_step = float("nan")
+    share_pp: dict[str, tuple[float, float]] = {}
     for r in sorted(set(ranks) | {step_ranks}):
         lengths, sources = _draw(pop, r, **kw)
         idle[r] = vector_straggler_idle(lengths)
@@ -356,8 +462,15 @@ def predict_order(
                 groups = sources_by_step([[list(b) for b in rank] for rank in names],
                                          micro_batches_per_step)
                 disp_step = histogram_dispersion(groups, pop.source_names)
+                n_steps = steps // micro_batches_per_step
+                per_step = sources[:, : n_steps * micro_batches_per_step].reshape(
+                    r, n_steps, micro_batches_per_step * batch_size).transpose(1, 0, 2).reshape(n_steps, -1)
+                target = np.bincount(pop.sources, minlength=len(pop.source_names)) / len(pop.sources)
+                dev = step_share_deviation(per_step, target)
+                share_pp = {name: (float(np.median(dev[:, j])), float(dev[:, j].max()))
+                            for j, name in enumerate(pop.source_names)}
     return OrderPrediction(mode, pool_size, {r: idle[r] for r in ranks if r in idle} | {
-        step_ranks: idle[step_ranks]}, padding, disp_batch, disp_step)
+        step_ranks: idle[step_ranks]}, padding, disp_batch, disp_step, share_pp)
 
 
 # ---- cost of a pool per worker: measured on real loaders -----------------------------------
@@ -365,29 +478,89 @@ def predict_order(
 
 @dataclass(frozen=True)
 class CostPerSample:
-    """What a pool costs per pooled sample, measured on a real loader.
+    """What a pool costs, measured on real in-process loaders of one placement.
+
+    The time to the first micro-batch is measured at two pool sizes (``measured_pools``) and
+    fitted as ``startup_seconds + fill_seconds * pool_size`` (the start-up, building the loader
+    and opening the shards, does not grow with the pool); then measured once more at
+    ``check_pool``, the largest pool that fits, to check the fit (``check_seconds``).
 
     Attributes:
         placement: ``"pre-encode"`` or ``"post-encode"``.
         holds: ``"keys"``, ``"raw"`` or ``"encoded"``.
-        fill_seconds: Seconds to the first micro-batch, per pooled sample.
-        bytes_per_sample: Resident bytes the pool holds per pooled sample.
-        measured_pool: The pool size measured.
+        startup_seconds: Seconds to the first micro-batch that do not depend on the pool.
+        fill_seconds: Seconds to the first micro-batch per pooled sample.
+        bytes_per_sample: Resident bytes the pool holds per pooled sample (larger measurement).
+        measured_pools: The two pool sizes of the fit.
+        check_pool: Pool size of the check (0: none, the data fits no larger pool).
+        check_seconds: Measured first batch at ``check_pool`` (nan without a check).
         note: Why it could not be measured (then the figures are nan).
     """
 
     placement: str
     holds: str
+    startup_seconds: float
     fill_seconds: float
     bytes_per_sample: float
-    measured_pool: int
+    measured_pools: tuple[int, int]
+    check_pool: int = 0
+    check_seconds: float = float("nan")
     note: str = ""
 
+    @property
+    def measured_pool(self) -> int:
+        """The larger pool of the fit."""
+        return self.measured_pools[-1]
+
     def first_batch_seconds(self, pool_size: int) -> float:
-        return self.fill_seconds * pool_size
+        """Predicted seconds to the first micro-batch with a pool of ``pool_size``."""
+        return self.startup_seconds + self.fill_seconds * pool_size
 
     def memory_bytes(self, pool_size: int) -> float:
         return self.bytes_per_sample * pool_size
+
+    @property
+    def check_ratio(self) -> float:
+        """Predicted over measured first batch at ``check_pool`` (nan without a check)."""
+        if not self.check_pool or not self.check_seconds > 0:
+            return float("nan")
+        return self.first_batch_seconds(self.check_pool) / self.check_seconds
+
+
+def fit_first_batch(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """``(startup, per_sample)`` of a least-squares line through ``(size, seconds)``, both
+    clamped at 0 (noise can tilt a line through two close points)."""
+    x, y = np.asarray(sizes, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
+    slope = float(np.polyfit(x, y, 1)[0]) if len(set(sizes)) > 1 else 0.0
+    slope = max(0.0, slope)
+    startup = max(0.0, float(np.mean(y - slope * x)))
+    return startup, slope
+
+
+def _first_batch(path: str | Path, cfg: OrderingConfig, batch_size: int,
+                 factory: Callable[[], Any]) -> tuple[float, float]:
+    """Seconds from building a real in-process loader to its first micro-batch, and the bytes
+    its pool holds per pooled sample at that moment."""
+    import gc
+
+    from energon_ordering.inspect.pool_memory import find_stage, pool_holdings, resident_bytes
+    from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader
+    from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
+    from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
+
+    gc.collect()
+    t0 = time.perf_counter()
+    loader = build_train_loader(path, ordering=cfg, batch_size=batch_size,
+                                task_encoder_factory=factory)
+    it = iter(loader)
+    next(it)
+    seconds = time.perf_counter() - t0
+    pool = find_stage(loader.dataset, (KeyPoolSortDataset, LengthPoolSortDataset))
+    n, held = pool_holdings(pool)
+    held_bytes = resident_bytes(held)
+    del it, pool, held
+    close_loader(loader)
+    return seconds, held_bytes / max(1, n)
 
 
 def measure_costs(
@@ -395,46 +568,47 @@ def measure_costs(
     *,
     batch_size: int,
     task_encoder_factory: Callable[[], Any] | None = None,
-    pool_size: int = 512,
+    pool_sizes: tuple[int, int] = (128, 512),
+    check_pool: int = 0,
+    repeats: int = 3,
 ) -> list[CostPerSample]:
-    """Time to first batch and pool memory per pooled sample, for each placement, on real
-    in-process loaders of ``path`` with a pool of ``pool_size``."""
-    import gc
-
+    """Time to first batch (fitted over ``pool_sizes``, checked at ``check_pool`` if it is
+    larger) and pool memory per pooled sample, for each placement, on real in-process loaders
+    of ``path``. Pool sizes are rounded down to the micro-batch; every time is the fastest of
+    ``repeats`` loaders (the others were slowed by the rest of the machine)."""
     from energon_ordering.inspect.length_estimate import LengthEstimateTaskEncoder
-    from energon_ordering.inspect.pool_memory import find_stage, pool_holdings, resident_bytes
-    from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader
-    from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
-    from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
 
     factory = task_encoder_factory or LengthEstimateTaskEncoder
-    pool_size = max(batch_size, pool_size // batch_size * batch_size)
+    fit_sizes = tuple(max(batch_size, n // batch_size * batch_size) for n in pool_sizes)
+    check_pool = check_pool // batch_size * batch_size
+    if check_pool <= max(fit_sizes):
+        check_pool = 0
     costs = []
+    warm = True  # the process's first loader pays one-off imports and caches: not the pool's
     for placement, holds in PLACEMENTS:
-        cfg = OrderingConfig(
-            length_sort_pool_size=pool_size, length_sort_mode="batch",
-            length_sort_placement=placement,
-            length_sort_pool_holds=holds if placement == "pre-encode" else "raw",
-        )
+        def cfg(n: int) -> OrderingConfig:
+            return OrderingConfig(
+                length_sort_pool_size=n, length_sort_mode="batch", length_sort_placement=placement,
+                length_sort_pool_holds=holds if placement == "pre-encode" else "raw")
+
         try:
-            loader = build_train_loader(path, ordering=cfg, batch_size=batch_size,
-                                        task_encoder_factory=factory)
+            if warm:
+                _first_batch(path, cfg(fit_sizes[0]), batch_size, factory)
+                warm = False
+            def fastest(n: int) -> tuple[float, float]:
+                runs = [_first_batch(path, cfg(n), batch_size, factory)
+                        for _ in range(max(1, repeats))]
+                return min(t for t, _ in runs), runs[-1][1]
+
+            runs = [fastest(n) for n in fit_sizes]
+            check = fastest(check_pool)[0] if check_pool else float("nan")
         except OrderingError as e:  # reported per placement, e.g. no length index
-            costs.append(CostPerSample(placement, holds, float("nan"), float("nan"), pool_size,
-                                       note=str(e).split("\n")[0][:160]))
+            costs.append(CostPerSample(placement, holds, float("nan"), float("nan"), float("nan"),
+                                       fit_sizes, note=str(e).split("\n")[0][:160]))
             continue
-        gc.collect()
-        t0 = time.perf_counter()
-        it = iter(loader)
-        next(it)
-        fill = time.perf_counter() - t0
-        pool = find_stage(loader.dataset, (KeyPoolSortDataset, LengthPoolSortDataset))
-        n, held = pool_holdings(pool)
-        held_bytes = resident_bytes(held)
-        del it, pool, held
-        close_loader(loader)
-        costs.append(CostPerSample(placement, holds, fill / pool_size,
-                                   held_bytes / max(1, n), pool_size))
+        startup, per_sample = fit_first_batch(fit_sizes, [t for t, _ in runs])
+        costs.append(CostPerSample(placement, holds, startup, per_sample, runs[-1][1], fit_sizes,
+                                   check_pool, check))
     return costs
 
 
@@ -454,6 +628,13 @@ class Advice:
         memory_budget: Bytes per loader worker allowed.
         recommended: ``(placement, holds, mode, pool_size)``, or None if nothing fits.
         reason: Why that one.
+        rank_counts: Rank counts of the idle predictions.
+        num_workers: Loader workers per rank.
+        total_samples: Samples in the dataset's train split.
+        share: A loader worker's share of the data (samples per epoch): the largest pool the
+            package accepts at ``ranks`` x ``num_workers``.
+        other_mode: Set when no feasible pool reaches :data:`GOOD_IDLE` at ``ranks``: what
+            another mode would gain.
     """
 
     population: LengthPopulation
@@ -465,6 +646,14 @@ class Advice:
     recommended: tuple[str, str, str, int] | None
     reason: str
     rank_counts: tuple[int, ...] = field(default=ADVISE_RANKS)
+    num_workers: int = 0
+    total_samples: int = 0
+    share: int = 0
+    other_mode: str | None = None
+
+    def samples_needed(self, pool_size: int) -> int:
+        """Samples the dataset needs for a pool of ``pool_size`` at this job's ranks and workers."""
+        return pool_size * self.ranks * max(1, self.num_workers)
 
 
 def _lost(p: OrderPrediction, ranks: int) -> float:
@@ -478,17 +667,21 @@ def recommend(
     *,
     ranks: int,
     memory_budget: float,
+    share: int | None = None,
     tolerance: float = 0.002,
 ) -> tuple[tuple[str, str, str, int] | None, str]:
-    """The setting that loses the least compute (idle and padding) at ``ranks`` within the memory
-    budget; among those within ``tolerance`` of the best, the smallest pool (fastest start),
-    then the leanest placement."""
+    """The setting that loses the least compute (idle and padding) at ``ranks`` among the pools
+    the package accepts (``pool_size <= share``, a loader worker's share of the data) within the
+    memory budget; among those within ``tolerance`` of the best, the smallest pool (fastest
+    start), then the leanest placement."""
     if not costs:
         return None, "memory and time to first batch were not measured (--no-measure)"
+    feasible = [p for p in predictions if 0 < p.pool_size and (share is None or p.pool_size <= share)]
+    if not feasible:
+        return None, (f"no pool fits a loader worker's share of the data ({share:,} samples); "
+                      "add data, or lower --ranks or --num-workers")
     options = []
-    for p in predictions:
-        if p.pool_size == 0:
-            continue
+    for p in feasible:
         for c in costs:
             if math.isnan(c.bytes_per_sample) or c.memory_bytes(p.pool_size) > memory_budget:
                 continue
@@ -498,31 +691,70 @@ def recommend(
     best = min(o[0] for o in options)
     near = [o for o in options if o[0] <= best + tolerance]
     lost, p, c = min(near, key=lambda o: (o[1].pool_size, o[2].memory_bytes(o[1].pool_size)))
+    within = f" and a loader worker's share ({share:,} samples)" if share is not None else ""
     return (c.placement, c.holds, p.mode, p.pool_size), (
         f"loses {100 * lost:.1f}% of compute to idle + padding at {ranks} ranks (best "
         f"{100 * best:.1f}%), the smallest pool within {100 * tolerance:.1f} points of the best "
-        f"that fits {memory_budget / 2**20:,.0f} MiB per worker"
+        f"that fits {memory_budget / 2**20:,.0f} MiB per worker{within}"
     )
 
 
+def other_mode_note(advice: Advice, good: float = GOOD_IDLE) -> str | None:
+    """A line when no pool the package accepts reaches ``good`` idle at the requested ranks:
+    what the best feasible pool gives, what a larger pool would need, and that a global order
+    across ranks (the planned mode) would do better."""
+    r = advice.ranks
+    feasible = [p for p in advice.predictions if 0 < p.pool_size <= advice.share]
+    larger = [p for p in advice.predictions if p.pool_size > advice.share]
+    best = min(feasible, key=lambda p: p.idle[r], default=None)
+    if best is not None and best.idle[r] <= good:
+        return None
+    have = (f"the best pool the package accepts here ({best.mode} {best.pool_size:,}) leaves "
+            f"{100 * best.idle[r]:.1f}% idle" if best else "no pool fits a loader worker's share")
+    reach = min((p for p in larger if p.idle[r] <= good), key=lambda p: p.pool_size, default=None)
+    need = (f"; a {reach.mode} pool of {reach.pool_size:,} would reach {100 * reach.idle[r]:.1f}% "
+            f"but needs {advice.samples_needed(reach.pool_size):,} samples" if reach else "")
+    return (f"no feasible pool reaches {100 * good:.0f}% idle at {r:,} ranks: {have}{need}. "
+            "Another mode would do better: a global order planned across all ranks (the planned "
+            "mode, in progress) needs no per-worker pool.")
+
+
 def source_mix_note(advice: Advice, limit: float = 1.5) -> str | None:
-    """If the recommended setting clusters sources per optimizer step (dispersion above
-    ``limit``), the ``stratified`` alternative at the same pool size and its cost in idle."""
+    """The per-step source mix of the recommended setting, of no pool and of ``stratified`` at
+    the same size, in absolute terms (percentage points) beside dispersion, with both defined;
+    None with one source or nothing recommended."""
     if advice.recommended is None:
         return None
     _, _, mode, size = advice.recommended
     pick = {(p.mode, p.pool_size): p for p in advice.predictions}
-    rec, alt = pick.get((mode, size)), pick.get(("stratified", size))
-    if rec is None or alt is None or not rec.dispersion_step > limit or mode == "stratified":
+    rec = pick.get((mode, size))
+    if rec is None or not rec.step_share_pp:
         return None
+    off = pick.get(("off", 0))
+    alt = pick.get(("stratified", size))
     r = advice.ranks
-    return (
-        f"sources cluster per optimizer step: dispersion {rec.dispersion_step:.2f} per step "
-        f"(> {limit}) with {mode} mode. length_sort_mode: stratified keeps the ranks in sync and "
-        f"mixes sources: dispersion {alt.dispersion_step:.2f} per step, idle at {r} ranks "
-        f"{100 * alt.idle[r]:.1f}% instead of {100 * rec.idle[r]:.1f}%, padding "
-        f"{100 * alt.padding:.1f}% instead of {100 * rec.padding:.1f}% (use it with packing)."
-    )
+
+    def mix(p: OrderPrediction) -> str:
+        parts = ", ".join(f"{s} {t:.1f}/{w:.1f}" for s, (t, w) in p.step_share_pp.items())
+        return f"dispersion {p.dispersion_step:.2f}; pp typical/worst: {parts}"
+
+    lines = [
+        "per-step source mix: a step is every sample of all ranks' micro-batches of one optimizer "
+        "step. pp = how far a source's share of a step lies from its share of the data, in "
+        "percentage points: typical = median step, worst = worst step. dispersion = variance of "
+        "the per-step counts over that of independent draws (1 = as random, higher = clumped).",
+        f"  {mode} {size:,}: {mix(rec)}",
+    ]
+    if off is not None and off.step_share_pp:
+        lines.append(f"  no pool: {mix(off)}")
+    if alt is not None and mode != "stratified" and rec.dispersion_step > limit:
+        lines.append(
+            f"  stratified {size:,}: {mix(alt)}; idle at {r:,} ranks {100 * alt.idle[r]:.1f}%, "
+            f"padding {100 * alt.padding:.1f}%. stratified builds every micro-batch from one "
+            "sample of each length band, so each micro-batch spans the length range; every rank "
+            "takes the same bands, so a step repeats one micro-batch's mix across the ranks: it "
+            "evens the mix only as far as sources differ in length.")
+    return "\n".join(lines)
 
 
 def advise(
@@ -541,7 +773,8 @@ def advise(
     measure: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> Advice:
-    """Predicts every (mode, pool size) and measures every placement; recommends one setting.
+    """Predicts every (mode, pool size) and measures every placement; recommends one setting
+    the package accepts.
 
     Args:
         path: Prepared dataset or metadataset.
@@ -550,7 +783,8 @@ def advise(
         num_workers: Loader workers per rank.
         memory_per_worker: Bytes a pool may hold per loader worker.
         micro_batches_per_step: Micro-batches per rank per optimizer step.
-        pool_sizes: Pool sizes to predict (rounded down to the micro-batch).
+        pool_sizes: Pool sizes to predict (rounded down to the micro-batch); the largest pool
+            within a loader worker's share is added.
         rank_counts: Rank counts of the idle curves (``ranks`` is added).
         steps: Micro-batches simulated per rank.
         seed: Ordering seed.
@@ -558,43 +792,69 @@ def advise(
             measured loaders.
         measure: Measure time to first batch and memory on real loaders.
         progress: Called with a line of text per stage.
+
+    Raises:
+        OrderingConfigError: See :func:`check_inputs` (checked before anything is allocated).
     """
     say = progress or (lambda _: None)
-    if ranks < 1 or batch_size < 1:
-        raise OrderingConfigError(f"advise: ranks = {ranks}, batch_size = {batch_size}; both >= 1.")
+    if ranks < 1 or batch_size < 1 or steps < 1:
+        raise OrderingConfigError(f"advise: ranks = {ranks}, batch_size = {batch_size}, "
+                                  f"steps = {steps}; all must be >= 1.")
+    sizes = data_sizes(path)
+    check_inputs(sizes, ranks=ranks, batch_size=batch_size, num_workers=num_workers, steps=steps,
+                 rank_counts=rank_counts)
+    total = sum(n for _, n, _ in sizes)
+    share = worker_share([n for _, n, _ in sizes], ranks, num_workers)
     say("lengths")
     pop = load_population(path, task_encoder_factory=task_encoder_factory, seed=seed)
     counts = tuple(sorted(set(rank_counts) | {ranks}))
     cache = _OrderCache()
+    sizes_to_predict = sorted({max(batch_size, n // batch_size * batch_size) for n in pool_sizes})
+    largest_fit = share // batch_size * batch_size
+    if batch_size <= largest_fit < sizes_to_predict[-1]:
+        sizes_to_predict = sorted(set(sizes_to_predict) | {largest_fit})
     predictions = []
     common = dict(batch_size=batch_size, ranks=counts, step_ranks=ranks, num_workers=num_workers,
                   micro_batches_per_step=micro_batches_per_step, steps=steps, seed=seed, cache=cache)
     say("pool off")
     predictions.append(predict_order(pop, mode="off", pool_size=0, **common))
     for mode in POOL_ORDERS:
-        for size in pool_sizes:
-            size = max(batch_size, size // batch_size * batch_size)
+        for size in sizes_to_predict:
             say(f"{mode} pool {size:,}")
             predictions.append(predict_order(pop, mode=mode, pool_size=size, **common))
     costs = []
     if measure:
         say("measuring time to first batch and memory on real loaders")
-        costs = measure_costs(path, batch_size=batch_size, task_encoder_factory=task_encoder_factory)
+        # The measuring loader is one in-process rank: its share is the whole dataset.
+        check = min(total, max([p.pool_size for p in predictions if p.pool_size <= share],
+                               default=0))
+        # Fit below the largest pool that fits, check at it; with too little data for that,
+        # fit at small pools and say that there is no check.
+        fit = (check // 8, check // 2) if check >= 512 else (min(128, total), min(512, total))
+        costs = measure_costs(path, batch_size=batch_size, task_encoder_factory=task_encoder_factory,
+                              pool_sizes=fit, check_pool=check)
     recommended, reason = recommend(predictions, costs, ranks=ranks,
-                                    memory_budget=memory_per_worker)
-    return Advice(pop, ranks, batch_size, predictions, costs, memory_per_worker, recommended,
-                  reason, counts)
+                                    memory_budget=memory_per_worker, share=share)
+    adv = Advice(pop, ranks, batch_size, predictions, costs, memory_per_worker, recommended,
+                 reason, counts, num_workers, total, share)
+    return dataclasses.replace(adv, other_mode=other_mode_note(adv))
 
 
 def plot_advice(path: str | Path, advice: Advice) -> Path:
-    """Idle against pool size, one line per rank count (batch mode solid, sample mode dashed)."""
+    """``advise.png``. Left: predicted idle (log axis) against pool size, one colour per rank
+    count (batch solid, sample dashed, stratified dash-dot), the no-pool level at the requested
+    ranks as a labelled reference line, the pools the package accepts shaded and the
+    recommended setting starred. Right: predicted time to first batch and memory per loader
+    worker of each placement, with the measured check."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, cost_ax) = plt.subplots(1, 2, figsize=(12, 4.8), layout="constrained")
+    floor = 1e-2  # percent: a log axis needs a floor for exact zeros
     off = next(p for p in advice.predictions if p.pool_size == 0)
+    sizes = sorted({p.pool_size for p in advice.predictions if p.pool_size})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, r in enumerate(advice.rank_counts):
         color = colors[i % len(colors)]
@@ -602,20 +862,59 @@ def plot_advice(path: str | Path, advice: Advice) -> Path:
             pts = sorted((p.pool_size, p.idle[r]) for p in advice.predictions if p.mode == mode)
             if pts:
                 xs, ys = zip(*pts)
-                label = f"{r} ranks" + (" (requested)" if r == advice.ranks else "")
-                ax.plot(xs, [100 * y for y in ys], style, color=color, marker="o", ms=3,
+                label = f"{r:,} ranks" + (" (requested)" if r == advice.ranks else "")
+                ax.plot(xs, [max(floor, 100 * y) for y in ys], style, color=color, marker="o",
+                        ms=3, lw=2 if r == advice.ranks else 1,
                         label=label if mode == "batch" else None)
-        ax.axhline(100 * off.idle[r], color=color, lw=0.6, ls=":")
+    ax.axhline(max(floor, 100 * off.idle[advice.ranks]), color="black", lw=1, ls=":",
+               label=f"no pool, {advice.ranks:,} ranks: {100 * off.idle[advice.ranks]:.1f}%")
+    if advice.share >= sizes[0]:
+        ax.axvspan(sizes[0], min(advice.share, sizes[-1]), color="green", alpha=0.08,
+                   label=f"accepted: pool <= {advice.share:,} (a worker's share)")
+    if advice.recommended is not None:
+        _, _, mode, size = advice.recommended
+        rec = next(p for p in advice.predictions if (p.mode, p.pool_size) == (mode, size))
+        ax.plot([size], [max(floor, 100 * rec.idle[advice.ranks])], "*", color="red", ms=14,
+                label=f"recommended: {mode} {size:,}")
+    ax.axhline(100 * GOOD_IDLE, color="grey", lw=0.6)
     ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlabel("pool size (samples per loader worker)")
-    ax.set_ylabel("predicted straggler idle (%)")
-    ax.set_title(f"micro-batch {advice.batch_size}: batch (solid), sample (dashed), stratified "
-                 "(dash-dot), no pool (dotted)", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_ylabel("predicted straggler idle (%), log")
+    ax.set_title(f"idle: batch (solid), sample (dashed), stratified (dash-dot); micro-batch "
+                 f"{advice.batch_size}", fontsize=9)
+    ax.legend(fontsize=7, loc="lower left")
     ax.grid(True, which="both", alpha=0.3)
+
+    mem_ax = cost_ax.twinx()
+    for i, c in enumerate(advice.costs):
+        if c.note:
+            continue
+        color = colors[i % len(colors)]
+        label = f"{c.placement}/{c.holds}"
+        cost_ax.plot(sizes, [c.first_batch_seconds(n) for n in sizes], "-", color=color,
+                     label=f"{label}: first batch")
+        mem_ax.plot(sizes, [c.memory_bytes(n) / 2**20 for n in sizes], "--", color=color,
+                    label=f"{label}: memory")
+        if c.check_pool:
+            cost_ax.plot([c.check_pool], [c.check_seconds], "x", color=color, ms=8,
+                         label=f"{label}: measured at {c.check_pool:,}")
+    mem_ax.axhline(advice.memory_budget / 2**20, color="grey", lw=0.6, ls=":",
+                   label=f"memory budget {advice.memory_budget / 2**20:,.0f} MiB")
+    for a in (cost_ax, mem_ax):
+        a.set_xscale("log")
+        a.set_yscale("log")
+    cost_ax.set_xlabel("pool size (samples per loader worker)")
+    cost_ax.set_ylabel("predicted time to first batch (s), solid")
+    mem_ax.set_ylabel("memory per loader worker (MiB), dashed")
+    cost_ax.set_title("cost per loader worker: start-up + per-sample fit", fontsize=9)
+    handles = [h for a in (cost_ax, mem_ax) for h in a.get_legend_handles_labels()[0]]
+    labels = [t for a in (cost_ax, mem_ax) for t in a.get_legend_handles_labels()[1]]
+    if handles:
+        cost_ax.legend(handles, labels, fontsize=6, loc="upper left")
+    cost_ax.grid(True, which="both", alpha=0.3)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out

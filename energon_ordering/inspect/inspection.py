@@ -40,6 +40,7 @@ __all__ = [
     "check_resume",
     "measure",
     "shard_length",
+    "source_lengths_from_indexes",
     "source_sizes_from_metadataset",
 ]
 
@@ -54,6 +55,10 @@ class Measurement:
     (:func:`~energon_ordering.inspect.diagnostics.sources_by_step`), against the schedule's
     weights at each step when there is one. Both are 1 for independent draws, higher when
     groups are clumped by source.
+
+    With packing, ``padding_waste`` pads each micro-batch's packs to its longest pack, the
+    costs behind ``straggler_idle`` sum over documents (attention does not cross documents), and
+    ``docs_per_pack`` is the mean number of documents in a pack (NaN without packing).
     """
 
     straggler_idle: float
@@ -65,6 +70,7 @@ class Measurement:
     sawtooth: bool
     sawtooth_autocorrelation: dict[str, float]
     sources: tuple[str, ...]
+    docs_per_pack: float = float("nan")
 
 
 def measure(
@@ -101,11 +107,17 @@ def measure(
     if schedule is not None and set(schedule.sources) >= set(sources):
         table = schedule.weights_table(np.arange(len(step_groups)))
         expected = table[:, [schedule.sources.index(s) for s in sources]]
+    packs = [p for b in all_batches for p in b.pack_lengths]
+    if packs:
+        rows = [[sum(p) for p in b.pack_lengths] for b in all_batches if b.pack_lengths]
+        padding, docs_per_pack = padding_waste(rows), float(np.mean([len(p) for p in packs]))
+    else:
+        padding, docs_per_pack = padding_waste([b.lengths for b in all_batches]), float("nan")
     step_dispersion = (histogram_dispersion(step_groups, sources, expected)
                        if sources and len(step_groups) > 1 else float("nan"))
     return Measurement(
         straggler_idle=straggler_idle(step_lengths),
-        padding_waste=padding_waste([b.lengths for b in all_batches]),
+        padding_waste=padding,
         tokens_per_step=float(np.mean([sum(sum(x) for x in st) for st in step_lengths])),
         histogram_dispersion=dispersion,
         step_histogram_dispersion=step_dispersion,
@@ -113,6 +125,7 @@ def measure(
         sawtooth=sawtooth,
         sawtooth_autocorrelation=ac,
         sources=sources,
+        docs_per_pack=docs_per_pack,
     )
 
 
@@ -177,6 +190,34 @@ def source_sizes_from_metadataset(path: str | Path) -> dict[str, int]:
         name = _source_name(d)
         sizes[name] = sizes.get(name, 0) + len(d.dataset)
     return sizes
+
+
+def source_lengths_from_indexes(
+    path: str | Path, *, name: str | None = None, index_dir: str | Path | None = None,
+    max_rows: int = 200_000,
+) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Document lengths per source from the length indexes of a metadataset's datasets.
+
+    Returns:
+        ``({source: lengths}, {source: why it has none})``: a source whose dataset has no
+        usable index (missing, stale, ambiguous) is in the second dict, with the reason.
+    """
+    from energon_ordering.errors import LengthIndexError
+    from energon_ordering.length_index.index import LengthIndex, local_dataset_path
+    from energon_ordering.task_encoder import _source_name
+
+    lengths: dict[str, list[float]] = {}
+    missing: dict[str, str] = {}
+    for d in _loaded(path):
+        source = _source_name(d)
+        try:
+            index = LengthIndex.open(local_dataset_path(d.dataset.path), name, index_dir=index_dir)
+            lengths.setdefault(source, []).extend(index.lengths(max_rows))
+        except LengthIndexError as e:
+            missing[source] = str(e)
+    for source in missing:
+        lengths.pop(source, None)
+    return lengths, missing
 
 
 def shard_length(path: str | Path) -> int:

@@ -4,8 +4,12 @@
 (captioning, VQA, interleaved, ...). :class:`LengthEstimateTaskEncoder` turns every sample into a
 :class:`LengthSample` holding only its key, source and an estimated length in tokens: the
 whitespace tokens of every text field plus ``tokens_per_media`` per image/video tensor. It is
-``@stateless``, so the length pool can restore its samples. Pass your own task encoder (with the
-``OrderingTaskEncoder`` mixin) instead to measure exact lengths.
+``@stateless``, so the length pool can restore its samples. With packing (a recipe with
+``pack_seq_length``) the mixin packs these samples into
+:class:`~energon_ordering.pool.sequence_pack.SequencePack` s, and :meth:`batch` turns a micro-batch
+of packs into a :class:`LengthPackBatch`: the documents flattened in pack order, plus each pack's
+lengths and sources. Pass your own task encoder (with the ``OrderingTaskEncoder`` mixin) instead
+to measure exact lengths.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ from typing import Any
 from megatron.energon import Batch, DefaultTaskEncoder, Sample, stateless
 
 from energon_ordering.length_index.estimate import count_text_and_media
+from energon_ordering.pool.sequence_pack import SequencePack
 from energon_ordering.source_tag import sample_source
 from energon_ordering.task_encoder import OrderingTaskEncoder
 from energon_ordering.warmup.token_layout import TokenLayout
 
 __all__ = [
     "LengthBatch",
+    "LengthPackBatch",
     "LengthEstimateTaskEncoder",
     "LengthSample",
 ]
@@ -43,6 +49,19 @@ class LengthBatch(Batch):
     keys: list[str]
     sources: list[str]
     lengths: list[int]
+
+
+@dataclasses.dataclass
+class LengthPackBatch(Batch):
+    """A micro-batch of packs: per document, flattened over the packs in order, ``keys``,
+    ``sources`` and ``lengths``; per pack ``pack_lengths`` and ``pack_sources`` (its documents'
+    lengths and sources, in pack order)."""
+
+    keys: list[str]
+    sources: list[str]
+    lengths: list[int]
+    pack_lengths: list[list[int]]
+    pack_sources: list[list[str]]
 
 
 class LengthEstimateTaskEncoder(OrderingTaskEncoder, DefaultTaskEncoder):
@@ -82,7 +101,17 @@ class LengthEstimateTaskEncoder(OrderingTaskEncoder, DefaultTaskEncoder):
         )
 
     @stateless
-    def batch(self, samples: list[LengthSample]) -> LengthBatch:
+    def batch(self, samples: list[LengthSample] | list[SequencePack]) -> LengthBatch | LengthPackBatch:
+        if samples and isinstance(samples[0], SequencePack):
+            docs = [d for p in samples for d in p.samples]
+            return LengthPackBatch.from_samples(
+                samples,
+                keys=[d.__key__ for d in docs],
+                sources=[d.source for d in docs],
+                lengths=[int(x) for p in samples for x in p.lengths],
+                pack_lengths=[[int(x) for x in p.lengths] for p in samples],
+                pack_sources=[[d.source for d in p.samples] for p in samples],
+            )
         return LengthBatch.from_samples(
             samples,
             keys=[s.__key__ for s in samples],

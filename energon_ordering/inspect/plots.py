@@ -75,7 +75,8 @@ def plan_figure(
         ax.set_title(f"sequence-length warmup: {warmup.start:,} -> {warmup.full:,} tokens over "
                      f"{warmup.warmup_steps:,} steps ({warmup.kind})")
     if schedule is None and warmup is None:
-        axes[0, 0].text(0.5, 0.5, "no mixture schedule and no warmup in this recipe", ha="center")
+        axes[0, 0].text(0.5, 0.5, "no mixture schedule and no warmup in this recipe",
+                        ha="center", va="center", transform=axes[0, 0].transAxes)
         axes[0, 0].set_ylabel("-")
         axes[0, 0].set_title("nothing scheduled")
     for ax in axes[:, 0]:

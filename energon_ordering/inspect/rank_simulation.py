@@ -36,11 +36,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class BatchRecord:
-    """What one rank saw in one micro-batch: sample keys, lengths (tokens) and sources."""
+    """What one rank saw in one micro-batch: sample keys, lengths (tokens) and sources.
+
+    With packing, ``keys``, ``lengths`` and ``sources`` are per document, flattened over the
+    packs in order, and ``pack_lengths`` holds each pack's document lengths (empty: not packed).
+    """
 
     keys: tuple[str, ...]
     lengths: tuple[int, ...]
     sources: tuple[str, ...]
+    pack_lengths: tuple[tuple[int, ...], ...] = ()
 
 
 def _batch_field(batch: Any, name: str) -> Any:
@@ -55,7 +60,8 @@ def record_batch(batch: Any) -> BatchRecord:
     Keys: ``keys``, else Energon's ``__keys__`` or ``__key__`` (Megatron-LM's multimodal
     ``encode_batch`` returns a dict with ``__key__``). Lengths: ``lengths``, else a per-sample
     ``total_len`` list (Energon's default batching of a ``total_len`` field), else none (empty).
-    Sources: ``sources``, else the ``source`` subflavor of each sample, else none.
+    Sources: ``sources``, else the ``source`` subflavor of each sample, else none. Packs:
+    ``pack_lengths`` (one list of document lengths per pack), else none.
     """
     keys = _batch_field(batch, "keys")
     if keys is None or callable(keys):
@@ -75,10 +81,12 @@ def record_batch(batch: Any) -> BatchRecord:
     if sources is None:
         subflavors = _batch_field(batch, "__subflavors__") or []
         sources = [(s or {}).get("source", "-") for s in subflavors] if isinstance(subflavors, list) else []
+    packs = _batch_field(batch, "pack_lengths")
     return BatchRecord(
         tuple(keys),
         tuple(int(x) for x in (lengths or ())),
         tuple(sources),
+        tuple(tuple(int(x) for x in p) for p in (packs or ())),
     )
 
 

@@ -462,6 +462,14 @@ class LengthIndex:
             )
         return row[0]
 
+    def lengths(self, max_rows: int = 1_000_000) -> list[float]:
+        """The lengths of the index, in tokens: all of them, or an evenly strided subset of
+        about ``max_rows`` (every k-th row) for a larger index."""
+        con = self._connection()
+        stride = max(1, -(-self.samples // max_rows)) if max_rows > 0 else 1
+        query = "SELECT length FROM lengths" + (f" WHERE rowid % {stride} = 0" if stride > 1 else "")
+        return [row[0] for row in con.execute(query)]
+
     def __len__(self) -> int:
         return self.samples
 

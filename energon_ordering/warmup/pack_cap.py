@@ -50,7 +50,13 @@ from megatron.energon.state import FlexState
 from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.base import BaseWrapperDataset
 
-from energon_ordering.errors import OrderingConfigError, OrderingTypeError, SeqLenOverflowError
+from energon_ordering.errors import (
+    OrderingConfigError,
+    OrderingTypeError,
+    SeqLenOverflowError,
+    StateMismatchError,
+    show,
+)
 from energon_ordering.state_stamp import check_stamp
 from energon_ordering.warmup.cap_cut import LOG_FIRST, CapCutter, CapWording, new_counts, new_epoch_counts
 from energon_ordering.warmup.schedule import SeqLenWarmup
@@ -381,6 +387,10 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
             raise self._pending_error
 
     def restore_sample(self, restore_key: tuple[str | int | tuple, ...]) -> T_sample:
+        """Re-fetches the inner sample and repeats its cuts, innermost (first applied) first.
+
+        A sample that waits in the packer's buffer across a change of cap is cut again, so its
+        key may name several caps, ``(name, cap_k, ..., name, cap_1, *inner)``."""
         caps = []
         while restore_key and restore_key[0] == type(self).__name__:
             caps.append(int(restore_key[1]))  # type: ignore[arg-type]
@@ -389,7 +399,12 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
         for cap in reversed(caps):  # the innermost prefix is the first cut
             cut = self.cutter.recut(sample, cap)
             if cut is None:
-                raise ValueError(f"PackCapDataset: restore key {restore_key!r} names a dropped sample.")
+                raise StateMismatchError(
+                    f"PackCapDataset: the saved restore key {show(restore_key)} names a sample "
+                    f"that a cap of {cap} tokens drops (its media alone exceed it): the state was "
+                    "written under another overflow policy or layout. Restore with the settings "
+                    "that wrote it, or start the data stream fresh."
+                )
             sample = add_sample_restore_key(cut, cap, src=self)
         return sample
 
