@@ -425,6 +425,7 @@ class OrderingTaskEncoder:
                 batch_size=self._ordering_batch_size,
                 seed=cfg.seed,
                 keep_samples=cfg.length_sort_pool_holds == "raw",
+                ramp=cfg.length_sort_ramp_on,
             )
             dataset = MapDataset(
                 dataset,
@@ -530,6 +531,7 @@ class OrderingTaskEncoder:
                 batch_size=batch_size,
                 key_fn=self.ordering_sample_length,
                 seed=cfg.seed,
+                ramp=cfg.length_sort_ramp_on,
             )
         if packing:
             with self._ordering_default_packers():
