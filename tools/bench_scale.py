@@ -114,17 +114,24 @@ def _real_loader(path: Path, setting: str | None, pool: int, samples: int,
         n, objs = pool_holdings(stage)
         held = resident_bytes(objs)
         del stage, objs
-    t_steady = None
+    t_steady = c_steady = None
     for b in range(1, samples // BATCH):
         if steady_from is not None and b == steady_from // BATCH:
-            t_steady = time.perf_counter()
+            t_steady, c_steady = time.perf_counter(), time.process_time()
         next(it)
-    end = time.perf_counter()
+    end, c_end = time.perf_counter(), time.process_time()
     total = end - t0
     del it
     close_loader(loader)
-    steady = (samples - steady_from) / (end - t_steady) if t_steady is not None else float("nan")
-    return {"first": first, "bytes": held, "rate": samples / total, "steady": steady}
+    if t_steady is None:
+        steady = steady_cpu = float("nan")
+    else:
+        steady = (samples - steady_from) / (end - t_steady)
+        # CPU seconds of this process (the loader runs in-process): robust to other processes
+        # competing for the cores, which swing wall-clock ratios by 2x on a shared machine
+        steady_cpu = (samples - steady_from) / (c_end - c_steady)
+    return {"first": first, "bytes": held, "rate": samples / total, "steady": steady,
+            "steady_cpu": steady_cpu}
 
 
 def _ramp_cost(pop, pool: int, ranks: int = 8) -> None:
@@ -289,6 +296,7 @@ def main(quick: bool, out: str, steps: int, validate_steps: int, samples: int | 
     rates: dict[str | None, list[float]] = {None: []}
     ratios: dict[str, list[float]] = {k: [] for k in THROUGHPUT_SETTINGS}
     steady: dict[str, list[float]] = {k: [] for k in THROUGHPUT_SETTINGS}
+    steady_cpu: dict[str, list[float]] = {k: [] for k in THROUGHPUT_SETTINGS}
     for _ in range(repeats):
         for setting in THROUGHPUT_SETTINGS:
             base = _real_loader(path, None, 0, tp_samples, steady_from=tp_pool)
@@ -297,15 +305,19 @@ def main(quick: bool, out: str, steps: int, validate_steps: int, samples: int | 
             rates.setdefault(setting, []).append(r["rate"])
             ratios[setting].append(r["rate"] / base["rate"])
             steady[setting].append(r["steady"] / base["steady"])
-    rows = [["no pool", f"{np.median(rates[None]):,.0f}", "1.00", "", "1.00", ""]]
+            steady_cpu[setting].append(r["steady_cpu"] / base["steady_cpu"])
+    rows = [["no pool", f"{np.median(rates[None]):,.0f}", "1.00", "", "1.00", "", "1.00", ""]]
     for setting in THROUGHPUT_SETTINGS:
         rows.append([setting, f"{np.median(rates[setting]):,.0f}",
                      f"{np.median(ratios[setting]):.3f}",
                      " ".join(f"{x:.2f}" for x in ratios[setting]),
                      f"{np.median(steady[setting]):.3f}",
-                     " ".join(f"{x:.2f}" for x in steady[setting])])
+                     " ".join(f"{x:.2f}" for x in steady[setting]),
+                     f"{np.median(steady_cpu[setting]):.3f}",
+                     " ".join(f"{x:.2f}" for x in steady_cpu[setting])])
     click.echo(_table(["pool", "samples/s (median)", "from start vs no pool", "each round",
-                       "steady vs no pool", "each round"], rows) + "\n")
+                       "steady vs no pool", "each round", "steady, CPU time", "each round"], rows)
+               + "\n")
 
     click.echo("4. random reads of one sample (ms), 3,000 random indexes")
     click.echo(_table(["reader", "ms / sample", "vs Energon"], _random_reads(path, 3000)))
