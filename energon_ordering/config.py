@@ -12,6 +12,7 @@ from typing import Any
 from energon_ordering.mixture.policy import BLEND_POLICIES
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, show
 from energon_ordering.pool.order import POOL_ORDERS
+from energon_ordering.pool.ramp import RAMP_MIN_POOL
 from energon_ordering.mixture.schedule import MixtureSchedule
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES
@@ -54,6 +55,14 @@ class OrderingConfig:
             of 100k+). Only with ``length_sort_placement = "pre-encode"``; the post-encode pool
             holds encoded samples. Checkpoints are the same for both, so it may change across a
             restart.
+        length_sort_pool_ramp: A loader worker's first pools are smaller, 1,000 then 10,000
+            samples and so on (x10 each, rounded up to the micro-batch) up to
+            ``length_sort_pool_size``, so its first batch leaves after a 1,000-sample fill
+            instead of a full pool's; every rank ramps by the same rule, so ranks stay aligned
+            (see :mod:`energon_ordering.pool.ramp`). Costs straggler idle over the ramp's
+            samples (11,000 per worker for a pool of 100,000). None (default): on for pools of
+            at least 10,000 samples; ``true`` / ``false`` force it. The pool of packs
+            (``pack_pool_placement = "packs"``) does not ramp.
         seed: Ordering seed, identical on every data-parallel rank.
         mixture_schedule: Per-source weights as a function of the step: a
             :class:`MixtureSchedule`, an inline definition (dict) or the path of a schedule
@@ -101,6 +110,7 @@ class OrderingConfig:
     length_sort_mode: str = "sample"
     length_sort_placement: str = "post-encode"
     length_sort_pool_holds: str = "raw"
+    length_sort_pool_ramp: bool | None = None
     seed: int = 0
     mixture_schedule: MixtureSchedule | None = None
     total_steps: int | None = None
@@ -143,6 +153,25 @@ class OrderingConfig:
             raise OrderingTypeError(
                 f"OrderingConfig.seq_length_overflow = {show(self.seq_length_overflow)} must be a "
                 "string (keep, drop or error)."
+            )
+        if self.length_sort_pool_ramp is not None and not isinstance(
+            self.length_sort_pool_ramp, bool
+        ):
+            raise OrderingTypeError(
+                f"OrderingConfig.length_sort_pool_ramp = {show(self.length_sort_pool_ramp)} "
+                f"({type(self.length_sort_pool_ramp).__name__}) must be true, false or null "
+                f"(null: on for pools of at least {RAMP_MIN_POOL:,} samples)."
+            )
+        if (
+            self.length_sort_pool_ramp
+            and self.packing_buffer_size is not None
+            and self.pack_pool_placement == "packs"
+            and self.length_sort_pool_size > 0
+        ):
+            raise OrderingConfigError(
+                "OrderingConfig.length_sort_pool_ramp = true, but the pool of packs "
+                "(pack_pool_placement = 'packs') does not ramp; set length_sort_pool_ramp to "
+                "null or false, or pack_pool_placement = 'samples'."
             )
         for name in ("schedule_lag_compensation", "allow_schedule_change"):
             value = getattr(self, name)
@@ -279,6 +308,14 @@ class OrderingConfig:
     def length_sort_enabled(self) -> bool:
         """True if the length pool is on."""
         return self.length_sort_pool_size > 0
+
+    @property
+    def length_sort_ramp_on(self) -> bool:
+        """True if a sample pool ramps: ``length_sort_pool_ramp``, or by default (None) for
+        pools of at least :data:`~energon_ordering.pool.ramp.RAMP_MIN_POOL` samples."""
+        if self.length_sort_pool_ramp is None:
+            return self.length_sort_pool_size >= RAMP_MIN_POOL
+        return self.length_sort_pool_ramp and self.length_sort_enabled
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> OrderingConfig:

@@ -44,6 +44,7 @@ from energon_ordering.pool.byte_range_reader import ByteRangeReader
 from energon_ordering.pool.index_fill import IndexFilledLoader
 from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
 from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
+from energon_ordering.pool.ramp import ramp_sizes
 
 BATCH = 4
 
@@ -76,22 +77,30 @@ def _te(index_fill: bool):
 
 
 SETTINGS = {
-    # name: (placement, holds, index fill)
-    "keys, index fill": ("pre-encode", "keys", True),
-    "keys, payload fill": ("pre-encode", "keys", False),
-    "raw": ("pre-encode", "raw", False),
-    "encoded (post-encode)": ("post-encode", "raw", False),
+    # name: (placement, holds, index fill, ramp)
+    "keys, index fill": ("pre-encode", "keys", True, False),
+    "keys, index fill, ramp": ("pre-encode", "keys", True, True),
+    "keys, payload fill": ("pre-encode", "keys", False, False),
+    "raw": ("pre-encode", "raw", False, False),
+    "encoded (post-encode)": ("post-encode", "raw", False, False),
 }
+#: Settings of the throughput comparison (3b): the ramp does not change a 1,000-sample pool.
+THROUGHPUT_SETTINGS = [k for k in SETTINGS if not SETTINGS[k][3]]
 
 
-def _real_loader(path: Path, setting: str | None, pool: int, samples: int) -> dict[str, float]:
-    """Time to first batch, pool bytes, and samples/s over ``samples`` samples from the start."""
+def _real_loader(path: Path, setting: str | None, pool: int, samples: int,
+                 steady_from: int | None = None) -> dict[str, float]:
+    """Time to first batch, pool bytes, samples/s over ``samples`` samples from the start and,
+    with ``steady_from``, samples/s from sample ``steady_from`` to the end (both ends should be
+    pool boundaries: a pool reads a whole pool ahead of what it emits, so a window that starts
+    at the first sample counts one pool's reads more than it emits)."""
     if setting is None:
         cfg, te = OrderingConfig(), _te(True)
     else:
-        placement, holds, fill = SETTINGS[setting]
+        placement, holds, fill, ramp = SETTINGS[setting]
         cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode="batch", seed=0,
-                             length_sort_placement=placement, length_sort_pool_holds=holds)
+                             length_sort_placement=placement, length_sort_pool_holds=holds,
+                             length_sort_pool_ramp=ramp)
         te = _te(fill)
     loader = build_train_loader(path, ordering=cfg, batch_size=BATCH, task_encoder_factory=te)
     if setting is not None:
@@ -107,12 +116,46 @@ def _real_loader(path: Path, setting: str | None, pool: int, samples: int) -> di
         n, objs = pool_holdings(stage)
         held = resident_bytes(objs)
         del stage, objs
-    for _ in range(samples // BATCH - 1):
+    t_steady = c_steady = None
+    for b in range(1, samples // BATCH):
+        if steady_from is not None and b == steady_from // BATCH:
+            t_steady, c_steady = time.perf_counter(), time.process_time()
         next(it)
-    total = time.perf_counter() - t0
+    end, c_end = time.perf_counter(), time.process_time()
+    total = end - t0
     del it
     close_loader(loader)
-    return {"first": first, "bytes": held, "rate": samples / total}
+    if t_steady is None:
+        steady = steady_cpu = float("nan")
+    else:
+        steady = (samples - steady_from) / (end - t_steady)
+        # CPU seconds of this process (the loader runs in-process): robust to other processes
+        # competing for the cores, which swing wall-clock ratios by 2x on a shared machine
+        steady_cpu = (samples - steady_from) / (c_end - c_steady)
+    return {"first": first, "bytes": held, "rate": samples / total, "steady": steady,
+            "steady_cpu": steady_cpu}
+
+
+def _ramp_cost(pop, pool: int, ranks: int = 8) -> None:
+    """Prints the model's straggler idle over a worker's ramped pools against the full pool."""
+    sizes = ramp_sizes(pool, ramp=True, batch_size=BATCH)
+    if len(sizes) < 2:
+        return
+    idle = {}
+    for size in sorted(set(sizes)):
+        p = predict_order(pop, mode="batch", pool_size=size, batch_size=BATCH, ranks=(ranks,),
+                          step_ranks=ranks, steps=4000)
+        idle[size] = p.idle[ranks]
+    ramp_part = sizes[:-1]
+    n = sum(ramp_part)
+    with_ramp = sum(idle[s] * s for s in ramp_part) / n
+    click.echo(f"3c. the ramp {' -> '.join(f'{s:,}' for s in sizes)} (batch mode, {ranks} ranks, "
+               f"model): straggler idle over a worker's first {n:,} samples "
+               f"{100 * with_ramp:.2f}% with the ramp, {100 * idle[pool]:.2f}% without "
+               f"(pools: " + ", ".join(f"{s:,}: {100 * idle[s]:.2f}%" for s in sorted(idle))
+               + f"); over the first {10 * n:,} samples: "
+               f"{100 * (with_ramp * n + idle[pool] * 9 * n) / (10 * n):.2f}% against "
+               f"{100 * idle[pool]:.2f}%\n")
 
 
 def validation_steps(n: int, requested: int, pool: int = 1024, ranks: int = 8) -> int:
@@ -142,7 +185,8 @@ def _walk_below_pool(path: Path, pool: int) -> float:
     """Seconds Energon's stages below the key pool (index-filled loader, the Defer map, repeat,
     shuffle buffer) take to hand over ``pool`` samples: the floor of the fill's time."""
     cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode="batch", seed=0,
-                         length_sort_placement="pre-encode", length_sort_pool_holds="keys")
+                         length_sort_placement="pre-encode", length_sort_pool_holds="keys",
+                         length_sort_pool_ramp=False)
     loader = build_train_loader(path, ordering=cfg, batch_size=BATCH, task_encoder_factory=_te(True))
     below = find_stage(loader.dataset, KeyPoolSortDataset).dataset
     below.worker_config.worker_activate(0)
@@ -217,8 +261,10 @@ def main(quick: bool, out: str, steps: int, validate_steps: int, samples: int | 
     firsts: dict[str, list[tuple[int, float]]] = {}
     for pool in real_pools:
         for setting in SETTINGS:
-            if pool >= 100_000 and setting != "keys, index fill":
+            if pool >= 100_000 and not setting.startswith("keys, index fill"):
                 continue  # the others take minutes (payload) or gigabytes (raw, encoded)
+            if SETTINGS[setting][3] and pool < 10_000:
+                continue  # the ramp starts at 1,000: nothing to compare
             r = _real_loader(path, setting, pool, BATCH)
             firsts.setdefault(setting, []).append((pool, r["first"]))
             walk = f"{_walk_below_pool(path, pool):.2f}" if setting == "keys, index fill" else ""
@@ -272,25 +318,38 @@ def main(quick: bool, out: str, steps: int, validate_steps: int, samples: int | 
     click.echo(_table(["pool", "fit", "check at", "predicted (s)", "measured (s)", "ratio"],
                       fit_rows) + "\n")
 
-    tp_pool, tp_samples = real_pools[0], max(8 * real_pools[0], 8_000)
-    click.echo(f"3b. throughput: samples/s over {tp_samples:,} samples from the start (fills "
-               f"included), pool {tp_pool:,}, against no pool measured right before it; "
-               f"{repeats} rounds, median ratio")
+    _ramp_cost(pop, max(real_pools))
+
+    tp_pool = real_pools[0]
+    tp_samples = max(8, -(-8_000 // tp_pool)) * tp_pool
+    click.echo(f"3b. throughput: samples/s against no pool measured right before it, pool "
+               f"{tp_pool:,}; 'from start': {tp_samples:,} samples from the first (fills "
+               f"included: a pool reads one pool ahead of what it emitted), 'steady': from sample "
+               f"{tp_pool:,} to {tp_samples:,} (whole pools); {repeats} rounds, median ratio")
     rates: dict[str | None, list[float]] = {None: []}
-    ratios: dict[str, list[float]] = {k: [] for k in SETTINGS}
+    ratios: dict[str, list[float]] = {k: [] for k in THROUGHPUT_SETTINGS}
+    steady: dict[str, list[float]] = {k: [] for k in THROUGHPUT_SETTINGS}
+    steady_cpu: dict[str, list[float]] = {k: [] for k in THROUGHPUT_SETTINGS}
     for _ in range(repeats):
-        for setting in SETTINGS:
-            base = _real_loader(path, None, 0, tp_samples)["rate"]
-            r = _real_loader(path, setting, tp_pool, tp_samples)["rate"]
-            rates[None].append(base)
-            rates.setdefault(setting, []).append(r)
-            ratios[setting].append(r / base)
-    rows = [["no pool", f"{np.median(rates[None]):,.0f}", "1.00", ""]]
-    for setting in SETTINGS:
+        for setting in THROUGHPUT_SETTINGS:
+            base = _real_loader(path, None, 0, tp_samples, steady_from=tp_pool)
+            r = _real_loader(path, setting, tp_pool, tp_samples, steady_from=tp_pool)
+            rates[None].append(base["rate"])
+            rates.setdefault(setting, []).append(r["rate"])
+            ratios[setting].append(r["rate"] / base["rate"])
+            steady[setting].append(r["steady"] / base["steady"])
+            steady_cpu[setting].append(r["steady_cpu"] / base["steady_cpu"])
+    rows = [["no pool", f"{np.median(rates[None]):,.0f}", "1.00", "", "1.00", "", "1.00", ""]]
+    for setting in THROUGHPUT_SETTINGS:
         rows.append([setting, f"{np.median(rates[setting]):,.0f}",
                      f"{np.median(ratios[setting]):.3f}",
-                     " ".join(f"{x:.2f}" for x in ratios[setting])])
-    click.echo(_table(["pool", "samples/s (median)", "vs no pool (median)", "each round"], rows)
+                     " ".join(f"{x:.2f}" for x in ratios[setting]),
+                     f"{np.median(steady[setting]):.3f}",
+                     " ".join(f"{x:.2f}" for x in steady[setting]),
+                     f"{np.median(steady_cpu[setting]):.3f}",
+                     " ".join(f"{x:.2f}" for x in steady_cpu[setting])])
+    click.echo(_table(["pool", "samples/s (median)", "from start vs no pool", "each round",
+                       "steady vs no pool", "each round", "steady, CPU time", "each round"], rows)
                + "\n")
 
     click.echo("4. random reads of one sample (ms), 3,000 random indexes")

@@ -147,7 +147,7 @@ def advice_tables(adv: Any) -> str:
                    f"{1e3 * c.fill_seconds:.3f} ms x pool")
             if c.check_pool:
                 fit += (f"; check at pool {c.check_pool:,}: predicted "
-                        f"{c.first_batch_seconds(c.check_pool):.2f} s, measured "
+                        f"{c.fill_seconds_at(c.check_pool):.2f} s, measured "
                         f"{c.check_seconds:.2f} s ({c.check_ratio:.2f}x)")
             else:
                 fit += "; no larger pool fits the data to check the fit at"

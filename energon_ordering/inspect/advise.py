@@ -68,6 +68,7 @@ from energon_ordering.inspect.diagnostics import (
 )
 from energon_ordering.length_index.index import LengthIndex, length_index_files
 from energon_ordering.pool.order import POOL_ORDERS, pool_seed
+from energon_ordering.pool.ramp import RAMP_MIN_POOL, pool_size_at
 from energon_ordering.sqlite_file import connect_readonly
 
 __all__ = [
@@ -512,9 +513,18 @@ class CostPerSample:
         """The larger pool of the fit."""
         return self.measured_pools[-1]
 
-    def first_batch_seconds(self, pool_size: int) -> float:
-        """Predicted seconds to the first micro-batch with a pool of ``pool_size``."""
+    def fill_seconds_at(self, pool_size: int) -> float:
+        """Predicted seconds to the first micro-batch when the first pool holds ``pool_size``
+        samples (no ramp: the fitted model itself)."""
         return self.startup_seconds + self.fill_seconds * pool_size
+
+    def first_batch_seconds(self, pool_size: int) -> float:
+        """Predicted seconds to the first micro-batch with ``length_sort_pool_size = pool_size``
+        as the package builds it: a pool of 10,000 or more ramps by default
+        (:mod:`energon_ordering.pool.ramp`), so its first batch waits for the first, smaller
+        pool only."""
+        first = pool_size_at(0, pool_size, ramp=pool_size >= RAMP_MIN_POOL)
+        return self.fill_seconds_at(first)
 
     def memory_bytes(self, pool_size: int) -> float:
         return self.bytes_per_sample * pool_size
@@ -524,7 +534,7 @@ class CostPerSample:
         """Predicted over measured first batch at ``check_pool`` (nan without a check)."""
         if not self.check_pool or not self.check_seconds > 0:
             return float("nan")
-        return self.first_batch_seconds(self.check_pool) / self.check_seconds
+        return self.fill_seconds_at(self.check_pool) / self.check_seconds
 
 
 def fit_first_batch(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
@@ -589,7 +599,8 @@ def measure_costs(
         def cfg(n: int) -> OrderingConfig:
             return OrderingConfig(
                 length_sort_pool_size=n, length_sort_mode="batch", length_sort_placement=placement,
-                length_sort_pool_holds=holds if placement == "pre-encode" else "raw")
+                length_sort_pool_holds=holds if placement == "pre-encode" else "raw",
+                length_sort_pool_ramp=False)  # the fit models a full first pool of n
 
         try:
             if warm:

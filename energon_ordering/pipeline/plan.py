@@ -363,6 +363,7 @@ def _stages(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> Iterat
                 ("batch_size", bs),
                 ("seed", cfg.seed),
                 ("keep_samples", cfg.length_sort_pool_holds == "raw"),
+                ("ramp", cfg.length_sort_ramp_on),
             ),
         )
         yield Stage(MATERIALIZE, "loads (and decodes) what the pool emitted")
@@ -377,6 +378,7 @@ def _stages(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> Iterat
                 ("mode", cfg.length_sort_mode),
                 ("batch_size", bs),
                 ("seed", cfg.seed),
+                ("ramp", cfg.length_sort_ramp_on),
             ),
         )
     if packing is not None:

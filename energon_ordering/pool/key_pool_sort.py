@@ -42,7 +42,8 @@ __all__ = ["KeyPoolSortDataset"]
 T_sample = TypeVar("T_sample")
 
 #: Version of the key pool's saved-state layout and logic; bumped on any change that alters order.
-STATE_VERSION = 2
+#: 3: pools may ramp (``ramp``; the size of pool k is ``settings.size_at(k)``).
+STATE_VERSION = 3
 
 
 class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
@@ -71,6 +72,8 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
     _emit_packed: list[bytes | None]
     _inner_done: bool
     _stamp: dict[str, Any]
+    #: Size of the pool being collected, ``settings.size_at(_pool_index)``; derived, not state.
+    _filling_size: int
 
     _savable_fields = (
         "_stamp", "_pool_index", "_collect_keys", "_collect_lengths", "_emit_keys", "_inner_done"
@@ -87,6 +90,7 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
         batch_size: int | None = None,
         seed: int = 0,
         keep_samples: bool = False,
+        ramp: bool = False,
     ):
         """Construct a KeyPoolSortDataset.
 
@@ -100,8 +104,11 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
             batch_size: Micro-batch size; required for ``mode="batch"``.
             seed: Ordering seed; must be the same on every data-parallel rank.
             keep_samples: Also keep each pooled sample, packed (no second read on emission).
+            ramp: The worker's first pools are smaller (1,000, 10,000, ... up to
+                ``pool_size``; see :mod:`energon_ordering.pool.ramp`), so the first batch
+                leaves after a small pool's fill.
         """
-        settings = PoolSettings(type(self).__name__, pool_size, mode, batch_size, seed)
+        settings = PoolSettings(type(self).__name__, pool_size, mode, batch_size, seed, ramp)
         if key_fn is None:
             raise OrderingTypeError(
                 "KeyPoolSortDataset: key_fn = None; pass a function sample -> length in tokens "
@@ -121,6 +128,7 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
     def reset_state_own(self) -> None:
         self._stamp = self._expected_stamp()
         self._pool_index = 0
+        self._filling_size = self.settings.size_at(0)
         self._inner_done = False
         self._collect_keys = []
         self._collect_lengths = []
@@ -143,6 +151,7 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
         self._collect_lengths = []
         self._collect_packed = []
         self._pool_index += 1
+        self._filling_size = self.settings.size_at(self._pool_index)
 
     def _drain(self) -> Iterator[T_sample]:
         while self._emit_pos < len(self._emit_keys):
@@ -177,7 +186,7 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
             self._collect_keys.append(key)
             self._collect_packed.append(self._packer.pack(sample) if self.keep_samples else None)
             del sample
-            if len(self._collect_keys) >= self.settings.pool_size:
+            if len(self._collect_keys) >= self._filling_size:
                 self._seal_pool()
                 yield from self._drain()
         # Saved: a state taken while the last pool drains must not iterate the inner dataset
@@ -200,6 +209,7 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
         self._collect_lengths = list(self._collect_lengths)
         self._emit_keys = list(self._emit_keys)
         self._emit_pos = 0
+        self._filling_size = self.settings.size_at(self._pool_index)
         # Packed samples are not state: the restored pool re-fetches its samples by key.
         self._collect_packed = [None] * len(self._collect_keys)
         self._emit_packed = [None] * len(self._emit_keys)
@@ -216,7 +226,7 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
     def __str__(self) -> str:
         s = self.settings
         return (
-            f"KeyPoolSortDataset(pool_size={s.pool_size}, mode={s.mode!r}, "
+            f"KeyPoolSortDataset(pool_size={s.pool_size}, ramp={s.ramp}, mode={s.mode!r}, "
             f"batch_size={s.batch_size}, seed={s.seed}, keep_samples={self.keep_samples}, "
             f"dataset={self.dataset})"
         )

@@ -24,7 +24,8 @@ __all__ = ["LengthPoolSortDataset"]
 T_sample = TypeVar("T_sample")
 
 #: Version of the pool's saved-state layout and logic; bumped on any change that alters order.
-STATE_VERSION = 2
+#: 3: pools may ramp (``ramp``; the size of pool k is ``settings.size_at(k)``).
+STATE_VERSION = 3
 
 
 class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
@@ -77,6 +78,7 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         batch_size: int | None = None,
         key_fn: Callable[[Any], float] | None = None,
         seed: int = 0,
+        ramp: bool = False,
     ):
         """Construct a LengthPoolSortDataset.
 
@@ -90,8 +92,10 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
             key_fn: Length of a sample, in tokens. ``None`` uses ``sample.total_len`` if present,
                 else ``len(sample.tokens)``.
             seed: Ordering seed; must be the same on every data-parallel rank.
+            ramp: The worker's first pools are smaller (1,000, 10,000, ... up to
+                ``pool_size``; see :mod:`energon_ordering.pool.ramp`).
         """
-        settings = PoolSettings("LengthPoolSortDataset", pool_size, mode, batch_size, seed)
+        settings = PoolSettings("LengthPoolSortDataset", pool_size, mode, batch_size, seed, ramp)
         check_pool_input(type(self).__name__, dataset, key_fn)
         super().__init__(dataset, worker_config=worker_config)
         self.settings = settings
@@ -139,7 +143,7 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         yield from self._drain()
         if not self._inner_done:
             for _ in self._collecting.append_iter():
-                if self._collecting.len_worker() >= self.pool_size:
+                if self._collecting.len_worker() >= self.settings.size_at(self._pool_index):
                     self._seal_pool()
                     yield from self._drain()
             # Saved: a state taken while the last pool drains must not iterate the inner dataset
@@ -164,7 +168,8 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
 
     def __str__(self) -> str:
         return (
-            f"LengthPoolSortDataset(pool_size={self.pool_size}, mode={self.mode!r}, "
+            f"LengthPoolSortDataset(pool_size={self.pool_size}, ramp={self.settings.ramp}, "
+            f"mode={self.mode!r}, "
             f"batch_size={self.batch_size}, seed={self.seed}, dataset={self.dataset})"
         )
 

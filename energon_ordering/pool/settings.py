@@ -16,6 +16,7 @@ from typing import Any
 
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, SampleLengthError
 from energon_ordering.pool.order import BATCHED_MODES, ORDER_VERSION, POOL_ORDERS, pool_seed
+from energon_ordering.pool.ramp import RAMP_RULE, pool_size_at
 from energon_ordering.pool.restorability import explain_not_restorable
 from energon_ordering.sample_fields import sample_key
 from energon_ordering.state_stamp import check_stamp, check_writer
@@ -35,7 +36,7 @@ def check_int(owner: str, name: str, value: Any, *, minimum: int | None = None) 
 
 @dataclass(frozen=True)
 class PoolSettings:
-    """Pool size, mode, micro-batch size and seed of a length pool, validated.
+    """Pool size, ramp, mode, micro-batch size and seed of a length pool, validated.
 
     Args:
         owner: The wrapper's name, for error messages.
@@ -44,6 +45,9 @@ class PoolSettings:
         batch_size: Micro-batch size; required for ``mode="batch"``, where ``pool_size`` must be
             a multiple of it.
         seed: Ordering seed; the same on every data-parallel rank.
+        ramp: A loader worker's first pools are smaller, growing to ``pool_size``
+            (:func:`~energon_ordering.pool.ramp.pool_size_at`); False: every pool holds
+            ``pool_size``.
     """
 
     owner: str
@@ -51,6 +55,7 @@ class PoolSettings:
     mode: str
     batch_size: int | None
     seed: int
+    ramp: bool = False
 
     def __post_init__(self) -> None:
         owner = self.owner
@@ -74,6 +79,16 @@ class PoolSettings:
                     f"{max(1, self.pool_size // self.batch_size) * self.batch_size}."
                 )
         check_int(owner, "seed", self.seed)
+        if not isinstance(self.ramp, bool):
+            raise OrderingTypeError(
+                f"{owner}: ramp = {self.ramp!r} ({type(self.ramp).__name__}) must be True or "
+                "False."
+            )
+
+    def size_at(self, pool_index: int) -> int:
+        """Samples in this worker's pool number ``pool_index`` (the ramp, if on; never depends
+        on the rank)."""
+        return pool_size_at(pool_index, self.pool_size, ramp=self.ramp, batch_size=self.batch_size)
 
     def pool_seed(self, pool_index: int, worker_slot: int) -> int:
         """The permutation seed of one pool (see :func:`~energon_ordering.pool.order.pool_seed`)."""
@@ -87,6 +102,7 @@ class PoolSettings:
         """The pool's part of an Energon ``config()`` dict."""
         return {
             "pool_size": self.pool_size,
+            "ramp": self.ramp,
             "mode": self.mode,
             "batch_size": self.batch_size,
             "key_fn": key_fn_config,
@@ -99,8 +115,10 @@ class PoolSettings:
             "state_version": state_version,
             "order_version": ORDER_VERSION,
             "pool_size": self.pool_size,
+            "ramp": RAMP_RULE if self.ramp else None,
             "mode": self.mode,
-            "batch_size": self.batch_size if self.mode in BATCHED_MODES else None,
+            # the ramp rounds its sizes to the micro-batch, so it decides order there too
+            "batch_size": self.batch_size if self.mode in BATCHED_MODES or self.ramp else None,
             "seed": self.seed,
             **extra,
         }
