@@ -58,7 +58,7 @@ from energon_ordering.mixture.scheduled_blend import ScheduledBlendDataset
 from energon_ordering.warmup.pack_cap import PackCapDataset, PackCapPrePacker, pack_target, round_target
 from energon_ordering.warmup.seq_warmup import SeqLenWarmupDataset
 from energon_ordering.sample_fields import sample_field, sample_key
-from energon_ordering.state_stamp import PipelineStampDataset
+from energon_ordering.state_stamp import InputEndDataset, PipelineStampDataset
 from energon_ordering.warmup.token_layout import TokenLayout
 
 __all__ = ["OrderingTaskEncoder"]
@@ -85,6 +85,8 @@ class OrderingTaskEncoder:
         -> ScheduledBlendDataset                         (only with a mixture schedule)
         -> encode_sample -> LengthPoolSortDataset        (only with length_sort_pool_size > 0)
         -> SeqLenWarmupDataset                           (only with seq_length_warmup)
+        -> InputEndDataset                               (reports the end of the batcher's
+                                                          input to the stamp, see state_stamp)
         -> batch -> encode_batch
         -> PipelineStampDataset                          (always: what a restore is checked
                                                           against; see state_stamp)
@@ -116,7 +118,7 @@ class OrderingTaskEncoder:
         ... -> encode_sample -> [LengthPoolSortDataset]     (pack_pool_placement = "samples")
         -> PackCapDataset -> Energon's PackingDataset        cut to the pack target, then pack
         -> [PackPoolSortDataset]                             (pack_pool_placement = "packs")
-        -> batch -> encode_batch
+        -> InputEndDataset -> batch -> encode_batch
 
     Your ``select_samples_to_pack`` / ``pack_selected_samples`` are used unchanged; an encoder
     without them packs with :meth:`ordering_select_samples_to_pack` (first-fit decreasing to
@@ -483,6 +485,8 @@ class OrderingTaskEncoder:
                 dataset, **warmup.kwargs, worker_config=worker_config,
                 layout=self.ordering_token_layout,
             )
+        # the last, partial batch of a finite epoch goes out after its input has ended
+        dataset = InputEndDataset(dataset, worker_config=worker_config)
         return super().build_batch(  # type: ignore[misc]
             dataset, batch_size=batch_size, worker_config=worker_config,
             packing_buffer_size=packing_buffer_size, **kwargs
@@ -536,6 +540,8 @@ class OrderingTaskEncoder:
             )
             if capped:
                 cap.plan_emission(packed.upcoming_batch_indices)
+        # the last, partial batch of a finite epoch goes out after its input has ended
+        packed = InputEndDataset(packed, worker_config=worker_config)
         with self._ordering_postencode_done():
             return super().build_batch(  # type: ignore[misc]
                 packed, batch_size=batch_size, worker_config=worker_config,

@@ -15,6 +15,7 @@ from megatron.energon.wrappers.map_dataset import MapDataset
 
 from energon_ordering import LengthPoolSortDataset, OrderingConfig
 from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, record_batch, resume, run_with_cuts
+from energon_ordering.state_stamp import InputEndDataset
 
 
 # (mode, pool_size, batch_size): both modes at pool sizes 1, 7 and 64; batch mode needs
@@ -192,7 +193,9 @@ def test_pool_sits_between_encode_sample_and_batch_in_training_only(small_datase
     )
     chain = _chain(train)
     idx = next(i for i, d in enumerate(chain) if isinstance(d, LengthPoolSortDataset))
-    assert isinstance(chain[idx - 1], BatchDataset)
+    # the batcher's input end is reported to the stamp (a partial last batch follows the end)
+    assert isinstance(chain[idx - 1], InputEndDataset)
+    assert isinstance(chain[idx - 2], BatchDataset)
     assert isinstance(chain[idx + 1], MapDataset)
     assert chain[idx + 1].map_fn.__name__ == "encode_sample"
     assert chain[idx].pool_size == 16 and chain[idx].mode == "sample"

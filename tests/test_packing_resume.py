@@ -3,7 +3,8 @@
 - a document cut twice (by the warmup's round target and by its own pack's target) restores
   through both cuts;
 - a state saved in the last micro-batches of a finite epoch, or after the last one, continues
-  with exactly the remainder (packing alone, with the pool of samples, with the pool of packs);
+  with exactly the remainder (packing alone, with the pool of samples, with the pool of packs),
+  also when the last micro-batch is partial (with or without a shuffle buffer);
 - every pack fits the cap of its emission step whatever the user's packer does;
 - an epoch that drops every sample under ``overflow: drop`` warns once, with the count.
 """
@@ -162,6 +163,43 @@ def test_a_state_saved_at_the_end_of_a_finite_epoch_resumes_with_the_remainder(t
         got = _run_to_end(make, states[i])
         assert len(got) == n - i, f"state {i} of {n}: expected {n - i} micro-batches, got {len(got)}"
         assert all(_same(g, w) for g, w in zip(got, records[i:])), f"state {i} of {n}: the remainder differs"
+
+
+@pytest.fixture(scope="module")
+def short_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """128 trimodal samples in 8 shards of 16: packed to 1024 tokens, the last micro-batch of 4
+    packs is partial."""
+    root = tmp_path_factory.mktemp("short")
+    make_synthetic_dataset(root, [SourceSpec("web", 128, "trimodal")], shard_size=16)
+    return root / "web"
+
+
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("placement", ["packs", "samples"])
+@pytest.mark.parametrize("shuffle", [None, 8])
+def test_a_state_saved_after_a_partial_last_micro_batch_resumes_with_nothing(
+    short_dataset, shuffle, placement, num_workers
+):
+    # the batcher emits a partial last micro-batch after its input has ended, when every stage
+    # below has reset itself to the next epoch; before the fix (InputEndDataset) the state saved
+    # after it restored to a replay of the epoch in all four cases: "expected 0, got 24"
+    cfg = OrderingConfig(
+        length_sort_pool_size=8, length_sort_mode="batch", seed=7, micro_batches_per_step=2,
+        packing_buffer_size=16, pack_seq_length=1024, pack_pool_placement=placement)
+
+    def make():
+        return build_train_loader(short_dataset, ordering=cfg, num_workers=num_workers,
+                                  batch_size=4, shuffle_buffer_size=shuffle,
+                                  max_samples_per_sequence=16, repeat=False)
+
+    records, states = run_saving_every_step(make, None, record=_record)
+    assert sorted(k for r in records for k in r[0]) == [f"web-{i:08d}" for i in range(128)]
+    assert any(len(r[2]) < 4 for r in records), "no partial micro-batch: the test lost its subject"
+    n = len(records)
+    for i in range(n - 2, n + 1):  # the last two micro-batches, and after the last one
+        got = _run_to_end(make, states[i])
+        assert len(got) == n - i, f"state {i} of {n}: expected {n - i}, got {len(got)}"
+        assert all(_same(g, w) for g, w in zip(got, records[i:])), f"state {i} of {n}: differs"
 
 
 # ---- caps hold whatever the packer -------------------------------------------------------------

@@ -33,29 +33,29 @@ from energon_ordering.warmup.seq_warmup import SeqLenWarmupDataset
 RECIPE_STAGES = {
     "demo": [
         "load", "RepeatDataset", "FiniteShuffleBufferDataset", "ScheduledBlendDataset",
-        "encode_sample", "LengthPoolSortDataset", "SeqLenWarmupDataset", "BatchDataset",
+        "encode_sample", "LengthPoolSortDataset", "SeqLenWarmupDataset", "InputEndDataset", "BatchDataset",
         "PipelineStampDataset",
     ],
     "length_sync_batch": [
         "load", "RepeatDataset", "FiniteShuffleBufferDataset", "encode_sample",
-        "LengthPoolSortDataset", "BatchDataset", "PipelineStampDataset",
+        "LengthPoolSortDataset", "InputEndDataset", "BatchDataset", "PipelineStampDataset",
     ],
     "length_sync_lean": [
         "load", "Defer", "RepeatDataset", "FiniteShuffleBufferDataset", "KeyPoolSortDataset",
-        "Materialize", "encode_sample", "BatchDataset", "PipelineStampDataset",
+        "Materialize", "encode_sample", "InputEndDataset", "BatchDataset", "PipelineStampDataset",
     ],
     "length_sync_reference": [
         "load", "RepeatDataset", "FiniteShuffleBufferDataset", "encode_sample",
-        "LengthPoolSortDataset", "BatchDataset", "PipelineStampDataset",
+        "LengthPoolSortDataset", "InputEndDataset", "BatchDataset", "PipelineStampDataset",
     ],
     "llava_pretrain": [
         "load", "RepeatDataset", "FiniteShuffleBufferDataset", "ScheduledBlendDataset",
-        "encode_sample", "LengthPoolSortDataset", "BatchDataset", "PipelineStampDataset",
+        "encode_sample", "LengthPoolSortDataset", "InputEndDataset", "BatchDataset", "PipelineStampDataset",
     ],
     "slm_350m_20b": [
         "load", "RepeatDataset", "FiniteShuffleBufferDataset", "ScheduledBlendDataset",
         "encode_sample", "PackCapDataset", "FinitePackingDataset", "PackPoolSortDataset",
-        "BatchDataset", "PipelineStampDataset",
+        "InputEndDataset", "BatchDataset", "PipelineStampDataset",
     ],
 }
 
@@ -133,7 +133,7 @@ def test_recipe_settings_are_read_off_the_config():
 
 def test_off_by_default_and_energon_blend_described():
     plan = plan_pipeline(OrderingConfig(), BuildArgs(batch_size=2))
-    assert [s.name for s in plan] == ["load", "RepeatDataset", "encode_sample", "BatchDataset",
+    assert [s.name for s in plan] == ["load", "RepeatDataset", "encode_sample", "InputEndDataset", "BatchDataset",
                                       "PipelineStampDataset"]
     weighted = BuildArgs(batch_size=2, blend_mode="dataset_weight",
                          sources=(Source(weight=1), Source(weight=9)))
@@ -142,7 +142,7 @@ def test_off_by_default_and_energon_blend_described():
     epochized = BuildArgs(batch_size=2, blend_mode="sample_repetitions", repeat=False,
                           sources=(Source(repetitions=2), Source(repetitions=1)))
     names = [s.name for s in plan_pipeline(OrderingConfig(), epochized)]
-    assert names == ["load", "RepeatDataset", "BlendDataset", "encode_sample", "BatchDataset",
+    assert names == ["load", "RepeatDataset", "BlendDataset", "encode_sample", "InputEndDataset", "BatchDataset",
                      "PipelineStampDataset"]
 
 
@@ -151,14 +151,14 @@ def test_packing_paths():
     samples = dataclasses.replace(pool, pack_pool_placement="samples")
     plain = OrderingConfig()
     args = BuildArgs(batch_size=2, packing_buffer_size=16, own_select_samples_to_pack=True)
-    assert [s.name for s in plan_pipeline(pool, args)][3:7] == [
-        "PackCapDataset", "FinitePackingDataset", "PackPoolSortDataset", "BatchDataset"]
+    assert [s.name for s in plan_pipeline(pool, args)][3:8] == [
+        "PackCapDataset", "FinitePackingDataset", "PackPoolSortDataset", "InputEndDataset", "BatchDataset"]
     assert [s.name for s in plan_pipeline(samples, args)][2:6] == [
         "encode_sample", "LengthPoolSortDataset", "PackCapDataset", "FinitePackingDataset"]
     # packing alone (the encoder's own packer): still the cap stage (a no-op without a target)
     # and the finite-safe packer, so a finite epoch resumes exactly there too
     plan = plan_pipeline(plain, args)
-    assert [s.name for s in plan][3:6] == ["PackCapDataset", "FinitePackingDataset", "BatchDataset"]
+    assert [s.name for s in plan][3:7] == ["PackCapDataset", "FinitePackingDataset", "InputEndDataset", "BatchDataset"]
     assert plan.stage("FinitePackingDataset").energon
     # the config's packing buffer turns packing on without the build argument
     via_config = OrderingConfig(packing_buffer_size=16, pack_seq_length=512)

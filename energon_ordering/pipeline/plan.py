@@ -28,6 +28,7 @@ __all__ = [
     "BuildArgs",
     "DEFER",
     "ENCODE",
+    "INPUT_END",
     "EPOCHIZE",
     "KEY_POOL",
     "LENGTH_POOL",
@@ -63,6 +64,7 @@ PACK_CAP = "PackCapDataset"
 PACKING = "FinitePackingDataset"
 PACK_POOL = "PackPoolSortDataset"
 SEQ_WARMUP = "SeqLenWarmupDataset"
+INPUT_END = "InputEndDataset"  #: reports the end of the batcher's input (a finite epoch's last batch).
 BATCH = "BatchDataset"  #: Energon's ``build_batch``: ``batch`` then ``encode_batch``.
 EPOCHIZE = "EpochizeDataset"
 STAMP = "PipelineStampDataset"
@@ -394,6 +396,8 @@ def _stages(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> Iterat
                 ("overflow", cfg.seq_length_overflow),
             ),
         )
+    yield Stage(INPUT_END, "reports the end of the batcher's input to the stamp: a finite epoch's "
+                "last, partial batch goes out after every stage below has ended")
     yield Stage(BATCH, "batch -> encode_batch", (("batch_size", bs), ("drop_last", args.batch_drop_last)),
                 energon=True)
     if args.virtual_epoch_length > 0:
