@@ -35,3 +35,20 @@ def three_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
          SourceSpec("curated", 500, "short")],
         shard_size=50,
     )
+
+
+#: Parameters that give a test loader worker processes.
+_WORKER_PARAMS = ("num_workers", "workers")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The two tiers. A variant of a test with loader worker processes (a ``num_workers`` or
+    ``workers`` parameter above 0) runs in the slow tier: each such loader starts processes and
+    takes seconds to build. Its in-process variant (0 workers) stays in the fast tier, so the
+    fast tier covers every test's logic and the slow tier (``-m slow``, run by .ci/run after the
+    fast tier) every worker count."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if any(isinstance(params.get(p), int) and params.get(p) > 0 for p in _WORKER_PARAMS):
+            item.add_marker(pytest.mark.slow)

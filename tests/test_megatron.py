@@ -416,6 +416,7 @@ def gloo_world_of_one(tmp_path):
 
 
 @pytest.mark.timeout(120)  # before the fix: save_state_rank() between iter() and next() hung here
+@pytest.mark.slow  # loader worker processes under a gloo group
 def test_lockstep_iterator_with_loader_workers_draws_and_resumes(tmp_path, gloo_world_of_one):
     """OrderingDataIterator on finite data with 2 loader workers (Megatron's default
     --num-workers): it never asks Energon for a state between iter(loader) and the first batch

@@ -646,6 +646,7 @@ def test_dropping_every_sample_raises_instead_of_looping(small_dataset):
     close_loader(loader)
 
 
+@pytest.mark.slow  # 8 real rank pipelines
 def test_pool_of_packs_aligns_the_ranks_pack_costs(small_dataset):
     from energon_ordering.inspect.diagnostics import straggler_idle
     from energon_ordering.inspect.rank_simulation import lengths_by_step, run_ranks

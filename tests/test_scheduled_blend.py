@@ -77,6 +77,7 @@ def _window_devs(records, target):
     return devs
 
 
+@pytest.mark.slow  # 20,000 samples per policy through a real pipeline
 def test_deterministic_policy_tracks_the_schedule_within_two_samples(realized):
     records, target = realized["deterministic"]
     assert sum(len(r.keys) for r in records) == 20_000
@@ -88,6 +89,7 @@ def test_deterministic_policy_tracks_the_schedule_within_two_samples(realized):
         assert np.abs(prefix).max() < 1.0 + 1e-9, src
 
 
+@pytest.mark.slow  # 20,000 samples per policy through a real pipeline
 def test_random_policy_tracks_the_schedule_within_binomial_noise(realized):
     records, target = realized["random"]
     z = []
@@ -132,6 +134,7 @@ def test_exact_resume_across_phase_boundaries(three_sources, num_workers, pool, 
         assert web[:60].sum() > code[:60].sum() and code[60:120].sum() > 2 * web[60:120].sum()
 
 
+@pytest.mark.slow  # 8 real rank pipelines
 def test_eight_ranks_never_share_a_sample(three_sources):
     cfg = OrderingConfig(mixture_schedule=PHASED, length_sort_pool_size=16,
                          length_sort_mode="batch", blend_policy="random")

@@ -73,6 +73,7 @@ def test_model_stratified_keeps_sync_and_mixes_sources_per_step():
         assert pred["stratified"].idle[r] < pred["batch"].idle[r] + 0.02
 
 
+@pytest.mark.slow  # 8 real rank pipelines
 def test_real_pipelines_in_stratified_mode_mix_sources_per_step(three_sources):
     cfg = {m: OrderingConfig(length_sort_pool_size=64, length_sort_mode=m, seed=2)
            for m in ("batch", "stratified")}

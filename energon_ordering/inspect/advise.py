@@ -149,7 +149,7 @@ def _entries(path: str | Path) -> list[Any]:
 def data_sizes(path: str | Path) -> list[tuple[str, int, float | None]]:
     """``(source, samples, blend weight)`` of each entry of a prepared dataset or metadataset
     (from Energon's index: nothing is read)."""
-    from energon_ordering.task_encoder import _source_name
+    from energon_ordering.pipeline.sources import source_name as _source_name
 
     return [(_source_name(e), len(e.dataset), e.weight) for e in _entries(path)]
 

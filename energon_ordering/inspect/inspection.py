@@ -204,7 +204,7 @@ def source_lengths_from_indexes(
     """
     from energon_ordering.errors import LengthIndexError
     from energon_ordering.length_index.index import LengthIndex, local_dataset_path
-    from energon_ordering.task_encoder import _source_name
+    from energon_ordering.pipeline.sources import source_name as _source_name
 
     lengths: dict[str, list[float]] = {}
     missing: dict[str, str] = {}
