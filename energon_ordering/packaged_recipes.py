@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from energon_ordering.errors import OrderingConfigError
+from energon_ordering.errors import show
 
 __all__ = ["recipe_dir", "recipe_names", "resolve_recipe"]
 
@@ -59,12 +60,12 @@ def resolve_recipe(name_or_path: str | os.PathLike) -> Path:
     if folder is not None and path.name == text and name in recipe_names():
         return folder / f"{name}{_SUFFIX}"
     if path.exists():
-        raise OrderingConfigError(f"recipe {text!r} is a directory; give a recipe file or a name.")
+        raise OrderingConfigError(f"recipe {show(text)} is a directory; give a recipe file or a name.")
     names = ", ".join(recipe_names()) or "(none found: the package has no recipes folder)"
     close = difflib.get_close_matches(name, recipe_names()) if path.name == text else []
     suggest = f"Did you mean {_one_of(close)}? " if close else ""
     raise OrderingConfigError(
-        f"recipe {text!r} does not exist: no such file (from {os.getcwd()}) and no packaged "
+        f"recipe {show(text)} does not exist: no such file (from {os.getcwd()}) and no packaged "
         f"recipe of that name. {suggest}"
         f"Give a path to a YAML recipe or one of the packaged names: {names}."
     )

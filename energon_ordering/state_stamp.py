@@ -190,8 +190,8 @@ def _version_mismatch(owner: str, saved: Any, current: Any) -> str:
     older = isinstance(saved, int) and isinstance(current, int) and saved < current
     return (
         f"{owner}: cannot restore a state written by {'an older' if older else 'another'} "
-        f"version of energon_ordering ({_VERSION_FIELD}: saved {saved!r} != configured "
-        f"{current!r}). "
+        f"version of energon_ordering ({_VERSION_FIELD}: saved {show(saved)} != configured "
+        f"{show(current)}). "
         + ("This version stamps more of what the continuation depends on, so the state cannot "
            "be checked against this configuration. " if older else "")
         + "Resume with the energon_ordering version that wrote the state, or start the data "

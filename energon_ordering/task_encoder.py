@@ -60,6 +60,7 @@ from energon_ordering.warmup.seq_warmup import SeqLenWarmupDataset
 from energon_ordering.sample_fields import sample_field, sample_key
 from energon_ordering.state_stamp import InputEndDataset, PipelineStampDataset
 from energon_ordering.warmup.token_layout import TokenLayout
+from energon_ordering.errors import show
 
 __all__ = ["OrderingTaskEncoder"]
 
@@ -248,7 +249,7 @@ class OrderingTaskEncoder:
         cfg = self.ordering
         if not isinstance(cfg, OrderingConfig):
             raise OrderingTypeError(
-                f"{type(self).__name__}.ordering = {cfg!r} must be an OrderingConfig; build one "
+                f"{type(self).__name__}.ordering = {show(cfg)} must be an OrderingConfig; build one "
                 "with OrderingConfig(...) or OrderingConfig.from_yaml(path)."
             )
         return cfg
@@ -347,7 +348,7 @@ class OrderingTaskEncoder:
         if has_index or not self._ordering_has_raw_length():
             if path is None:
                 raise OrderingConfigError(
-                    f"OrderingConfig.length_sort_placement = 'pre-encode': source {factory!r} "
+                    f"OrderingConfig.length_sort_placement = 'pre-encode': source {show(factory)} "
                     f"has no dataset path for a length index; override "
                     f"{type(self).__name__}.ordering_raw_sample_length instead."
                 )

@@ -165,3 +165,20 @@ def test_a_state_that_is_not_a_loader_state_is_a_typed_error(small_dataset):
             r"SavableDataLoaderState")):
         restore_state_rank(loader, {"worker_states": []})
     close_loader(loader)
+
+
+def test_no_message_quotes_a_value_unbounded():
+    # every value an f-string of the package quotes goes through errors.show(), which bounds it
+    import re
+    from pathlib import Path
+
+    import energon_ordering
+
+    root = Path(energon_ordering.__file__).parent
+    unbounded = [
+        f"{p.relative_to(root)}:{i}"
+        for p in root.rglob("*.py") if p.name != "errors.py" and p != root / "__init__.py"
+        for i, line in enumerate(p.read_text().splitlines(), start=1)
+        if re.search(r"\{[^{}!:\n]+!r\}", line)
+    ]
+    assert not unbounded, f"use errors.show(value) instead of {{value!r}} at {unbounded}"

@@ -11,6 +11,7 @@ from energon_ordering.cli.options import CONTEXT, resolve_task_encoder, with_tas
 from energon_ordering.cli.preflight import check_dataset
 from energon_ordering.cli.tables import advice_tables
 from energon_ordering.cli.user_error import user_errors
+from energon_ordering.errors import show
 
 _SIZE_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
                "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -23,7 +24,7 @@ def _parse_bytes(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     unit = m.group(2).upper() if m else ""
     if m is None or unit not in _SIZE_UNITS:
-        raise click.BadParameter(f"{text!r}: expected a size like 2GiB, 512MiB or 64MB",
+        raise click.BadParameter(f"{show(text)}: expected a size like 2GiB, 512MiB or 64MB",
                                  param_hint="--memory-per-worker")
     return float(m.group(1)) * _SIZE_UNITS[unit]
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import click
 
+from energon_ordering.errors import show
+
 #: ``-h`` as well as ``--help``, and every option's default in its help, as in ``energon``.
 CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True}
 
@@ -36,10 +38,10 @@ def import_function(spec: str, param_hint: str) -> Callable[..., Any]:
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:
-        raise click.BadParameter(f"{spec!r}: cannot import it ({e}); give MODULE:FUNCTION.",
+        raise click.BadParameter(f"{show(spec)}: cannot import it ({e}); give MODULE:FUNCTION.",
                                  param_hint=param_hint) from e
     if not callable(fn):
-        raise click.BadParameter(f"{spec!r} is not callable.", param_hint=param_hint)
+        raise click.BadParameter(f"{show(spec)} is not callable.", param_hint=param_hint)
     return fn
 
 
@@ -60,10 +62,10 @@ def resolve_task_encoder(spec: str | None, tokens_per_media: int) -> Callable[[]
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:
-        raise click.BadParameter(f"{spec!r}: cannot import it ({e}); give MODULE:CLASS.",
+        raise click.BadParameter(f"{show(spec)}: cannot import it ({e}); give MODULE:CLASS.",
                                  param_hint="--task-encoder") from e
     if not (isinstance(cls, type) and issubclass(cls, OrderingTaskEncoder)):
         raise click.BadParameter(
-            f"{spec!r} is not a task encoder class with the OrderingTaskEncoder mixin; define "
+            f"{show(spec)} is not a task encoder class with the OrderingTaskEncoder mixin; define "
             "class MyTE(OrderingTaskEncoder, YourTaskEncoder).", param_hint="--task-encoder")
     return cls

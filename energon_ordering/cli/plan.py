@@ -13,6 +13,7 @@ from energon_ordering.cli.preflight import check_dataset, check_source_sizes
 from energon_ordering.cli.recipe import RECIPE, load_recipe
 from energon_ordering.cli.tables import epochs_rows, table
 from energon_ordering.cli.user_error import UserError, user_errors
+from energon_ordering.errors import show
 
 
 def _parse_sizes(text: str) -> dict[str, int]:
@@ -24,7 +25,7 @@ def _parse_sizes(text: str) -> dict[str, int]:
             sizes[name.strip()] = int(value)
         except ValueError:
             raise UserError(
-                f"--source-sizes {part!r}: expected NAME=SAMPLES, e.g. web=1000000,code=200000."
+                f"--source-sizes {show(part)}: expected NAME=SAMPLES, e.g. web=1000000,code=200000."
             ) from None
     if not sizes:
         raise UserError("--source-sizes: no sizes given; e.g. web=1000000,code=200000.")
@@ -41,12 +42,12 @@ def _parse_doc_tokens(text: str, sources: list[str]) -> dict[str, float]:
             parsed = {n.strip(): float(v) for n, _, v in
                       (p.partition("=") for p in text.split(",") if p.strip())}
     except ValueError:
-        raise UserError(f"--doc-tokens {text!r}: expected TOKENS or NAME=TOKENS,..., e.g. "
+        raise UserError(f"--doc-tokens {show(text)}: expected TOKENS or NAME=TOKENS,..., e.g. "
                         "web=600,code=1500.") from None
     missing = [s for s in sources if s not in parsed]
     bad = {n: v for n, v in parsed.items() if not v >= 1}
     if missing or bad:
-        raise UserError(f"--doc-tokens {text!r}: give a mean of at least 1 token for every source "
+        raise UserError(f"--doc-tokens {show(text)}: give a mean of at least 1 token for every source "
                         f"of the schedule ({', '.join(sources)}); "
                         + (f"missing {missing}." if missing else f"not >= 1: {bad}."))
     return parsed

@@ -70,6 +70,7 @@ from energon_ordering.length_index.index import LengthIndex, length_index_files
 from energon_ordering.pool.order import POOL_ORDERS, pool_seed
 from energon_ordering.pool.ramp import RAMP_MIN_POOL, pool_size_at
 from energon_ordering.sqlite_file import connect_readonly
+from energon_ordering.errors import show
 
 __all__ = [
     "ADVISE_POOL_SIZES",
@@ -296,7 +297,7 @@ def order_positions(
     """Sorted-pool rank of every sample a pool emits, in emission order: the package's order
     function run on the ranks ``0..pool_size-1`` with the pool's own seed."""
     if mode not in POOL_ORDERS:
-        raise OrderingConfigError(f"advise: mode = {mode!r} is unknown; use one of {sorted(POOL_ORDERS)}.")
+        raise OrderingConfigError(f"advise: mode = {show(mode)} is unknown; use one of {sorted(POOL_ORDERS)}.")
     return POOL_ORDERS[mode](range(pool_size), pool_seed(seed, pool_index, worker_slot), batch_size)
 
 
@@ -441,7 +442,7 @@ def predict_order(
         cache: Share orders between calls (an object returned by ``_OrderCache()``).
     """
     if (mode == "off") != (pool_size == 0):
-        raise OrderingConfigError(f"advise: mode = {mode!r} with pool_size = {pool_size}.")
+        raise OrderingConfigError(f"advise: mode = {show(mode)} with pool_size = {pool_size}.")
     cache = cache or _OrderCache()
     rng = np.random.default_rng(model_seed)
     kw = dict(pool_size=pool_size, mode=mode, batch_size=batch_size, num_workers=num_workers,

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from energon_ordering.errors import show
+
 __all__ = [
     "autocorrelation",
     "batch_cost",
@@ -141,7 +143,7 @@ def source_histograms(batch_sources: Sequence[Sequence[str]], sources: Sequence[
     for b, names in enumerate(batch_sources):
         for name in names:
             if name not in index:
-                raise ValueError(f"source_histograms: batch {b} has source {name!r}, not in {list(sources)}.")
+                raise ValueError(f"source_histograms: batch {b} has source {show(name)}, not in {list(sources)}.")
             out[b, index[name]] += 1
     return out
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from energon_ordering.errors import show
+
 __all__ = [
     "IMAGE_FORMATS",
     "LENGTH_PROFILES",
@@ -56,7 +58,7 @@ class LengthProfile:
                 math.isfinite(v) for v in (w, median, sigma)
             ):
                 raise ValueError(
-                    f"LengthProfile.modes[{i}] = {(w, median, sigma)!r}: weight must be >= 0, "
+                    f"LengthProfile.modes[{i}] = {show((w, median, sigma))}: weight must be >= 0, "
                     "median > 0 and sigma >= 0 (all finite)."
                 )
         if sum(w for w, _, _ in self.modes) <= 0:
@@ -101,7 +103,7 @@ class SourceSpec:
             return LENGTH_PROFILES[self.profile]
         except KeyError:
             raise ValueError(
-                f"SourceSpec(name={self.name!r}).profile = {self.profile!r} is unknown; "
+                f"SourceSpec(name={show(self.name)}).profile = {show(self.profile)} is unknown; "
                 f"use one of {sorted(LENGTH_PROFILES)} or pass a LengthProfile."
             ) from None
 
@@ -233,15 +235,15 @@ def make_synthetic_dataset(
         raise ValueError(f"make_synthetic_dataset: duplicate source names in {names}.")
     for s in sources:
         if not s.name or not s.name.replace("_", "").isalnum():
-            raise ValueError(f"SourceSpec.name = {s.name!r}: use letters, digits and '_' only.")
+            raise ValueError(f"SourceSpec.name = {show(s.name)}: use letters, digits and '_' only.")
         if s.num_samples < 1:
-            raise ValueError(f"SourceSpec(name={s.name!r}).num_samples = {s.num_samples}: must be >= 1.")
+            raise ValueError(f"SourceSpec(name={show(s.name)}).num_samples = {s.num_samples}: must be >= 1.")
         s.resolved_profile()
     if shard_size < 1:
         raise ValueError(f"make_synthetic_dataset: shard_size = {shard_size}: must be >= 1.")
     if image_format not in IMAGE_FORMATS:
         raise ValueError(
-            f"make_synthetic_dataset: image_format = {image_format!r}; use one of {IMAGE_FORMATS}."
+            f"make_synthetic_dataset: image_format = {show(image_format)}; use one of {IMAGE_FORMATS}."
         )
     if image_size < 1:
         raise ValueError(f"make_synthetic_dataset: image_size = {image_size}: must be >= 1.")

@@ -48,6 +48,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from energon_ordering.errors import show
+
 try:
     from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
     from megatron.bridge.data.energon.base_energon_datamodule import EnergonDataloader, EnergonMultiModalDataModule
@@ -153,7 +155,7 @@ class OrderingDatasetProvider(DatasetProvider):
     def __post_init__(self) -> None:
         if self.dataloader_type != "external":
             raise OrderingConfigError(
-                f"OrderingDatasetProvider.dataloader_type = {self.dataloader_type!r}: the provider "
+                f"OrderingDatasetProvider.dataloader_type = {show(self.dataloader_type)}: the provider "
                 "returns ready Energon loaders, which Bridge passes through only as 'external'; "
                 "leave it at 'external'."
             )
@@ -169,7 +171,7 @@ class OrderingDatasetProvider(DatasetProvider):
         if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int) \
                 or self.micro_batch_size < 1:
             raise OrderingConfigError(
-                f"OrderingDatasetProvider.micro_batch_size = {self.micro_batch_size!r} must be an "
+                f"OrderingDatasetProvider.micro_batch_size = {show(self.micro_batch_size)} must be an "
                 "int >= 1 (Bridge's train.micro_batch_size)."
             )
         self.ordering_config = self._ordering_config()
@@ -179,7 +181,7 @@ class OrderingDatasetProvider(DatasetProvider):
         if isinstance(self.ordering, OrderingConfig):
             if self.recipe is not None:
                 raise OrderingConfigError(
-                    f"OrderingDatasetProvider: recipe = {self.recipe!r} and an OrderingConfig "
+                    f"OrderingDatasetProvider: recipe = {show(self.recipe)} and an OrderingConfig "
                     "object were both given; give one, or pass `ordering` as a mapping of the "
                     "settings that override the recipe."
                 )

@@ -20,6 +20,7 @@ from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES
 from energon_ordering.mixture.policy import BLEND_POLICIES
 from energon_ordering.yaml_file import load_yaml
+from energon_ordering.errors import show
 
 __all__ = ["add_energon_ordering_args", "lm_seq_length", "micro_batches_per_step", "ordering_config_from_args"]
 
@@ -84,7 +85,7 @@ def add_energon_ordering_args(parser: argparse.ArgumentParser) -> argparse.Argum
 
 
 def _err(flag: str, value: Any, msg: str) -> OrderingConfigError:
-    return OrderingConfigError(f"{flag} = {value!r}: {msg}")
+    return OrderingConfigError(f"{flag} = {show(value)}: {msg}")
 
 
 def _data_parallel_size(args: Any) -> int:
@@ -167,7 +168,7 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
         try:
             data = load_yaml(schedule_path, "--data-mixture-schedule")
         except OrderingError as e:
-            raise OrderingConfigError(f"--data-mixture-schedule = {schedule_path!r}: {e}") from e
+            raise OrderingConfigError(f"--data-mixture-schedule = {show(schedule_path)}: {e}") from e
         if not isinstance(data, dict):
             raise _err("--data-mixture-schedule", schedule_path, "must hold a YAML mapping.")
         if "sources" in data or "phases" in data:
@@ -222,7 +223,7 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
         own_total = sched.get("total_steps") if isinstance(sched, dict) else None
         if base.get("total_steps") not in (None, total) or own_total not in (None, total):
             raise _err("--train-iters", total,
-                       f"the recipe {schedule_path!r} was written for total_steps = "
+                       f"the recipe {show(schedule_path)} was written for total_steps = "
                        f"{base.get('total_steps') or own_total}; make them agree.")
         base["total_steps"] = total
 

@@ -72,6 +72,7 @@ from energon_ordering.integrations.megatron_args import (
 from energon_ordering.state_stamp import restore_state_rank
 from energon_ordering.task_encoder import OrderingTaskEncoder
 from energon_ordering.warmup.token_layout import TokenLayout
+from energon_ordering.errors import show
 
 __all__ = [
     "DataloaderRestoreError",
@@ -143,7 +144,7 @@ def dataloader_state_path(
     """
     rule = dataloader_path_rule() if rule is None else rule
     if rule not in PATH_RULES:
-        raise OrderingConfigError(f"dataloader_state_path: rule = {rule!r} is unknown; use one of {list(PATH_RULES)}.")
+        raise OrderingConfigError(f"dataloader_state_path: rule = {show(rule)} is unknown; use one of {list(PATH_RULES)}.")
     if pipeline_parallel is None or expert_parallel is None or expert_rank is None:
         try:
             from megatron.core import parallel_state as ps
@@ -213,7 +214,7 @@ def expected_consumed_micro_batches(args: Any, iteration: int) -> int:
     for name, value in schedule.items():
         if name not in params:
             raise OrderingConfigError(
-                f"--{name.replace('_', '-')} = {value!r}: the installed megatron-core has no such "
+                f"--{name.replace('_', '-')} = {show(value)}: the installed megatron-core has no such "
                 "batch-size schedule (core <= 0.18 has --rampup-batch-size, core 0.19 "
                 "--step-batch-size-schedule)."
             )
@@ -404,7 +405,7 @@ def _load_state(path: Path, *, args: Any, dp_rank: int) -> Any | None:
     if state is None or not hasattr(state, "worker_states"):
         what = "None" if loaded is None else (
             "an empty dict" if loaded == {} else
-            f"{{'dataloader_state_dict': {state!r}}}" if isinstance(loaded, dict) and "dataloader_state_dict" in loaded
+            f"{{'dataloader_state_dict': {show(state)}}}" if isinstance(loaded, dict) and "dataloader_state_dict" in loaded
             else f"a {type(loaded).__name__} without 'dataloader_state_dict'")
         fail(f"Dataloader state {path} (data-parallel rank {dp_rank}) holds {what[:200]}, not an "
              "Energon loader state (save_state_rank()).")
@@ -461,14 +462,14 @@ def _check_args(args: Any, repeat: bool) -> None:
     dl_type = getattr(args, "dataloader_type", "external")
     if dl_type != "external":
         raise OrderingConfigError(
-            f"--dataloader-type = {dl_type!r}: this provider returns Energon iterators, which "
+            f"--dataloader-type = {show(dl_type)}: this provider returns Energon iterators, which "
             "Megatron-LM passes through only with --dataloader-type external (with 'single' or "
             "'cyclic' it wraps them in a torch DataLoader and fails). Add --dataloader-type external."
         )
     if not repeat and _batch_size_schedule(args):
         name, value = next(iter(_batch_size_schedule(args).items()))
         raise OrderingConfigError(
-            f"--{name.replace('_', '-')} = {value!r} with finite data (repeat=False): the "
+            f"--{name.replace('_', '-')} = {show(value)} with finite data (repeat=False): the "
             "lockstep stop needs a constant number of micro-batches per step; use repeating data "
             "or no batch-size schedule."
         )

@@ -287,7 +287,7 @@ def content_digest(con: sqlite3.Connection) -> str:
     indexes with the same digest give the pool the same lengths."""
     h = hashlib.sha256()
     for key, length in con.execute("SELECT sample_key, length FROM lengths ORDER BY sample_key"):
-        h.update(f"{key}\t{float(length)!r}\n".encode())
+        h.update(f"{key}\t{show(float(length))}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -477,7 +477,7 @@ class LengthIndex:
         return {**self.__dict__, "_con": None, "_pid": None}
 
     def __repr__(self) -> str:
-        return f"LengthIndex({self.path}, samples={self.samples}, uuid={self.uuid!r})"
+        return f"LengthIndex({self.path}, samples={self.samples}, uuid={show(self.uuid)})"
 
 
 def _names(files: dict[str | None, Path]) -> list[str]:

@@ -20,6 +20,7 @@ from energon_ordering.mixture.schedule import MixtureSchedule, unknown_source_me
 from energon_ordering.mixture.step_counts import StepLayout, step_source_counts
 from energon_ordering.source_tag import tag_source
 from energon_ordering.state_stamp import stamp_differences
+from energon_ordering.errors import show
 
 __all__ = ["ScheduledBlendDataset"]
 
@@ -138,7 +139,7 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         pairs = list(datasets.items()) if isinstance(datasets, Mapping) else list(datasets)
         if not isinstance(schedule, MixtureSchedule):
             raise OrderingTypeError(
-                f"ScheduledBlendDataset: schedule = {schedule!r} must be a MixtureSchedule "
+                f"ScheduledBlendDataset: schedule = {show(schedule)} must be a MixtureSchedule "
                 "(MixtureSchedule.from_yaml(path) or .from_dict(d))."
             )
         names = [str(n) for n, _ in pairs]
@@ -156,7 +157,7 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
             )
         if policy not in BLEND_POLICIES:
             raise OrderingConfigError(
-                f"ScheduledBlendDataset: policy = {policy!r} is unknown; use one of "
+                f"ScheduledBlendDataset: policy = {show(policy)} is unknown; use one of "
                 f"{sorted(BLEND_POLICIES)}."
             )
         if (
@@ -165,7 +166,7 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
             or micro_batches_per_step < 1
         ):
             raise OrderingConfigError(
-                f"ScheduledBlendDataset: micro_batches_per_step = {micro_batches_per_step!r} must "
+                f"ScheduledBlendDataset: micro_batches_per_step = {show(micro_batches_per_step)} must "
                 "be an int >= 1 (global batch / (micro batch * data-parallel size))."
             )
         if batch_size is not None and (
@@ -173,12 +174,12 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
             or batch_size < 1
         ):
             raise OrderingConfigError(
-                f"ScheduledBlendDataset: batch_size = {batch_size!r} must be an int >= 1 (the "
+                f"ScheduledBlendDataset: batch_size = {show(batch_size)} must be an int >= 1 (the "
                 "micro-batch size passed to get_train_dataset) or None (unbatched)."
             )
         if not isinstance(lag_batches, numbers.Real) or not lag_batches >= 0:
             raise OrderingConfigError(
-                f"ScheduledBlendDataset: lag_batches = {lag_batches!r} must be a number >= 0."
+                f"ScheduledBlendDataset: lag_batches = {show(lag_batches)} must be a number >= 0."
             )
         # Keep the schedule's source order, so restore keys index the same dataset per name.
         by_name = dict(pairs)
@@ -372,7 +373,7 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         if "deterministic" in (saved.get("policy"), self.policy):
             raise StateMismatchError(
                 "ScheduledBlendDataset: the state was written by blend state version 1 "
-                f"(policy {saved.get('policy')!r}), whose deterministic policy drew a per-rank "
+                f"(policy {show(saved.get('policy'))}), whose deterministic policy drew a per-rank "
                 "sequence (the same on every rank, so a step's error was R times a rank's); "
                 f"version {STATE_VERSION} draws by the global draw index and cannot continue "
                 "it. Resume with the energon_ordering release that wrote the state, or start "
@@ -400,7 +401,7 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
 
     def __str__(self) -> str:
         return (
-            f"ScheduledBlendDataset(sources={list(self.source_names)}, policy={self.policy!r}, "
+            f"ScheduledBlendDataset(sources={list(self.source_names)}, policy={show(self.policy)}, "
             f"schedule={self.schedule.fingerprint}, micro_batches_per_step="
             f"{self.micro_batches_per_step}, batch_size={self.batch_size}, "
             f"lag_batches={self.lag_batches})"

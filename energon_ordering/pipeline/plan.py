@@ -21,6 +21,7 @@ from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingConfigError
 from energon_ordering.pool.order import BATCHED_MODES
 from energon_ordering.source_tag import SOURCE_KEY
+from energon_ordering.errors import show
 
 __all__ = [
     "BATCH",
@@ -294,7 +295,7 @@ def _validate(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> None
         )
     if cfg.length_sort_enabled and cfg.length_sort_mode in BATCHED_MODES and args.batch_size is None:
         raise OrderingConfigError(
-            f"OrderingConfig.length_sort_mode = {cfg.length_sort_mode!r} needs batching; pass "
+            f"OrderingConfig.length_sort_mode = {show(cfg.length_sort_mode)} needs batching; pass "
             "batch_size to get_train_dataset or use length_sort_mode = 'sample'."
         )
     if cfg.mixture_schedule is not None:

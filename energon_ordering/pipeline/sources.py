@@ -13,6 +13,7 @@ from typing import Any
 from energon_ordering.errors import OrderingConfigError
 from energon_ordering.pipeline.plan import Source
 from energon_ordering.source_tag import SOURCE_KEY
+from energon_ordering.errors import show
 
 __all__ = ["describe_source", "source_name"]
 
@@ -26,7 +27,7 @@ def source_name(loaded: Any) -> str:
     path = getattr(factory, "path", None)
     if path is None:
         raise OrderingConfigError(
-            f"OrderingConfig.mixture_schedule: cannot name the metadataset entry {factory!r}; "
+            f"OrderingConfig.mixture_schedule: cannot name the metadataset entry {show(factory)}; "
             f"give it `subflavors: {{{SOURCE_KEY}: NAME}}`."
         )
     return str(path).rstrip("/").rsplit("/", 1)[-1]

@@ -28,6 +28,7 @@ from megatron.energon.wrappers.map_dataset import MapDataset
 
 from energon_ordering.errors import OrderingConfigError
 from energon_ordering.source_tag import sample_source, tag_source
+from energon_ordering.errors import show
 
 __all__ = [
     "INDEXED_LENGTH_FIELD",
@@ -75,7 +76,7 @@ def split_loader(dataset: SavableDataset) -> tuple[WebdatasetSampleLoaderDataset
     while isinstance(stage, MapDataset):
         if not stage.stateless_map_fn or inspect.isgeneratorfunction(stage.map_fn):
             raise OrderingConfigError(
-                f"length_sort_placement = 'pre-encode': the source stage {stage.map_fn!r} is not "
+                f"length_sort_placement = 'pre-encode': the source stage {show(stage.map_fn)} is not "
                 "a stateless one-to-one map, so loading cannot move behind the pool; mark it "
                 "@stateless or use length_sort_placement = 'post-encode'."
             )
@@ -153,4 +154,4 @@ class DeferredLength:
         return source(raw_fields(deferred))
 
     def __repr__(self) -> str:
-        return f"DeferredLength({self.sources!r})"
+        return f"DeferredLength({show(self.sources)})"

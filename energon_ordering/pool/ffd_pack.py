@@ -20,6 +20,8 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
+from energon_ordering.errors import show
+
 __all__ = ["first_fit_decreasing"]
 
 
@@ -45,7 +47,7 @@ def first_fit_decreasing(
     if isinstance(capacity, numbers.Real):
         caps: Sequence[float] = [capacity] * len(lengths)
         if not capacity > 0:
-            raise ValueError(f"first_fit_decreasing: capacity = {capacity!r} must be > 0 (tokens per pack).")
+            raise ValueError(f"first_fit_decreasing: capacity = {show(capacity)} must be > 0 (tokens per pack).")
     else:
         caps = capacity
         if len(caps) < len(lengths):
@@ -64,7 +66,7 @@ def first_fit_decreasing(
     for i in order:
         length = lengths[i]
         if length < 0:
-            raise ValueError(f"first_fit_decreasing: lengths[{i}] = {length!r} must be >= 0.")
+            raise ValueError(f"first_fit_decreasing: lengths[{i}] = {show(length)} must be >= 0.")
         for b, room in enumerate(free):
             if length <= room:
                 bins[b].append(i)

@@ -36,6 +36,7 @@ from energon_ordering.pool.settings import (
     checked_length,
 )
 from energon_ordering.sample_fields import sample_key
+from energon_ordering.errors import show
 
 __all__ = ["KeyPoolSortDataset"]
 
@@ -178,7 +179,7 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
             key = get_sample_restore_key(sample)
             if key is None:
                 raise NotRestorableError(
-                    f"KeyPoolSortDataset: sample {sample_key(sample)!r} "
+                    f"KeyPoolSortDataset: sample {show(sample_key(sample))} "
                     f"({type(sample).__name__}) has no __restore_key__, so it cannot be "
                     "re-fetched; pool Energon samples (dataclasses or dicts with a restore key)."
                 )
@@ -226,7 +227,7 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
     def __str__(self) -> str:
         s = self.settings
         return (
-            f"KeyPoolSortDataset(pool_size={s.pool_size}, ramp={s.ramp}, mode={s.mode!r}, "
+            f"KeyPoolSortDataset(pool_size={s.pool_size}, ramp={s.ramp}, mode={show(s.mode)}, "
             f"batch_size={s.batch_size}, seed={s.seed}, keep_samples={self.keep_samples}, "
             f"dataset={self.dataset})"
         )

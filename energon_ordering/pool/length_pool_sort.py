@@ -18,6 +18,7 @@ from energon_ordering.pool.settings import (
     checked_length,
 )
 from energon_ordering.pool.sample_length import default_sample_length
+from energon_ordering.errors import show
 
 __all__ = ["LengthPoolSortDataset"]
 
@@ -169,7 +170,7 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
     def __str__(self) -> str:
         return (
             f"LengthPoolSortDataset(pool_size={self.pool_size}, ramp={self.settings.ramp}, "
-            f"mode={self.mode!r}, "
+            f"mode={show(self.mode)}, "
             f"batch_size={self.batch_size}, seed={self.seed}, dataset={self.dataset})"
         )
 

@@ -45,6 +45,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Literal
 
+from energon_ordering.errors import show
+
 __all__ = [
     "POOL_ORDERS",
     "PoolMode",
@@ -129,7 +131,7 @@ def batch_mode_order(lengths: Sequence[float], seed: int, batch_size: int | None
         Arrival indices in emission order: full chunks in permuted order, then the remainder.
     """
     if batch_size is None or batch_size < 1:
-        raise ValueError(f"batch_mode_order: batch_size = {batch_size!r}; give an int >= 1.")
+        raise ValueError(f"batch_mode_order: batch_size = {show(batch_size)}; give an int >= 1.")
     ranked = sorted_indices(lengths)
     n_full = len(ranked) // batch_size
     order: list[int] = []
@@ -154,7 +156,7 @@ def stratified_order(lengths: Sequence[float], seed: int, batch_size: int | None
         past the last full band row) comes last, sorted.
     """
     if batch_size is None or batch_size < 1:
-        raise ValueError(f"stratified_order: batch_size = {batch_size!r}; give an int >= 1.")
+        raise ValueError(f"stratified_order: batch_size = {show(batch_size)}; give an int >= 1.")
     ranked = sorted_indices(lengths)
     per_band = len(ranked) // batch_size
     order: list[int] = []

@@ -28,6 +28,7 @@ import hashlib
 from collections.abc import Sequence
 
 from energon_ordering.pool.order import POOL_ORDERS
+from energon_ordering.errors import show
 
 __all__ = [
     "ATTENTION_CROSSOVER_TOKENS",
@@ -127,7 +128,7 @@ def cost_order(
         Arrival indices in emission order.
     """
     if mode not in POOL_ORDERS:
-        raise ValueError(f"pack_order: mode = {mode!r} is unknown; use one of {sorted(POOL_ORDERS)}.")
+        raise ValueError(f"pack_order: mode = {show(mode)} is unknown; use one of {sorted(POOL_ORDERS)}.")
     if position_caps is None:
         return POOL_ORDERS[mode](costs, seed, batch_size)
     if len(position_caps) != len(costs):

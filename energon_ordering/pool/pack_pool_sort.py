@@ -40,6 +40,7 @@ from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
 from energon_ordering.pool.pack_order import cost_order, emission_batch, pack_cost
 from energon_ordering.pool.sequence_pack import pack_doc_lengths
+from energon_ordering.errors import show
 
 __all__ = ["PackCost", "PackPoolSortDataset"]
 
@@ -61,7 +62,7 @@ class PackCost:
         return pack_cost(self.doc_lengths(pack))
 
     def __repr__(self) -> str:
-        return f"PackCost({getattr(self.doc_lengths, '__qualname__', self.doc_lengths)!r})"
+        return f"PackCost({show(getattr(self.doc_lengths, '__qualname__', self.doc_lengths))})"
 
 
 class PackPoolSortDataset(LengthPoolSortDataset[T_sample], Generic[T_sample]):
@@ -103,7 +104,7 @@ class PackPoolSortDataset(LengthPoolSortDataset[T_sample], Generic[T_sample]):
         """
         if batch_cap is not None and not callable(batch_cap):
             raise OrderingTypeError(
-                f"PackPoolSortDataset: batch_cap = {batch_cap!r} must be callable (micro-batch "
+                f"PackPoolSortDataset: batch_cap = {show(batch_cap)} must be callable (micro-batch "
                 "index -> pack cap in tokens) or None."
             )
         if batch_cap is not None and batch_size is None:
@@ -190,7 +191,7 @@ class PackPoolSortDataset(LengthPoolSortDataset[T_sample], Generic[T_sample]):
 
     def __str__(self) -> str:
         return (
-            f"PackPoolSortDataset(pool_size={self.pool_size}, mode={self.mode!r}, "
+            f"PackPoolSortDataset(pool_size={self.pool_size}, mode={show(self.mode)}, "
             f"batch_size={self.batch_size}, seed={self.seed}, "
             f"capped={self.batch_cap is not None}, dataset={self.dataset})"
         )

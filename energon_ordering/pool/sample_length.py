@@ -6,6 +6,7 @@ from typing import Any
 
 from energon_ordering.errors import SampleLengthError
 from energon_ordering.sample_fields import sample_field, sample_key
+from energon_ordering.errors import show
 
 __all__ = ["default_sample_length"]
 
@@ -25,7 +26,7 @@ def default_sample_length(sample: Any) -> int:
     if tokens is not None:
         return len(tokens)
     raise SampleLengthError(
-        f"Cannot tell the length of sample {sample_key(sample)!r} "
+        f"Cannot tell the length of sample {show(sample_key(sample))} "
         f"({type(sample).__name__}): it has neither `total_len` nor `tokens`. Set one of them in "
         "encode_sample, or pass key_fn=<function sample -> length in tokens> to "
         "LengthPoolSortDataset (with OrderingTaskEncoder: override "

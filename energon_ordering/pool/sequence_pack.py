@@ -19,6 +19,7 @@ from megatron.energon import Sample
 
 from energon_ordering.errors import SampleLengthError
 from energon_ordering.sample_fields import sample_field, sample_key
+from energon_ordering.errors import show
 
 __all__ = ["SequencePack", "pack_doc_lengths"]
 
@@ -62,7 +63,7 @@ def pack_doc_lengths(pack: Any) -> list[int]:
             values = [int(v) for v in (values[0] if values and isinstance(values[0], list) else values)]
             return [b - a for a, b in zip(values, values[1:])]
     raise SampleLengthError(
-        f"Cannot tell the document lengths of pack {sample_key(pack)!r} ({type(pack).__name__}): "
+        f"Cannot tell the document lengths of pack {show(sample_key(pack))} ({type(pack).__name__}): "
         "it is not a SequencePack and has no `cu_lengths` / `cu_seqlens`. Override "
         "`ordering_pack_lengths(self, pack) -> list[int]` in your task encoder."
     )

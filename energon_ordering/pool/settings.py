@@ -20,6 +20,7 @@ from energon_ordering.pool.ramp import RAMP_RULE, pool_size_at
 from energon_ordering.pool.restorability import explain_not_restorable
 from energon_ordering.sample_fields import sample_key
 from energon_ordering.state_stamp import check_stamp, check_writer
+from energon_ordering.errors import show
 
 __all__ = ["PoolSettings", "check_int", "check_pool_input", "check_pool_state", "checked_length"]
 
@@ -28,10 +29,10 @@ def check_int(owner: str, name: str, value: Any, *, minimum: int | None = None) 
     """Raises unless ``value`` is an int (not a bool) and ``>= minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise OrderingTypeError(
-            f"{owner}: {name} = {value!r} ({type(value).__name__}) must be an int."
+            f"{owner}: {name} = {show(value)} ({type(value).__name__}) must be an int."
         )
     if minimum is not None and value < minimum:
-        raise OrderingConfigError(f"{owner}: {name} = {value!r} must be >= {minimum}.")
+        raise OrderingConfigError(f"{owner}: {name} = {show(value)} must be >= {minimum}.")
 
 
 @dataclass(frozen=True)
@@ -62,26 +63,26 @@ class PoolSettings:
         check_int(owner, "pool_size", self.pool_size, minimum=1)
         if self.mode not in POOL_ORDERS:
             raise OrderingConfigError(
-                f"{owner}: mode = {self.mode!r} is unknown; use one of {sorted(POOL_ORDERS)}."
+                f"{owner}: mode = {show(self.mode)} is unknown; use one of {sorted(POOL_ORDERS)}."
             )
         if self.batch_size is not None:
             check_int(owner, "batch_size", self.batch_size, minimum=1)
         if self.mode in BATCHED_MODES:
             if self.batch_size is None:
                 raise OrderingConfigError(
-                    f"{owner}: mode = {self.mode!r} needs batch_size (the micro-batch size, in "
+                    f"{owner}: mode = {show(self.mode)} needs batch_size (the micro-batch size, in "
                     "samples); pass batch_size=<micro-batch size>."
                 )
             if self.pool_size % self.batch_size != 0:
                 raise OrderingConfigError(
                     f"{owner}: pool_size = {self.pool_size} is not a multiple of batch_size = "
-                    f"{self.batch_size} (mode={self.mode!r}); use pool_size = "
+                    f"{self.batch_size} (mode={show(self.mode)}); use pool_size = "
                     f"{max(1, self.pool_size // self.batch_size) * self.batch_size}."
                 )
         check_int(owner, "seed", self.seed)
         if not isinstance(self.ramp, bool):
             raise OrderingTypeError(
-                f"{owner}: ramp = {self.ramp!r} ({type(self.ramp).__name__}) must be True or "
+                f"{owner}: ramp = {show(self.ramp)} ({type(self.ramp).__name__}) must be True or "
                 "False."
             )
 
@@ -128,7 +129,7 @@ def check_pool_input(owner: str, dataset: Any, key_fn: Any) -> None:
     """Raises unless ``key_fn`` is callable (or None) and ``dataset`` can restore samples by key."""
     if key_fn is not None and not callable(key_fn):
         raise OrderingTypeError(
-            f"{owner}: key_fn = {key_fn!r} is not callable; pass a function sample -> length in "
+            f"{owner}: key_fn = {show(key_fn)} is not callable; pass a function sample -> length in "
             "tokens."
         )
     problem = explain_not_restorable(dataset)
@@ -161,7 +162,7 @@ def checked_length(owner: str, key_fn: Callable[[Any], float], sample: Any) -> f
         return length  # the common case, without the slower abstract-type check below
     if isinstance(length, bool) or not isinstance(length, numbers.Real) or not math.isfinite(length):
         raise SampleLengthError(
-            f"{owner}: key_fn returned {length!r} for sample {sample_key(sample)!r}; it must "
+            f"{owner}: key_fn returned {show(length)} for sample {show(sample_key(sample))}; it must "
             "return a finite number (the length in tokens)."
         )
     return length

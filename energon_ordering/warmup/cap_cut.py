@@ -32,6 +32,7 @@ from typing import Any
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, SeqLenOverflowError
 from energon_ordering.sample_fields import sample_key
 from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES, TokenLayout, truncate_sample
+from energon_ordering.errors import show
 
 __all__ = [
     "COUNTERS",
@@ -107,10 +108,10 @@ class CapCutter:
     def __init__(self, *, overflow: str, layout: TokenLayout, wording: CapWording, owner: str):
         if overflow not in OVERFLOW_POLICIES:
             raise OrderingConfigError(
-                f"{owner}: overflow = {overflow!r} is unknown; use one of {list(OVERFLOW_POLICIES)}."
+                f"{owner}: overflow = {show(overflow)} is unknown; use one of {list(OVERFLOW_POLICIES)}."
             )
         if not isinstance(layout, TokenLayout):
-            raise OrderingTypeError(f"{owner}: layout = {layout!r} must be a TokenLayout.")
+            raise OrderingTypeError(f"{owner}: layout = {show(layout)} must be a TokenLayout.")
         self.overflow = overflow
         self.layout = layout
         self.wording = wording
@@ -164,7 +165,7 @@ class CapCutter:
                 counts["truncated_tokens"] += result.cut_tokens
             return self._passed(result.sample, bool(result.cut_tokens), epoch)
         what = (
-            f"sample {sample_key(sample)!r} has {result.media_tokens} media tokens, more than the "
+            f"sample {show(sample_key(sample))} has {result.media_tokens} media tokens, more than the "
             f"{self.wording.cap} of {limit} tokens at step {step}"
         )
         if self.overflow == "error":

@@ -176,21 +176,21 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
         if per_pack_targets and (batch_size is None or batch_size < 1):
             raise OrderingConfigError(
                 f"PackCapDataset: per_pack_targets needs batch_size >= 1 (packs per micro-batch), "
-                f"got {batch_size!r}."
+                f"got {show(batch_size)}."
             )
         if warmup is not None and not isinstance(warmup, SeqLenWarmup):
-            raise OrderingTypeError(f"PackCapDataset: warmup = {warmup!r} must be a SeqLenWarmup or None.")
+            raise OrderingTypeError(f"PackCapDataset: warmup = {show(warmup)} must be a SeqLenWarmup or None.")
         if pack_seq_length is not None and (
             isinstance(pack_seq_length, bool) or not isinstance(pack_seq_length, int) or pack_seq_length < 1
         ):
             raise OrderingConfigError(
-                f"PackCapDataset: pack_seq_length = {pack_seq_length!r} must be an int >= 1 or None."
+                f"PackCapDataset: pack_seq_length = {show(pack_seq_length)} must be an int >= 1 or None."
             )
         layout = TokenLayout() if layout is None else layout
         cutter = CapCutter(overflow=overflow, layout=layout, wording=_WORDING, owner="PackCapDataset")
         if isinstance(micro_batches_per_step, bool) or not isinstance(micro_batches_per_step, int) or micro_batches_per_step < 1:
             raise OrderingConfigError(
-                f"PackCapDataset: micro_batches_per_step = {micro_batches_per_step!r} must be an int >= 1."
+                f"PackCapDataset: micro_batches_per_step = {show(micro_batches_per_step)} must be an int >= 1."
             )
         super().__init__(dataset, worker_config=worker_config)
         self.pack_seq_length = pack_seq_length
@@ -210,7 +210,7 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
         ``upcoming_batch_indices``). :meth:`pack_targets` then gives each its micro-batch's target."""
         if not callable(emission_batches):
             raise OrderingTypeError(
-                f"PackCapDataset.plan_emission: {emission_batches!r} must be callable (n -> the "
+                f"PackCapDataset.plan_emission: {show(emission_batches)} must be callable (n -> the "
                 "micro-batch indices of the next n packs)."
             )
         self.emission_batches = emission_batches
@@ -437,7 +437,7 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
     def __str__(self) -> str:
         return (
             f"PackCapDataset(pack_seq_length={self.pack_seq_length}, warmup={self.warmup}, "
-            f"overflow={self.overflow!r}, dataset={self.dataset})"
+            f"overflow={show(self.overflow)}, dataset={self.dataset})"
         )
 
 
@@ -474,7 +474,7 @@ class PackCapPrePacker:
     ):
         if not callable(length_fn) or not callable(bin_packer):
             raise OrderingTypeError(
-                f"PackCapPrePacker: length_fn = {length_fn!r} and bin_packer = {bin_packer!r} must "
+                f"PackCapPrePacker: length_fn = {show(length_fn)} and bin_packer = {show(bin_packer)} must "
                 "be callable."
             )
         self.packer = packer

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
+from energon_ordering.errors import show
 
 __all__ = ["WARMUP_KINDS", "SeqLenWarmup"]
 
@@ -53,7 +54,7 @@ class SeqLenWarmup:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise OrderingConfigError(
-                    f"SeqLenWarmup.{name} = {value!r} must be a positive int."
+                    f"SeqLenWarmup.{name} = {show(value)} must be a positive int."
                 )
         if self.start > self.full:
             raise OrderingConfigError(
@@ -68,7 +69,7 @@ class SeqLenWarmup:
             )
         if self.kind not in WARMUP_KINDS:
             raise OrderingConfigError(
-                f"SeqLenWarmup.kind = {self.kind!r} is unknown; use one of {list(WARMUP_KINDS)}."
+                f"SeqLenWarmup.kind = {show(self.kind)} is unknown; use one of {list(WARMUP_KINDS)}."
             )
 
     @classmethod
@@ -94,7 +95,7 @@ class SeqLenWarmup:
     def max_seq_len(self, step: int) -> int:
         """Maximum sequence length at optimizer ``step`` (an int >= 0), in tokens."""
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-            raise OrderingConfigError(f"SeqLenWarmup.max_seq_len: step = {step!r} must be an int >= 0.")
+            raise OrderingConfigError(f"SeqLenWarmup.max_seq_len: step = {show(step)} must be an int >= 0.")
         if step >= self.warmup_steps:
             return self.full
         if self.kind == "linear":

@@ -21,6 +21,7 @@ from energon_ordering.warmup.cap_cut import (
 )
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES, TokenLayout
+from energon_ordering.errors import show
 
 __all__ = ["MAX_CONSECUTIVE_DROPS", "OVERFLOW_POLICIES", "SeqLenWarmupDataset"]
 
@@ -97,10 +98,10 @@ class SeqLenWarmupDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_samp
             layout: How to cut the sample type; None = :class:`TokenLayout` defaults.
         """
         if not isinstance(warmup, SeqLenWarmup):
-            raise OrderingTypeError(f"SeqLenWarmupDataset: warmup = {warmup!r} must be a SeqLenWarmup.")
+            raise OrderingTypeError(f"SeqLenWarmupDataset: warmup = {show(warmup)} must be a SeqLenWarmup.")
         if isinstance(micro_batches_per_step, bool) or not isinstance(micro_batches_per_step, int) or micro_batches_per_step < 1:
             raise OrderingConfigError(
-                f"SeqLenWarmupDataset: micro_batches_per_step = {micro_batches_per_step!r} must be an int >= 1."
+                f"SeqLenWarmupDataset: micro_batches_per_step = {show(micro_batches_per_step)} must be an int >= 1."
             )
         layout = TokenLayout() if layout is None else layout
         cutter = CapCutter(overflow=overflow, layout=layout, wording=_WORDING, owner="SeqLenWarmupDataset")
@@ -153,12 +154,12 @@ class SeqLenWarmupDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_samp
     def restore_sample(self, restore_key: tuple[str | int | tuple, ...]) -> T_sample:
         name, step = restore_key[:2]
         if name != type(self).__name__:
-            raise ValueError(f"SeqLenWarmupDataset: restore key {restore_key!r} is not ours.")
+            raise ValueError(f"SeqLenWarmupDataset: restore key {show(restore_key)} is not ours.")
         inner = self.dataset.restore_sample(restore_key[2:])
         cap = self._step_cap(int(step))
         out = inner if cap is None else self.cutter.recut(inner, cap)
         if out is None:
-            raise ValueError(f"SeqLenWarmupDataset: restore key {restore_key!r} names a dropped sample.")
+            raise ValueError(f"SeqLenWarmupDataset: restore key {show(restore_key)} names a dropped sample.")
         return add_sample_restore_key(out, step, src=self)
 
     def restore_state(self, state: FlexState) -> None:
@@ -193,6 +194,6 @@ class SeqLenWarmupDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_samp
 
     def __str__(self) -> str:
         return (
-            f"SeqLenWarmupDataset(warmup={self.warmup}, overflow={self.overflow!r}, "
+            f"SeqLenWarmupDataset(warmup={self.warmup}, overflow={show(self.overflow)}, "
             f"micro_batches_per_step={self.micro_batches_per_step}, dataset={self.dataset})"
         )

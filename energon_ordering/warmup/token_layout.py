@@ -33,6 +33,7 @@ import torch
 
 from energon_ordering.errors import OrderingTypeError
 from energon_ordering.sample_fields import sample_field, sample_key
+from energon_ordering.errors import show
 
 __all__ = ["OVERFLOW_POLICIES", "TokenLayout", "TruncationResult", "truncate_sample"]
 
@@ -72,7 +73,7 @@ class TokenLayout:
     def __post_init__(self) -> None:
         if isinstance(self.media_embeddings, bool) or not isinstance(self.media_embeddings, int) or self.media_embeddings < 1:
             raise OrderingTypeError(
-                f"TokenLayout: media_embeddings = {self.media_embeddings!r} must be an int >= 1 "
+                f"TokenLayout: media_embeddings = {show(self.media_embeddings)} must be an int >= 1 "
                 "(model positions one media placeholder expands to)."
             )
 
@@ -139,7 +140,7 @@ def truncate_sample(sample: Any, max_len: int, layout: TokenLayout) -> Truncatio
     tokens = sample_field(sample, layout.token_field)
     if tokens is None:
         raise OrderingTypeError(
-            f"Sequence-length warmup: sample {sample_key(sample)!r} ({type(sample).__name__}) has no "
+            f"Sequence-length warmup: sample {show(sample_key(sample))} ({type(sample).__name__}) has no "
             f"`{layout.token_field}`; set TokenLayout(token_field=...) on the task encoder "
             "(`ordering_token_layout`)."
         )
@@ -159,7 +160,7 @@ def truncate_sample(sample: Any, max_len: int, layout: TokenLayout) -> Truncatio
         media = np.zeros(n, dtype=bool)
     if len(media) != n:
         raise OrderingTypeError(
-            f"Sequence-length warmup: sample {sample_key(sample)!r}: `{layout.media_mask_field}` has "
+            f"Sequence-length warmup: sample {show(sample_key(sample))}: `{layout.media_mask_field}` has "
             f"{len(media)} entries but `{layout.token_field}` has {n}."
         )
     n_placeholders = int(media.sum())
@@ -182,7 +183,7 @@ def truncate_sample(sample: Any, max_len: int, layout: TokenLayout) -> Truncatio
             continue
         if len(seq) != n:
             raise OrderingTypeError(
-                f"Sequence-length warmup: sample {sample_key(sample)!r}: `{name}` has {len(seq)} "
+                f"Sequence-length warmup: sample {show(sample_key(sample))}: `{name}` has {len(seq)} "
                 f"entries but `{layout.token_field}` has {n}; list only per-token fields in "
                 "TokenLayout.sequence_fields."
             )
@@ -201,13 +202,13 @@ def _media_model_tokens(sample: Any, n_placeholders: int, layout: TokenLayout) -
     tiles = sample_field(sample, layout.media_tiles_field)
     if tiles is None:
         raise OrderingTypeError(
-            f"Sequence-length warmup: sample {sample_key(sample)!r} has no `{layout.media_tiles_field}` "
+            f"Sequence-length warmup: sample {show(sample_key(sample))} has no `{layout.media_tiles_field}` "
             "(TokenLayout.media_tiles_field); set it to None if media have no tiles."
         )
     tiles = [int(t) for t in (tiles.tolist() if hasattr(tiles, "tolist") else tiles)]
     if len(tiles) != n_placeholders:
         raise OrderingTypeError(
-            f"Sequence-length warmup: sample {sample_key(sample)!r}: `{layout.media_tiles_field}` has "
+            f"Sequence-length warmup: sample {show(sample_key(sample))}: `{layout.media_tiles_field}` has "
             f"{len(tiles)} entries but the tokens hold {n_placeholders} media placeholders "
             f"(media_token_id = {layout.media_token_id})."
         )
@@ -228,7 +229,7 @@ def _rebuild(sample: Any, changes: dict[str, Any]) -> Any:
 def _truncate_length_only(sample: Any, max_len: int, layout: TokenLayout) -> TruncationResult:
     if layout.length_field is None or sample_field(sample, layout.length_field) is None:
         raise OrderingTypeError(
-            f"Sequence-length warmup: sample {sample_key(sample)!r} has no length field "
+            f"Sequence-length warmup: sample {show(sample_key(sample))} has no length field "
             f"`{layout.length_field}` (TokenLayout with token_field=None cuts the length only)."
         )
     n = int(sample_field(sample, layout.length_field))
