@@ -48,8 +48,6 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from energon_ordering.errors import show
-
 try:
     from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
     from megatron.bridge.data.energon.base_energon_datamodule import EnergonDataloader, EnergonMultiModalDataModule
@@ -62,7 +60,7 @@ except ImportError as e:  # pragma: no cover - exercised by the test on a Python
     ) from e
 
 from energon_ordering.config import OrderingConfig
-from energon_ordering.errors import OrderingConfigError, OrderingTypeError
+from energon_ordering.errors import OrderingConfigError, OrderingTypeError, show
 from energon_ordering.integrations.megatron_lm import DataloaderRestoreError, consumed_micro_batches
 from energon_ordering.packaged_recipes import resolve_recipe
 from energon_ordering.state_stamp import check_loader_state
