@@ -360,14 +360,7 @@ def _stages(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> Iterat
             KEY_POOL,
             "lean length pool before decoding, lengths from the length index: the "
             "same order on every rank (rank-independent seed)",
-            (
-                ("pool_size", cfg.length_sort_pool_size),
-                ("mode", cfg.length_sort_mode),
-                ("batch_size", bs),
-                ("seed", cfg.seed),
-                ("keep_samples", cfg.length_sort_pool_holds == "raw"),
-                ("ramp", cfg.length_sort_ramp_on),
-            ),
+            (*_sample_pool_settings(cfg, bs), ("keep_samples", cfg.length_sort_pool_holds == "raw")),
         )
         yield Stage(MATERIALIZE, "loads (and decodes) what the pool emitted")
     yield Stage(ENCODE, "the task encoder's encode_sample (stateless)", energon=True)
@@ -376,13 +369,7 @@ def _stages(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> Iterat
             LENGTH_POOL,
             "cross-rank length sync: sorts a pool by length and permutes it with a "
             "rank-independent seed",
-            (
-                ("pool_size", cfg.length_sort_pool_size),
-                ("mode", cfg.length_sort_mode),
-                ("batch_size", bs),
-                ("seed", cfg.seed),
-                ("ramp", cfg.length_sort_ramp_on),
-            ),
+            _sample_pool_settings(cfg, bs),
         )
     if packing is not None:
         yield from _packing_stages(cfg, args, packing, pool_of_packs)
@@ -436,6 +423,17 @@ def _energon_blend(args: BuildArgs, shuffle: bool) -> Iterator[Stage]:
             "exactly",
             (("size", args.shuffle_buffer_size),),
         )
+
+
+def _sample_pool_settings(cfg: OrderingConfig, bs: int | None) -> tuple[tuple[str, Any], ...]:
+    """The settings a pool of samples takes, before or after encoding."""
+    return (
+        ("pool_size", cfg.length_sort_pool_size),
+        ("mode", cfg.length_sort_mode),
+        ("batch_size", bs),
+        ("seed", cfg.seed),
+        ("ramp", cfg.length_sort_ramp_on),
+    )
 
 
 def _packing_stages(
