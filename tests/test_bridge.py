@@ -5,17 +5,14 @@ unpickler (``energon_torch_load``), on a one-process gloo group with
 ``initialize_model_parallel(1, 1)``.
 
 Bridge 0.6.2 needs Python 3.12: these tests are marked ``py312`` and run by ``.ci/py312``. It
-imports Transformer Engine at import time, which cannot be installed on CPU: ``_import_bridge``
-puts the stand-in in ``tests/shims/`` on the path only after megatron-core has decided that TE is
-absent, and takes it off again once Bridge is imported.
+imports Transformer Engine at import time, which cannot be installed on CPU: the tests call the
+package's explicit stand-in, ``energon_ordering.integrations.bridge_cpu.install()``, first.
 """
 
 from __future__ import annotations
 
-import importlib
 import pickle
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -27,26 +24,9 @@ if sys.version_info < (3, 12):
 
 import torch  # noqa: E402
 
-SHIMS = Path(__file__).parent / "shims"
+from energon_ordering.integrations import bridge_cpu  # noqa: E402
 
-
-def _import_bridge() -> None:
-    """Imports megatron-core first (it decides TE is absent), then Bridge with the TE stand-in."""
-    import megatron.core  # noqa: F401
-
-    if importlib.util.find_spec("transformer_engine") is not None:
-        return  # a real Transformer Engine: nothing to stand in for
-    sys.path.insert(0, str(SHIMS))
-    try:
-        import megatron.bridge.data.utils  # noqa: F401
-        import megatron.bridge.training.checkpointing  # noqa: F401
-    finally:
-        sys.path.remove(str(SHIMS))
-        for name in [m for m in sys.modules if m == "transformer_engine" or m.startswith("transformer_engine.")]:
-            del sys.modules[name]  # later megatron-core imports see TE absent again
-
-
-_import_bridge()
+bridge_cpu.install()  # Transformer Engine's CPU stand-in, explicitly; a no-op with real TE
 
 from megatron.bridge.data.utils import get_dataset_provider  # noqa: E402
 from megatron.bridge.training.callbacks import CallbackContext  # noqa: E402
@@ -269,3 +249,38 @@ def test_provider_goes_into_bridge_run_config(small_dataset):
         with safe_yaml_representers():
             text = yaml.safe_dump(as_dict)
         assert "OrderingDatasetProvider" in text and "length_sort_pool_size: 32" in text
+
+
+def test_import_without_transformer_engine_names_it_and_the_remedies():
+    """Without the stand-in the import fails, naming transformer_engine (not Bridge, which is
+    installed), why Bridge needs it, and the GPU and CPU remedies; importing the stand-in's module
+    alone changes nothing."""
+    import subprocess
+
+    code = ("import sys\n"
+            "from energon_ordering.integrations import bridge_cpu\n"
+            "assert 'transformer_engine' not in sys.modules and 'megatron.bridge' not in sys.modules\n"
+            "try:\n"
+            "    import energon_ordering.integrations.bridge\n"
+            "except ImportError as e:\n"
+            "    print('@@', e.name, '@@', e, sep='')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    _, name, message = out[out.index("@@"):].split("@@")
+    assert name == "transformer_engine"
+    for part in ("`transformer_engine` (NVIDIA Transformer Engine) is not installed",
+                 "megatron/bridge/peft/lora_layers.py", "Megatron-Bridge itself is installed",
+                 "NGC PyTorch container", "transformer-engine[pytorch]", "bridge_cpu.install()"):
+        assert part in message, part
+
+
+def test_cpu_stand_in_is_removed_after_install():
+    """After install() Bridge is imported and the placeholder modules are gone again, so code
+    imported later sees Transformer Engine absent; a placeholder class refuses to be built."""
+    assert "transformer_engine" not in sys.modules
+    assert "megatron.bridge.peft.lora_layers" in sys.modules
+    from megatron.bridge.peft import lora_layers
+
+    assert lora_layers.te.__name__ == "transformer_engine.pytorch"  # the stand-in, kept by Bridge
+    with pytest.raises(RuntimeError, match=r"transformer_engine.pytorch.Linear is energon_ordering.s CPU stand-in"):
+        lora_layers.te.Linear()
+    assert bridge_cpu.install() is True  # idempotent

@@ -48,16 +48,41 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
+
+def _missing_dependency_message(error: ImportError) -> str:
+    """What to install, for the module whose import failed while importing Bridge."""
+    missing = getattr(error, "name", None) or ""
+    if missing.split(".")[0] == "transformer_engine":
+        return (
+            f"energon_ordering.integrations.bridge: `{missing}` (NVIDIA Transformer Engine) is not "
+            "installed, and Megatron-Bridge imports it at import time "
+            "(megatron/bridge/peft/lora_layers.py). Megatron-Bridge itself is installed. On a GPU "
+            "machine use an image that has Transformer Engine (NVIDIA's NGC PyTorch container) or "
+            "`pip install --no-build-isolation \"transformer-engine[pytorch]\"` beside a CUDA "
+            "toolkit. On a CPU-only machine (development, CI: datasets, the provider, dataloader "
+            "state) call `from energon_ordering.integrations import bridge_cpu; bridge_cpu.install()` "
+            "before importing Bridge or this module; see its docstring. "
+            f"(Original error: {error})"
+        )
+    if missing.split(".")[0] == "megatron" or not missing:
+        return (
+            f"energon_ordering.integrations.bridge needs Megatron-Bridge ({error}). Install it on "
+            "Python 3.12 with `pip install --no-deps megatron-bridge==0.6.2 megatron-core==0.19.2` "
+            "and `pip install \"energon-ordering[bridge]\"` (see the README's Megatron-Bridge section)."
+        )
+    return (
+        f"energon_ordering.integrations.bridge: Megatron-Bridge is installed but its import needs "
+        f"`{missing}`, which is not ({error}). `pip install \"energon-ordering[bridge]\"` installs "
+        "what Bridge's data path imports; see the README's Megatron-Bridge section."
+    )
+
+
 try:
     from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
     from megatron.bridge.data.energon.base_energon_datamodule import EnergonDataloader, EnergonMultiModalDataModule
     from megatron.bridge.training.callbacks import Callback, CallbackContext
-except ImportError as e:  # pragma: no cover - exercised by the test on a Python without Bridge
-    raise ImportError(
-        f"energon_ordering.integrations.bridge needs Megatron-Bridge ({e}). Install it on Python "
-        "3.12 with `pip install --no-deps megatron-bridge==0.6.2` and `pip install "
-        "\"energon-ordering[bridge]\"` (see the README's Megatron-Bridge section)."
-    ) from e
+except ImportError as e:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(_missing_dependency_message(e), name=getattr(e, "name", None)) from e
 
 from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, show
