@@ -81,17 +81,27 @@ try:
     from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
     from megatron.bridge.data.energon.base_energon_datamodule import EnergonDataloader, EnergonMultiModalDataModule
     from megatron.bridge.training.callbacks import Callback, CallbackContext
+    from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
 except ImportError as e:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(_missing_dependency_message(e), name=getattr(e, "name", None)) from e
 
 from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, show
+from energon_ordering.integrations.bridge_run import RunShape, agree_with_run, missing_split
 from energon_ordering.integrations.megatron_lm import DataloaderRestoreError, consumed_micro_batches
 from energon_ordering.packaged_recipes import resolve_recipe
 from energon_ordering.state_stamp import check_loader_state
 from energon_ordering.task_encoder import OrderingTaskEncoder
+from energon_ordering.yaml_file import load_yaml
+
+#: Bridge's YAML loader (``ConfigContainer.from_yaml``) instantiates only allow-listed ``_target_``
+#: prefixes; the run config it writes names this package's provider (and encoders, recipes'
+#: classes), so the prefix is registered when the provider is importable.
+YAML_TARGET_PREFIX = "energon_ordering."
+register_allowed_target_prefix(YAML_TARGET_PREFIX)
 
 __all__ = [
+    "YAML_TARGET_PREFIX",
     "DataloaderRestoreError",
     "OrderingDatasetProvider",
     "OrderingEnergonDataloader",
@@ -158,6 +168,15 @@ class OrderingDatasetProvider(DatasetProvider):
         dataset_kwargs: More keyword arguments for Energon's ``get_train_dataset``.
         allow_dataloader_restart: Accept a resume (step > 0) without dataloader state: the data
             stream restarts from zero with a warning instead of an error.
+        scale_schedule_to_run: A mixture schedule written for another ``total_steps`` than
+            Bridge's ``train.train_iters`` is stretched to the run (each phase keeps its share)
+            instead of refused.
+
+    The :class:`OrderingConfig` is computed from the final fields, never at construction: at
+    Bridge's :meth:`finalize` (after command-line overrides), at :meth:`check_run` (against the
+    run) and at :meth:`build_datasets`; :attr:`ordering_config` holds the last one (None before).
+    Importing this module registers the ``energon_ordering.`` prefix with Bridge's YAML loader;
+    register your task encoder's module too (``register_allowed_target_prefix("my_project.")``).
     """
 
     path: str
@@ -173,9 +192,17 @@ class OrderingDatasetProvider(DatasetProvider):
     max_samples_per_sequence: int | None = None
     dataset_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     allow_dataloader_restart: bool = False
+    scale_schedule_to_run: bool = False
     dataloader_type: Literal["external"] | None = "external"
 
     def __post_init__(self) -> None:
+        self._check_fields()
+        self._ordering_config()  # refuse a bad recipe or setting now; the config used is computed later
+        self.ordering_config: OrderingConfig | None = None
+        self.run: RunShape | None = None
+        self.train_loader: OrderingEnergonDataloader | None = None
+
+    def _check_fields(self) -> None:
         if self.dataloader_type != "external":
             raise OrderingConfigError(
                 f"OrderingDatasetProvider.dataloader_type = {show(self.dataloader_type)}: the provider "
@@ -197,10 +224,10 @@ class OrderingDatasetProvider(DatasetProvider):
                 f"OrderingDatasetProvider.micro_batch_size = {show(self.micro_batch_size)} must be an "
                 "int >= 1 (Bridge's train.micro_batch_size)."
             )
-        self.ordering_config = self._ordering_config()
-        self.train_loader: OrderingEnergonDataloader | None = None
 
-    def _ordering_config(self) -> OrderingConfig:
+    def _settings(self) -> tuple[OrderingConfig, set[str]]:
+        """The OrderingConfig of the current fields, and the names of the settings the recipe or
+        ``ordering`` gives explicitly (the rest are OrderingConfig's defaults)."""
         if isinstance(self.ordering, OrderingConfig):
             if self.recipe is not None:
                 raise OrderingConfigError(
@@ -208,22 +235,93 @@ class OrderingDatasetProvider(DatasetProvider):
                     "object were both given; give one, or pass `ordering` as a mapping of the "
                     "settings that override the recipe."
                 )
-            return self.ordering
+            return self.ordering, {f.name for f in dataclasses.fields(OrderingConfig)}
         if self.ordering is not None and not isinstance(self.ordering, Mapping):
             raise OrderingTypeError(
                 f"OrderingDatasetProvider.ordering = {type(self.ordering).__name__}: expected an "
                 "OrderingConfig, a mapping of its settings, or None."
             )
-        base = {} if self.recipe is None else OrderingConfig.from_yaml(resolve_recipe(self.recipe)).to_dict()
-        return OrderingConfig.from_dict({**base, **dict(self.ordering or {})})
+        base: dict[str, Any] = {}
+        given: set[str] = set()
+        if self.recipe is not None:
+            path = resolve_recipe(self.recipe)
+            base = OrderingConfig.from_yaml(path).to_dict()
+            raw = load_yaml(path, "OrderingDatasetProvider.recipe")
+            given = set(raw) if isinstance(raw, Mapping) else set()
+        overrides = dict(self.ordering or {})
+        return OrderingConfig.from_dict({**base, **overrides}), given | set(overrides)
+
+    def _ordering_config(self, run: RunShape | None = None) -> OrderingConfig:
+        """The OrderingConfig of the current fields, completed by and checked against ``run``."""
+        config, given = self._settings()
+        if run is None:
+            return config
+        return agree_with_run(config, run, given=given, scale_schedule_to_run=self.scale_schedule_to_run)
+
+    def finalize(self) -> None:
+        """Bridge's finalize hook (``ConfigContainer.validate`` calls it after
+        ``process_config_with_overrides``): checks the fields and computes :attr:`ordering_config`
+        from their final values, so overrides of ``dataset.recipe``, ``dataset.ordering.*`` and
+        ``dataset.*`` take effect."""
+        super().finalize()
+        self._check_fields()
+        self.ordering_config = self._ordering_config(self.run)
+
+    def check_run(self, cfg: Any) -> OrderingConfig:
+        """Checks the ordering against Bridge's run and completes it, before any data is read.
+
+        Bridge's ``finalize()`` hook sees only the dataset config, so this runs where the whole
+        validated ``ConfigContainer`` is visible: :class:`OrderingResumeCheck` calls it at
+        ``on_data_init_start`` (after ``cfg.validate()``, before the datasets are built and
+        training starts). Call it yourself after ``runtime_config_update(cfg)`` or
+        ``cfg.validate()`` to fail before launching. See :func:`agree_with_run` for the checks;
+        with validation requested (``validation.eval_iters`` and ``eval_interval`` > 0 and
+        ``do_validation``) the dataset must have a ``val`` split.
+
+        Args:
+            cfg: Bridge's validated ``ConfigContainer`` (``data_parallel_size`` set).
+
+        Returns:
+            The completed :class:`OrderingConfig` (also stored as :attr:`ordering_config`).
+        """
+        self._check_fields()
+        run = _run_shape(cfg)
+        if run.micro_batch_size != self.micro_batch_size:
+            raise OrderingConfigError(
+                f"OrderingDatasetProvider.micro_batch_size = {self.micro_batch_size}, but Bridge's "
+                f"train.micro_batch_size = {run.micro_batch_size}; set dataset.micro_batch_size="
+                f"{run.micro_batch_size} (or pass micro_batch_size=cfg.train.micro_batch_size)."
+            )
+        config = self._ordering_config(run)
+        if run.validation and self.do_validation:
+            self._require_split("val")
+        self.run, self.ordering_config = run, config
+        return config
+
+    def _require_split(self, split: str) -> None:
+        reason = missing_split(self.path, split)
+        if reason is not None:
+            raise OrderingConfigError(
+                f"OrderingDatasetProvider.path = {show(self.path)} has no {show(split)} split "
+                f"({reason}), but Bridge asks for validation samples (validation.eval_iters > 0 "
+                "with validation.eval_interval set). Set dataset.do_validation=false, or "
+                "validation.eval_iters=0, or point dataset.path at a metadataset with a "
+                f"{split!r} split."
+            )
 
     def build_datasets(self, context: DatasetBuildContext) -> tuple[Any | None, Any | None, None]:
         """Bridge's hook: the training and validation loaders (None where Bridge asks for no
         samples), built by Bridge's ``EnergonMultiModalDataModule`` over the data-parallel group
-        of ``context.pg_collection``."""
-        self.task_encoder.ordering = self.ordering_config
+        of ``context.pg_collection``, with the OrderingConfig of the provider's final fields
+        (completed by :meth:`check_run` if it ran)."""
+        self._check_fields()
+        self.ordering_config = config = self._ordering_config(self.run)
+        want_valid = self.do_validation and context.valid_samples > 0
+        if want_valid:
+            self._require_split("val")
+        self.task_encoder.ordering = config
         if self.validation_task_encoder is not None:
-            self.validation_task_encoder.ordering = self.ordering_config
+            self.validation_task_encoder.ordering = config
         datamodule = EnergonMultiModalDataModule(
             path=self.path,
             tokenizer=context.tokenizer,
@@ -245,16 +343,42 @@ class OrderingDatasetProvider(DatasetProvider):
             train = OrderingEnergonDataloader(datamodule.train_dataloader_object,
                                               checked=self.allow_dataloader_restart)
             self.train_loader = train
-        if self.do_validation and context.valid_samples > 0:
+        if want_valid:
             datamodule.val_dataloader()
             valid = OrderingEnergonDataloader(datamodule.val_dataloader_object, checked=True)
         return train, valid, None
 
 
-class OrderingResumeCheck(Callback):
-    """Bridge callback: at ``on_train_start`` (after Bridge's restore), makes a resume loud.
+def _run_shape(cfg: Any) -> RunShape:
+    """The numbers of Bridge's validated ``ConfigContainer`` the ordering depends on."""
+    dp_size = getattr(cfg, "data_parallel_size", None)
+    if dp_size is None:
+        raise OrderingConfigError(
+            "OrderingDatasetProvider.check_run: cfg.data_parallel_size is not set yet; call it "
+            "after Bridge's runtime_config_update(cfg) or cfg.validate() (OrderingResumeCheck calls "
+            "it at on_data_init_start)."
+        )
+    train, validation = cfg.train, cfg.validation
+    eval_iters = validation.eval_iters or 0
+    return RunShape(
+        micro_batch_size=train.micro_batch_size,
+        global_batch_size=train.global_batch_size,
+        data_parallel_size=dp_size,
+        train_iters=train.train_iters,
+        seq_length=getattr(cfg.model, "seq_length", None),
+        validation=bool(validation.eval_interval) and eval_iters > 0,
+    )
 
-    At step > 0 the training loader must have been restored (else :class:`DataloaderRestoreError`
+
+class OrderingResumeCheck(Callback):
+    """Bridge callback: agrees the ordering with the run before data is read, and makes a resume
+    loud.
+
+    At ``on_data_init_start`` (after Bridge validated the config, before the datasets are built)
+    it calls :meth:`OrderingDatasetProvider.check_run` with Bridge's config: the ordering is
+    completed by the run (``micro_batches_per_step``) and every contradiction is refused.
+
+    At ``on_train_start`` (after Bridge's restore), at step > 0 the training loader must have been restored (else :class:`DataloaderRestoreError`
     unless the provider allows a restart), and the restored state must have consumed
     ``step x micro_batches_per_step`` micro-batches. ``micro_batches_per_step`` of the ordering
     config must equal Bridge's ``global_batch_size / (micro_batch_size x data-parallel size)``.
@@ -265,6 +389,10 @@ class OrderingResumeCheck(Callback):
 
     def __init__(self, provider: OrderingDatasetProvider):
         self.provider = provider
+
+    def on_data_init_start(self, context: CallbackContext) -> None:
+        """Runs :meth:`OrderingDatasetProvider.check_run` on Bridge's validated config."""
+        self.provider.check_run(context.state.cfg)
 
     def on_train_start(self, context: CallbackContext) -> None:
         """Runs the checks; raises :class:`DataloaderRestoreError` or :class:`OrderingConfigError`."""
