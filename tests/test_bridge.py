@@ -235,6 +235,7 @@ def test_provider_errors(small_dataset):
     cfg = OrderingConfig(length_sort_pool_size=8)
     provider = _provider(small_dataset, 0, recipe=None, ordering=cfg)
     assert provider.ordering_config is None  # computed from the final fields, never at construction
+    assert provider.ordering == cfg.to_dict()
     provider.finalize()
     assert provider.ordering_config == cfg
 
@@ -336,6 +337,13 @@ def test_command_line_overrides_reach_what_is_built(small_dataset, pg):
     built = cfg.dataset.task_encoder.ordering
     assert (built.length_sort_pool_size, built.length_sort_mode) == (16, "sample")
     assert it.iterable._dataloader.worker_config.num_workers == 1
+
+    # An OrderingConfig object is kept as the mapping of its settings, so overrides reach it too
+    # (Bridge cannot assign to the frozen object and would only log a warning).
+    cfg = _container(_provider(small_dataset, 0, recipe=None, ordering=OrderingConfig.from_dict(ORDERING)))
+    process_config_with_overrides(cfg, cli_overrides=["dataset.ordering.length_sort_pool_size=16"])
+    cfg.validate()
+    assert cfg.dataset.ordering_config.length_sort_pool_size == 16
 
 
 def test_yaml_round_trip_through_bridge_writer_and_loader(small_dataset, tmp_path):

@@ -15,6 +15,25 @@ for training and validation::
                                           recipe="llava_pretrain", micro_batch_size=4, num_workers=4)
     pretrain(cfg, forward_step, callbacks=[OrderingResumeCheck(cfg.dataset)])
 
+Config life cycle, as Bridge drives it: ``process_config_with_overrides`` sets the provider's
+fields (``dataset.recipe=...``, ``dataset.ordering.length_sort_pool_size=16``, ``dataset.*``),
+``ConfigContainer.validate()`` calls :meth:`OrderingDatasetProvider.finalize`, which computes the
+:class:`OrderingConfig` from the final fields (never at construction). Bridge's ``finalize()``
+hook sees no other part of the config, so the agreement with the run (``micro_batches_per_step``
+derived from the global batch, ``total_steps`` against ``train.train_iters``, the warmup's
+``full`` against ``model.seq_length``, a ``val`` split when validation is requested) is checked
+by :meth:`OrderingDatasetProvider.check_run`, which :class:`OrderingResumeCheck` calls at
+``on_data_init_start``: after ``validate()``, before any data is read and before training.
+``cfg.to_yaml()`` writes the provider; ``ConfigContainer.from_yaml`` loads it back because
+importing this module registers the ``energon_ordering.`` prefix with Bridge's instantiation
+allowlist (a task encoder from your own package needs
+``register_allowed_target_prefix("my_package.")``; Bridge writes it as its class only, so it must
+be constructible without arguments for the YAML to rebuild it).
+
+Transformer Engine: Bridge imports it at import time. Without it this module's import fails with
+an ImportError naming ``transformer_engine`` and the remedies; on CPU call
+:func:`energon_ordering.integrations.bridge_cpu.install` first.
+
 Dataloader state, as Bridge 0.6.2 handles it (``training/checkpointing.py``):
 ``maybe_save_dataloader_state`` calls ``save_state()`` on ``train_iterator.iterable`` (the
 ``EnergonDataloader`` returned here; Bridge passes an external loader through inside a
@@ -157,8 +176,11 @@ class OrderingDatasetProvider(DatasetProvider):
         micro_batch_size: Samples per micro-batch (Bridge's ``train.micro_batch_size``).
         recipe: A recipe file, or the name of a packaged recipe (``llava_pretrain``); None: no
             recipe.
-        ordering: An :class:`OrderingConfig`, or a mapping of its settings applied on top of
-            ``recipe``; None: the recipe alone (or every ordering stage off).
+        ordering: A mapping of :class:`OrderingConfig` settings applied on top of ``recipe``, or
+            an :class:`OrderingConfig` (without ``recipe``; stored as the mapping of its settings,
+            so command-line overrides such as ``dataset.ordering.length_sort_pool_size=16`` reach
+            it); None: the recipe alone (or every ordering stage off). With None, override with
+            ``+dataset.ordering.<setting>=...`` (Hydra's syntax for a new key).
         seq_length: Passed to Bridge's data module (tokens; informational for custom encoders).
         validation_task_encoder: Encoder for the validation split; None: ``task_encoder``.
         do_validation: Build the validation loader (when Bridge asks for validation samples).
@@ -198,6 +220,10 @@ class OrderingDatasetProvider(DatasetProvider):
     def __post_init__(self) -> None:
         self._check_fields()
         self._ordering_config()  # refuse a bad recipe or setting now; the config used is computed later
+        if isinstance(self.ordering, OrderingConfig):
+            # Kept as the mapping of its settings: Bridge's overrides cannot assign to the frozen
+            # OrderingConfig (process_config_with_overrides only logs a warning and drops them).
+            self.ordering = self.ordering.to_dict()
         self.ordering_config: OrderingConfig | None = None
         self.run: RunShape | None = None
         self.train_loader: OrderingEnergonDataloader | None = None
