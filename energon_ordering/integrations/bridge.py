@@ -225,7 +225,7 @@ class OrderingDatasetProvider(DatasetProvider):
             # OrderingConfig (process_config_with_overrides only logs a warning and drops them).
             self.ordering = self.ordering.to_dict()
         self.ordering_config: OrderingConfig | None = None
-        self.run: RunShape | None = None
+        self.run_shape: RunShape | None = None  # set by check_run
         self.train_loader: OrderingEnergonDataloader | None = None
 
     def _check_fields(self) -> None:
@@ -291,7 +291,7 @@ class OrderingDatasetProvider(DatasetProvider):
         ``dataset.*`` take effect."""
         super().finalize()
         self._check_fields()
-        self.ordering_config = self._ordering_config(self.run)
+        self.ordering_config = self._ordering_config(self.run_shape)
 
     def check_run(self, cfg: Any) -> OrderingConfig:
         """Checks the ordering against Bridge's run and completes it, before any data is read.
@@ -321,7 +321,7 @@ class OrderingDatasetProvider(DatasetProvider):
         config = self._ordering_config(run)
         if run.validation and self.do_validation:
             self._require_split("val")
-        self.run, self.ordering_config = run, config
+        self.run_shape, self.ordering_config = run, config
         return config
 
     def _require_split(self, split: str) -> None:
@@ -341,7 +341,7 @@ class OrderingDatasetProvider(DatasetProvider):
         of ``context.pg_collection``, with the OrderingConfig of the provider's final fields
         (completed by :meth:`check_run` if it ran)."""
         self._check_fields()
-        self.ordering_config = config = self._ordering_config(self.run)
+        self.ordering_config = config = self._ordering_config(self.run_shape)
         want_valid = self.do_validation and context.valid_samples > 0
         if want_valid:
             self._require_split("val")
@@ -404,10 +404,10 @@ class OrderingResumeCheck(Callback):
     it calls :meth:`OrderingDatasetProvider.check_run` with Bridge's config: the ordering is
     completed by the run (``micro_batches_per_step``) and every contradiction is refused.
 
-    At ``on_train_start`` (after Bridge's restore), at step > 0 the training loader must have been restored (else :class:`DataloaderRestoreError`
-    unless the provider allows a restart), and the restored state must have consumed
-    ``step x micro_batches_per_step`` micro-batches. ``micro_batches_per_step`` of the ordering
-    config must equal Bridge's ``global_batch_size / (micro_batch_size x data-parallel size)``.
+    At ``on_train_start`` (after Bridge's restore), at step > 0 the training loader must have
+    been restored (else :class:`DataloaderRestoreError` unless the provider allows a restart),
+    and the restored state must have consumed ``step x micro_batches_per_step`` micro-batches.
+    ``micro_batches_per_step`` of the ordering config must equal Bridge's ``global_batch_size / (micro_batch_size x data-parallel size)``.
 
     Args:
         provider: The :class:`OrderingDatasetProvider` set as ``cfg.dataset``.
