@@ -5,17 +5,14 @@ unpickler (``energon_torch_load``), on a one-process gloo group with
 ``initialize_model_parallel(1, 1)``.
 
 Bridge 0.6.2 needs Python 3.12: these tests are marked ``py312`` and run by ``.ci/py312``. It
-imports Transformer Engine at import time, which cannot be installed on CPU: ``_import_bridge``
-puts the stand-in in ``tests/shims/`` on the path only after megatron-core has decided that TE is
-absent, and takes it off again once Bridge is imported.
+imports Transformer Engine at import time, which cannot be installed on CPU: the tests call the
+package's explicit stand-in, ``energon_ordering.integrations.bridge_cpu.install()``, first.
 """
 
 from __future__ import annotations
 
-import importlib
 import pickle
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -27,26 +24,9 @@ if sys.version_info < (3, 12):
 
 import torch  # noqa: E402
 
-SHIMS = Path(__file__).parent / "shims"
+from energon_ordering.integrations import bridge_cpu  # noqa: E402
 
-
-def _import_bridge() -> None:
-    """Imports megatron-core first (it decides TE is absent), then Bridge with the TE stand-in."""
-    import megatron.core  # noqa: F401
-
-    if importlib.util.find_spec("transformer_engine") is not None:
-        return  # a real Transformer Engine: nothing to stand in for
-    sys.path.insert(0, str(SHIMS))
-    try:
-        import megatron.bridge.data.utils  # noqa: F401
-        import megatron.bridge.training.checkpointing  # noqa: F401
-    finally:
-        sys.path.remove(str(SHIMS))
-        for name in [m for m in sys.modules if m == "transformer_engine" or m.startswith("transformer_engine.")]:
-            del sys.modules[name]  # later megatron-core imports see TE absent again
-
-
-_import_bridge()
+bridge_cpu.install()  # Transformer Engine's CPU stand-in, explicitly; a no-op with real TE
 
 from megatron.bridge.data.utils import get_dataset_provider  # noqa: E402
 from megatron.bridge.training.callbacks import CallbackContext  # noqa: E402
@@ -125,8 +105,8 @@ def _keys(it: RerunDataIterator, n: int) -> list[list[str]]:
 def test_round_trip_through_bridge_saver_and_loader(small_dataset, tmp_path, pg, num_workers):
     step, after = 6, 16
     provider = _provider(small_dataset, num_workers)
-    assert provider.ordering_config.length_sort_mode == "batch"  # from the packaged recipe
     it = _build(provider, pg)
+    assert provider.ordering_config.length_sort_mode == "batch"  # from the packaged recipe
     _resume_check(provider, 0)
     head = _keys(it, step * PER_STEP)
     save_dir = tmp_path / "energon"
@@ -253,7 +233,11 @@ def test_provider_errors(small_dataset):
     with pytest.raises(OrderingTypeError, match="validation_task_encoder = DefaultTaskEncoder"):
         _provider(small_dataset, 0, validation_task_encoder=DefaultTaskEncoder())
     cfg = OrderingConfig(length_sort_pool_size=8)
-    assert _provider(small_dataset, 0, recipe=None, ordering=cfg).ordering_config is cfg
+    provider = _provider(small_dataset, 0, recipe=None, ordering=cfg)
+    assert provider.ordering_config is None  # computed from the final fields, never at construction
+    assert provider.ordering == cfg.to_dict()
+    provider.finalize()
+    assert provider.ordering_config == cfg
 
 
 def test_provider_goes_into_bridge_run_config(small_dataset):
@@ -269,3 +253,172 @@ def test_provider_goes_into_bridge_run_config(small_dataset):
         with safe_yaml_representers():
             text = yaml.safe_dump(as_dict)
         assert "OrderingDatasetProvider" in text and "length_sort_pool_size: 32" in text
+
+
+def test_import_without_transformer_engine_names_it_and_the_remedies():
+    """Without the stand-in the import fails, naming transformer_engine (not Bridge, which is
+    installed), why Bridge needs it, and the GPU and CPU remedies; importing the stand-in's module
+    alone changes nothing."""
+    import subprocess
+
+    code = ("import sys\n"
+            "from energon_ordering.integrations import bridge_cpu\n"
+            "assert 'transformer_engine' not in sys.modules and 'megatron.bridge' not in sys.modules\n"
+            "try:\n"
+            "    import energon_ordering.integrations.bridge\n"
+            "except ImportError as e:\n"
+            "    print('@@', e.name, '@@', e, sep='')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    _, name, message = out[out.index("@@"):].split("@@")
+    assert name == "transformer_engine"
+    for part in ("`transformer_engine` (NVIDIA Transformer Engine) is not installed",
+                 "megatron/bridge/peft/lora_layers.py", "Megatron-Bridge itself is installed",
+                 "NGC PyTorch container", "transformer-engine[pytorch]", "bridge_cpu.install()"):
+        assert part in message, part
+
+
+def test_cpu_stand_in_is_removed_after_install():
+    """After install() Bridge is imported and the placeholder modules are gone again, so code
+    imported later sees Transformer Engine absent; a placeholder class refuses to be built."""
+    assert "transformer_engine" not in sys.modules
+    assert "megatron.bridge.peft.lora_layers" in sys.modules
+    from megatron.bridge.peft import lora_layers
+
+    assert lora_layers.te.__name__ == "transformer_engine.pytorch"  # the stand-in, kept by Bridge
+    with pytest.raises(RuntimeError, match=r"transformer_engine.pytorch.Linear is energon_ordering.s CPU stand-in"):
+        lora_layers.te.Linear()
+    assert bridge_cpu.install() is True  # idempotent
+
+
+# ---- Bridge's config life cycle: overrides, finalize, the YAML round trip, the run's checks ----
+
+
+def _container(provider: OrderingDatasetProvider, *, global_batch_size: int = MICRO_BATCH * PER_STEP,
+               train_iters: int = 100, seq_length: int = 256, eval_iters: int = 0):
+    """A real ConfigContainer around ``provider`` (a one-layer GPT; nothing is built)."""
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.bridge.training.config import (
+        CheckpointConfig,
+        ConfigContainer,
+        LoggerConfig,
+        OptimizerConfig,
+        SchedulerConfig,
+        TokenizerConfig,
+        TrainingConfig,
+        ValidationConfig,
+    )
+
+    return ConfigContainer(
+        train=TrainingConfig(global_batch_size=global_batch_size, micro_batch_size=MICRO_BATCH,
+                             train_iters=train_iters),
+        validation=ValidationConfig(eval_iters=eval_iters, eval_interval=10),
+        model=GPTModelProvider(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=seq_length),
+        optimizer=OptimizerConfig(lr=1e-4, use_distributed_optimizer=False),
+        scheduler=SchedulerConfig(), dataset=provider, logger=LoggerConfig(),
+        tokenizer=TokenizerConfig(), checkpoint=CheckpointConfig(),
+    )
+
+
+def test_command_line_overrides_reach_what_is_built(small_dataset, pg):
+    """Overrides through Bridge's own process_config_with_overrides, then Bridge's validate()
+    (which calls the provider's finalize()), then the build: the pool, the recipe and a plain
+    dataset field all take effect."""
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    cfg = _container(_provider(small_dataset, 0))
+    process_config_with_overrides(cfg, cli_overrides=[
+        "dataset.ordering.length_sort_pool_size=16", "dataset.recipe=length_sync_reference",
+        "dataset.num_workers=1", "dataset.pin_memory=false"])
+    cfg.validate()
+    assert cfg.dataset.ordering_config.length_sort_pool_size == 16
+    assert cfg.dataset.ordering_config.length_sort_mode == "sample"  # length_sync_reference
+    assert cfg.dataset.ordering_config.seed == 1234
+    it = _build(cfg.dataset, pg)
+    built = cfg.dataset.task_encoder.ordering
+    assert (built.length_sort_pool_size, built.length_sort_mode) == (16, "sample")
+    assert it.iterable._dataloader.worker_config.num_workers == 1
+
+    # An OrderingConfig object is kept as the mapping of its settings, so overrides reach it too
+    # (Bridge cannot assign to the frozen object and would only log a warning).
+    cfg = _container(_provider(small_dataset, 0, recipe=None, ordering=OrderingConfig.from_dict(ORDERING)))
+    process_config_with_overrides(cfg, cli_overrides=["dataset.ordering.length_sort_pool_size=16"])
+    cfg.validate()
+    assert cfg.dataset.ordering_config.length_sort_pool_size == 16
+
+
+def test_yaml_round_trip_through_bridge_writer_and_loader(small_dataset, tmp_path):
+    """Bridge's run_config.yaml writer and its allow-listed loader: importing the provider's
+    module registers the package's prefix, so the provider (and the package's encoders) load."""
+    from megatron.bridge.training.config import ConfigContainer
+
+    cfg = _container(_provider(small_dataset, 0, scale_schedule_to_run=True))
+    path = tmp_path / "run_config.yaml"
+    cfg.to_yaml(str(path))
+    assert "_target_: energon_ordering.integrations.bridge.OrderingDatasetProvider" in path.read_text()
+    loaded = ConfigContainer.from_yaml(str(path))
+    assert type(loaded.dataset) is OrderingDatasetProvider
+    assert type(loaded.dataset.task_encoder) is SyntheticTaskEncoder
+    for name in ("path", "recipe", "ordering", "micro_batch_size", "scale_schedule_to_run", "num_workers"):
+        assert getattr(loaded.dataset, name) == getattr(cfg.dataset, name), name
+    loaded.dataset.finalize()
+    cfg.dataset.finalize()
+    assert loaded.dataset.ordering_config == cfg.dataset.ordering_config
+
+
+def test_check_run_derives_micro_batches_per_step(small_dataset):
+    cfg = _container(_provider(small_dataset, 0, ordering={"length_sort_pool_size": 32}),
+                     global_batch_size=MICRO_BATCH * 3)
+    cfg.validate()
+    assert cfg.dataset.ordering_config.micro_batches_per_step == 1  # the default until the run is known
+    state = GlobalState()
+    state.cfg = cfg
+    OrderingResumeCheck(cfg.dataset).on_data_init_start(CallbackContext(state=state, model=[]))
+    assert cfg.dataset.ordering_config.micro_batches_per_step == 3
+    cfg.dataset.finalize()  # a later finalize keeps what the run decided
+    assert cfg.dataset.ordering_config.micro_batches_per_step == 3
+
+
+def test_check_run_refusals(small_dataset):
+    cfg = _container(_provider(small_dataset, 0), global_batch_size=MICRO_BATCH * 3)
+    cfg.validate()
+    with pytest.raises(OrderingConfigError, match=r"micro_batches_per_step = 2, but Bridge's .* = 3; "
+                                                  r"set dataset.ordering.micro_batches_per_step=3"):
+        cfg.dataset.check_run(cfg)
+
+    cfg = _container(_provider(small_dataset, 0), seq_length=512)  # the warmup's full is 256
+    cfg.validate()
+    with pytest.raises(OrderingConfigError, match=r"seq_length_warmup.full = 256, but Bridge's "
+                                                  r"model.seq_length = 512"):
+        cfg.dataset.check_run(cfg)
+
+    schedule = {"total_steps": 200, "sources": {"web": {"weight": 1}}}
+    cfg = _container(_provider(small_dataset, 0, ordering={**ORDERING, "mixture_schedule": schedule}),
+                     train_iters=1000)
+    cfg.validate()
+    with pytest.raises(OrderingConfigError, match=r"total_steps = 200 .* train.train_iters = 1000.*"
+                                                  r"scale_schedule_to_run"):
+        cfg.dataset.check_run(cfg)
+    cfg.dataset.scale_schedule_to_run = True
+    assert cfg.dataset.check_run(cfg).mixture_schedule.total_steps == 1000
+
+    cfg = _container(_provider(small_dataset, 0))
+    cfg.train.micro_batch_size = MICRO_BATCH // 2
+    cfg.data_parallel_size = 1
+    with pytest.raises(OrderingConfigError, match=r"OrderingDatasetProvider.micro_batch_size = 4, but Bridge's "
+                                                  r"train.micro_batch_size = 2"):
+        cfg.dataset.check_run(cfg)
+
+
+def test_validation_without_a_val_split_is_refused_by_name(small_dataset, pg):
+    """The dataset has no val split: refused before training, naming the two ways out, at
+    check_run and (without the callback) at the build, instead of Energon's bare KeyError."""
+    cfg = _container(_provider(small_dataset, 0), eval_iters=2)
+    cfg.validate()
+    with pytest.raises(OrderingConfigError, match=r"has no 'val' split .* dataset.do_validation=false, "
+                                                  r"or validation.eval_iters=0"):
+        cfg.dataset.check_run(cfg)
+    provider = _provider(small_dataset, 0)
+    with pytest.raises(OrderingConfigError, match=r"has no 'val' split"):
+        get_dataset_provider(provider)([100, 10, 0], provider, tokenizer=None, pg_collection=pg)
+    cfg.dataset.do_validation = False
+    cfg.dataset.check_run(cfg)  # no validation wanted: fine

@@ -15,6 +15,25 @@ for training and validation::
                                           recipe="llava_pretrain", micro_batch_size=4, num_workers=4)
     pretrain(cfg, forward_step, callbacks=[OrderingResumeCheck(cfg.dataset)])
 
+Config life cycle, as Bridge drives it: ``process_config_with_overrides`` sets the provider's
+fields (``dataset.recipe=...``, ``dataset.ordering.length_sort_pool_size=16``, ``dataset.*``),
+``ConfigContainer.validate()`` calls :meth:`OrderingDatasetProvider.finalize`, which computes the
+:class:`OrderingConfig` from the final fields (never at construction). Bridge's ``finalize()``
+hook sees no other part of the config, so the agreement with the run (``micro_batches_per_step``
+derived from the global batch, ``total_steps`` against ``train.train_iters``, the warmup's
+``full`` against ``model.seq_length``, a ``val`` split when validation is requested) is checked
+by :meth:`OrderingDatasetProvider.check_run`, which :class:`OrderingResumeCheck` calls at
+``on_data_init_start``: after ``validate()``, before any data is read and before training.
+``cfg.to_yaml()`` writes the provider; ``ConfigContainer.from_yaml`` loads it back because
+importing this module registers the ``energon_ordering.`` prefix with Bridge's instantiation
+allowlist (a task encoder from your own package needs
+``register_allowed_target_prefix("my_package.")``; Bridge writes it as its class only, so it must
+be constructible without arguments for the YAML to rebuild it).
+
+Transformer Engine: Bridge imports it at import time. Without it this module's import fails with
+an ImportError naming ``transformer_engine`` and the remedies; on CPU call
+:func:`energon_ordering.integrations.bridge_cpu.install` first.
+
 Dataloader state, as Bridge 0.6.2 handles it (``training/checkpointing.py``):
 ``maybe_save_dataloader_state`` calls ``save_state()`` on ``train_iterator.iterable`` (the
 ``EnergonDataloader`` returned here; Bridge passes an external loader through inside a
@@ -48,25 +67,60 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
+
+def _missing_dependency_message(error: ImportError) -> str:
+    """What to install, for the module whose import failed while importing Bridge."""
+    missing = getattr(error, "name", None) or ""
+    if missing.split(".")[0] == "transformer_engine":
+        return (
+            f"energon_ordering.integrations.bridge: `{missing}` (NVIDIA Transformer Engine) is not "
+            "installed, and Megatron-Bridge imports it at import time "
+            "(megatron/bridge/peft/lora_layers.py). Megatron-Bridge itself is installed. On a GPU "
+            "machine use an image that has Transformer Engine (NVIDIA's NGC PyTorch container) or "
+            "`pip install --no-build-isolation \"transformer-engine[pytorch]\"` beside a CUDA "
+            "toolkit. On a CPU-only machine (development, CI: datasets, the provider, dataloader "
+            "state) call `from energon_ordering.integrations import bridge_cpu; bridge_cpu.install()` "
+            "before importing Bridge or this module; see its docstring. "
+            f"(Original error: {error})"
+        )
+    if missing.split(".")[0] == "megatron" or not missing:
+        return (
+            f"energon_ordering.integrations.bridge needs Megatron-Bridge ({error}). Install it on "
+            "Python 3.12 with `pip install --no-deps megatron-bridge==0.6.2 megatron-core==0.19.2` "
+            "and `pip install \"energon-ordering[bridge]\"` (see the README's Megatron-Bridge section)."
+        )
+    return (
+        f"energon_ordering.integrations.bridge: Megatron-Bridge is installed but its import needs "
+        f"`{missing}`, which is not ({error}). `pip install \"energon-ordering[bridge]\"` installs "
+        "what Bridge's data path imports; see the README's Megatron-Bridge section."
+    )
+
+
 try:
     from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
     from megatron.bridge.data.energon.base_energon_datamodule import EnergonDataloader, EnergonMultiModalDataModule
     from megatron.bridge.training.callbacks import Callback, CallbackContext
-except ImportError as e:  # pragma: no cover - exercised by the test on a Python without Bridge
-    raise ImportError(
-        f"energon_ordering.integrations.bridge needs Megatron-Bridge ({e}). Install it on Python "
-        "3.12 with `pip install --no-deps megatron-bridge==0.6.2` and `pip install "
-        "\"energon-ordering[bridge]\"` (see the README's Megatron-Bridge section)."
-    ) from e
+    from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
+except ImportError as e:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(_missing_dependency_message(e), name=getattr(e, "name", None)) from e
 
 from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, show
+from energon_ordering.integrations.bridge_run import RunShape, agree_with_run, missing_split
 from energon_ordering.integrations.megatron_lm import DataloaderRestoreError, consumed_micro_batches
 from energon_ordering.packaged_recipes import resolve_recipe
 from energon_ordering.state_stamp import check_loader_state
 from energon_ordering.task_encoder import OrderingTaskEncoder
+from energon_ordering.yaml_file import load_yaml
+
+#: Bridge's YAML loader (``ConfigContainer.from_yaml``) instantiates only allow-listed ``_target_``
+#: prefixes; the run config it writes names this package's provider (and encoders, recipes'
+#: classes), so the prefix is registered when the provider is importable.
+YAML_TARGET_PREFIX = "energon_ordering."
+register_allowed_target_prefix(YAML_TARGET_PREFIX)
 
 __all__ = [
+    "YAML_TARGET_PREFIX",
     "DataloaderRestoreError",
     "OrderingDatasetProvider",
     "OrderingEnergonDataloader",
@@ -122,8 +176,11 @@ class OrderingDatasetProvider(DatasetProvider):
         micro_batch_size: Samples per micro-batch (Bridge's ``train.micro_batch_size``).
         recipe: A recipe file, or the name of a packaged recipe (``llava_pretrain``); None: no
             recipe.
-        ordering: An :class:`OrderingConfig`, or a mapping of its settings applied on top of
-            ``recipe``; None: the recipe alone (or every ordering stage off).
+        ordering: A mapping of :class:`OrderingConfig` settings applied on top of ``recipe``, or
+            an :class:`OrderingConfig` (without ``recipe``; stored as the mapping of its settings,
+            so command-line overrides such as ``dataset.ordering.length_sort_pool_size=16`` reach
+            it); None: the recipe alone (or every ordering stage off). With None, override with
+            ``+dataset.ordering.<setting>=...`` (Hydra's syntax for a new key).
         seq_length: Passed to Bridge's data module (tokens; informational for custom encoders).
         validation_task_encoder: Encoder for the validation split; None: ``task_encoder``.
         do_validation: Build the validation loader (when Bridge asks for validation samples).
@@ -133,6 +190,15 @@ class OrderingDatasetProvider(DatasetProvider):
         dataset_kwargs: More keyword arguments for Energon's ``get_train_dataset``.
         allow_dataloader_restart: Accept a resume (step > 0) without dataloader state: the data
             stream restarts from zero with a warning instead of an error.
+        scale_schedule_to_run: A mixture schedule written for another ``total_steps`` than
+            Bridge's ``train.train_iters`` is stretched to the run (each phase keeps its share)
+            instead of refused.
+
+    The :class:`OrderingConfig` is computed from the final fields, never at construction: at
+    Bridge's :meth:`finalize` (after command-line overrides), at :meth:`check_run` (against the
+    run) and at :meth:`build_datasets`; :attr:`ordering_config` holds the last one (None before).
+    Importing this module registers the ``energon_ordering.`` prefix with Bridge's YAML loader;
+    register your task encoder's module too (``register_allowed_target_prefix("my_project.")``).
     """
 
     path: str
@@ -148,9 +214,21 @@ class OrderingDatasetProvider(DatasetProvider):
     max_samples_per_sequence: int | None = None
     dataset_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     allow_dataloader_restart: bool = False
+    scale_schedule_to_run: bool = False
     dataloader_type: Literal["external"] | None = "external"
 
     def __post_init__(self) -> None:
+        self._check_fields()
+        self._ordering_config()  # refuse a bad recipe or setting now; the config used is computed later
+        if isinstance(self.ordering, OrderingConfig):
+            # Kept as the mapping of its settings: Bridge's overrides cannot assign to the frozen
+            # OrderingConfig (process_config_with_overrides only logs a warning and drops them).
+            self.ordering = self.ordering.to_dict()
+        self.ordering_config: OrderingConfig | None = None
+        self.run_shape: RunShape | None = None  # set by check_run
+        self.train_loader: OrderingEnergonDataloader | None = None
+
+    def _check_fields(self) -> None:
         if self.dataloader_type != "external":
             raise OrderingConfigError(
                 f"OrderingDatasetProvider.dataloader_type = {show(self.dataloader_type)}: the provider "
@@ -172,10 +250,10 @@ class OrderingDatasetProvider(DatasetProvider):
                 f"OrderingDatasetProvider.micro_batch_size = {show(self.micro_batch_size)} must be an "
                 "int >= 1 (Bridge's train.micro_batch_size)."
             )
-        self.ordering_config = self._ordering_config()
-        self.train_loader: OrderingEnergonDataloader | None = None
 
-    def _ordering_config(self) -> OrderingConfig:
+    def _settings(self) -> tuple[OrderingConfig, set[str]]:
+        """The OrderingConfig of the current fields, and the names of the settings the recipe or
+        ``ordering`` gives explicitly (the rest are OrderingConfig's defaults)."""
         if isinstance(self.ordering, OrderingConfig):
             if self.recipe is not None:
                 raise OrderingConfigError(
@@ -183,22 +261,93 @@ class OrderingDatasetProvider(DatasetProvider):
                     "object were both given; give one, or pass `ordering` as a mapping of the "
                     "settings that override the recipe."
                 )
-            return self.ordering
+            return self.ordering, {f.name for f in dataclasses.fields(OrderingConfig)}
         if self.ordering is not None and not isinstance(self.ordering, Mapping):
             raise OrderingTypeError(
                 f"OrderingDatasetProvider.ordering = {type(self.ordering).__name__}: expected an "
                 "OrderingConfig, a mapping of its settings, or None."
             )
-        base = {} if self.recipe is None else OrderingConfig.from_yaml(resolve_recipe(self.recipe)).to_dict()
-        return OrderingConfig.from_dict({**base, **dict(self.ordering or {})})
+        base: dict[str, Any] = {}
+        given: set[str] = set()
+        if self.recipe is not None:
+            path = resolve_recipe(self.recipe)
+            base = OrderingConfig.from_yaml(path).to_dict()
+            raw = load_yaml(path, "OrderingDatasetProvider.recipe")
+            given = set(raw) if isinstance(raw, Mapping) else set()
+        overrides = dict(self.ordering or {})
+        return OrderingConfig.from_dict({**base, **overrides}), given | set(overrides)
+
+    def _ordering_config(self, run: RunShape | None = None) -> OrderingConfig:
+        """The OrderingConfig of the current fields, completed by and checked against ``run``."""
+        config, given = self._settings()
+        if run is None:
+            return config
+        return agree_with_run(config, run, given=given, scale_schedule_to_run=self.scale_schedule_to_run)
+
+    def finalize(self) -> None:
+        """Bridge's finalize hook (``ConfigContainer.validate`` calls it after
+        ``process_config_with_overrides``): checks the fields and computes :attr:`ordering_config`
+        from their final values, so overrides of ``dataset.recipe``, ``dataset.ordering.*`` and
+        ``dataset.*`` take effect."""
+        super().finalize()
+        self._check_fields()
+        self.ordering_config = self._ordering_config(self.run_shape)
+
+    def check_run(self, cfg: Any) -> OrderingConfig:
+        """Checks the ordering against Bridge's run and completes it, before any data is read.
+
+        Bridge's ``finalize()`` hook sees only the dataset config, so this runs where the whole
+        validated ``ConfigContainer`` is visible: :class:`OrderingResumeCheck` calls it at
+        ``on_data_init_start`` (after ``cfg.validate()``, before the datasets are built and
+        training starts). Call it yourself after ``runtime_config_update(cfg)`` or
+        ``cfg.validate()`` to fail before launching. See :func:`agree_with_run` for the checks;
+        with validation requested (``validation.eval_iters`` and ``eval_interval`` > 0 and
+        ``do_validation``) the dataset must have a ``val`` split.
+
+        Args:
+            cfg: Bridge's validated ``ConfigContainer`` (``data_parallel_size`` set).
+
+        Returns:
+            The completed :class:`OrderingConfig` (also stored as :attr:`ordering_config`).
+        """
+        self._check_fields()
+        run = _run_shape(cfg)
+        if run.micro_batch_size != self.micro_batch_size:
+            raise OrderingConfigError(
+                f"OrderingDatasetProvider.micro_batch_size = {self.micro_batch_size}, but Bridge's "
+                f"train.micro_batch_size = {run.micro_batch_size}; set dataset.micro_batch_size="
+                f"{run.micro_batch_size} (or pass micro_batch_size=cfg.train.micro_batch_size)."
+            )
+        config = self._ordering_config(run)
+        if run.validation and self.do_validation:
+            self._require_split("val")
+        self.run_shape, self.ordering_config = run, config
+        return config
+
+    def _require_split(self, split: str) -> None:
+        reason = missing_split(self.path, split)
+        if reason is not None:
+            raise OrderingConfigError(
+                f"OrderingDatasetProvider.path = {show(self.path)} has no {show(split)} split "
+                f"({reason}), but Bridge asks for validation samples (validation.eval_iters > 0 "
+                "with validation.eval_interval set). Set dataset.do_validation=false, or "
+                "validation.eval_iters=0, or point dataset.path at a metadataset with a "
+                f"{split!r} split."
+            )
 
     def build_datasets(self, context: DatasetBuildContext) -> tuple[Any | None, Any | None, None]:
         """Bridge's hook: the training and validation loaders (None where Bridge asks for no
         samples), built by Bridge's ``EnergonMultiModalDataModule`` over the data-parallel group
-        of ``context.pg_collection``."""
-        self.task_encoder.ordering = self.ordering_config
+        of ``context.pg_collection``, with the OrderingConfig of the provider's final fields
+        (completed by :meth:`check_run` if it ran)."""
+        self._check_fields()
+        self.ordering_config = config = self._ordering_config(self.run_shape)
+        want_valid = self.do_validation and context.valid_samples > 0
+        if want_valid:
+            self._require_split("val")
+        self.task_encoder.ordering = config
         if self.validation_task_encoder is not None:
-            self.validation_task_encoder.ordering = self.ordering_config
+            self.validation_task_encoder.ordering = config
         datamodule = EnergonMultiModalDataModule(
             path=self.path,
             tokenizer=context.tokenizer,
@@ -220,19 +369,45 @@ class OrderingDatasetProvider(DatasetProvider):
             train = OrderingEnergonDataloader(datamodule.train_dataloader_object,
                                               checked=self.allow_dataloader_restart)
             self.train_loader = train
-        if self.do_validation and context.valid_samples > 0:
+        if want_valid:
             datamodule.val_dataloader()
             valid = OrderingEnergonDataloader(datamodule.val_dataloader_object, checked=True)
         return train, valid, None
 
 
-class OrderingResumeCheck(Callback):
-    """Bridge callback: at ``on_train_start`` (after Bridge's restore), makes a resume loud.
+def _run_shape(cfg: Any) -> RunShape:
+    """The numbers of Bridge's validated ``ConfigContainer`` the ordering depends on."""
+    dp_size = getattr(cfg, "data_parallel_size", None)
+    if dp_size is None:
+        raise OrderingConfigError(
+            "OrderingDatasetProvider.check_run: cfg.data_parallel_size is not set yet; call it "
+            "after Bridge's runtime_config_update(cfg) or cfg.validate() (OrderingResumeCheck calls "
+            "it at on_data_init_start)."
+        )
+    train, validation = cfg.train, cfg.validation
+    eval_iters = validation.eval_iters or 0
+    return RunShape(
+        micro_batch_size=train.micro_batch_size,
+        global_batch_size=train.global_batch_size,
+        data_parallel_size=dp_size,
+        train_iters=train.train_iters,
+        seq_length=getattr(cfg.model, "seq_length", None),
+        validation=bool(validation.eval_interval) and eval_iters > 0,
+    )
 
-    At step > 0 the training loader must have been restored (else :class:`DataloaderRestoreError`
-    unless the provider allows a restart), and the restored state must have consumed
-    ``step x micro_batches_per_step`` micro-batches. ``micro_batches_per_step`` of the ordering
-    config must equal Bridge's ``global_batch_size / (micro_batch_size x data-parallel size)``.
+
+class OrderingResumeCheck(Callback):
+    """Bridge callback: agrees the ordering with the run before data is read, and makes a resume
+    loud.
+
+    At ``on_data_init_start`` (after Bridge validated the config, before the datasets are built)
+    it calls :meth:`OrderingDatasetProvider.check_run` with Bridge's config: the ordering is
+    completed by the run (``micro_batches_per_step``) and every contradiction is refused.
+
+    At ``on_train_start`` (after Bridge's restore), at step > 0 the training loader must have
+    been restored (else :class:`DataloaderRestoreError` unless the provider allows a restart),
+    and the restored state must have consumed ``step x micro_batches_per_step`` micro-batches.
+    ``micro_batches_per_step`` of the ordering config must equal Bridge's ``global_batch_size / (micro_batch_size x data-parallel size)``.
 
     Args:
         provider: The :class:`OrderingDatasetProvider` set as ``cfg.dataset``.
@@ -240,6 +415,10 @@ class OrderingResumeCheck(Callback):
 
     def __init__(self, provider: OrderingDatasetProvider):
         self.provider = provider
+
+    def on_data_init_start(self, context: CallbackContext) -> None:
+        """Runs :meth:`OrderingDatasetProvider.check_run` on Bridge's validated config."""
+        self.provider.check_run(context.state.cfg)
 
     def on_train_start(self, context: CallbackContext) -> None:
         """Runs the checks; raises :class:`DataloaderRestoreError` or :class:`OrderingConfigError`."""
