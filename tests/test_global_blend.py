@@ -154,8 +154,9 @@ def test_a_version_1_deterministic_state_is_refused_naming_the_per_rank_sequence
     _, states = run_with_cuts(make, 4, [3])
     old = _as_version_1(states[3])
     with pytest.raises(StateMismatchError,
-                       match=r"blend state version 1.*per-rank sequence.*version 2 draws by the "
-                             r"global draw index.*start the data stream afresh"):
+                       match=r"blend state version 1.*per-rank sequence.*version 3 lays each "
+                             r"step of global draws out earliest deadline first.*start the data "
+                             r"stream afresh"):
         resume(make, old, 1)
 
 
@@ -165,6 +166,32 @@ def test_a_version_1_random_state_continues_exactly(two_sources):
 
     full, states = run_with_cuts(make, 20, [9])
     assert resume(make, _as_version_1(states[9]), 11) == full[9:]
+
+
+def _as_version_2(state: Any) -> Any:
+    """The state as blend state version 2 wrote it (same fields, another layout per step)."""
+    state = pickle.loads(pickle.dumps(state))
+    _blend_state(state)["_stamp"]["state_version"] = 2
+    return state
+
+
+def test_a_version_2_deterministic_state_is_refused_naming_the_old_layout(two_sources):
+    def make():
+        return build_train_loader(two_sources, ordering=_cfg(CONSTANT), batch_size=B)
+
+    _, states = run_with_cuts(make, 4, [3])
+    with pytest.raises(StateMismatchError,
+                       match=r"blend state version 2 \(policy 'deterministic'\).*merged by ideal "
+                             r"position.*version 3 lays each step.*start the data stream afresh"):
+        resume(make, _as_version_2(states[3]), 1)
+
+
+def test_a_version_2_random_state_continues_exactly(two_sources):
+    def make():
+        return build_train_loader(two_sources, ordering=_cfg(CONSTANT, "random"), batch_size=B)
+
+    full, states = run_with_cuts(make, 20, [9])
+    assert resume(make, _as_version_2(states[9]), 11) == full[9:]
 
 
 def test_the_micro_batch_size_is_stamped(two_sources):
