@@ -155,7 +155,7 @@ def test_a_version_1_deterministic_state_is_refused_naming_the_per_rank_sequence
     old = _as_version_1(states[3])
     with pytest.raises(StateMismatchError,
                        match=r"blend state version 1.*per-rank sequence.*version 3 lays each "
-                             r"step of global draws out earliest deadline first.*start the data "
+                             r"step of global draws out in a quota-keeping order.*start the data "
                              r"stream afresh"):
         resume(make, old, 1)
 

@@ -27,8 +27,10 @@ __all__ = ["ScheduledBlendDataset"]
 T_sample = TypeVar("T_sample")
 
 #: Version of the blend's saved-state layout and draw logic. 3: the deterministic policy lays
-#: each step out earliest deadline first (every window of global draws within 2 samples for any
-#: number of sources); 2 merged the step's items by ideal position; 1 drew a per-rank sequence.
+#: each step out in a quota-keeping order (the ideal-position merge where it keeps every source
+#: within one sample at every draw, else earliest deadline first: every window of global draws
+#: within 2 samples for any number of sources); 2 always merged the step's items by ideal
+#: position; 1 drew a per-rank sequence.
 #: The random policy draws the same in all three.
 STATE_VERSION = 3
 
@@ -37,7 +39,7 @@ _OLDER_DETERMINISTIC = {
     1: "drew a per-rank sequence (the same on every rank, so a step's error was R times a "
        "rank's)",
     2: "laid each step's draws out merged by ideal position (the same counts per step, in "
-       "another order within it)",
+       "another order within some steps)",
 }
 
 
@@ -68,7 +70,7 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
       ``(b R + r) B + j``, i.e. position ``((b mod M) R + r) B + j`` of a step's
       ``G = R M B`` draws.
     - The step's source counts are the schedule's weights times G rounded with a carry, and
-      the step's draws are laid out earliest deadline first against each source's running
+      the step's draws are laid out in a quota-keeping order against each source's running
       integral (:mod:`energon_ordering.mixture.step_counts`). A worker lays out a step once
       and serves its micro-batches of that step from it; the layout is a pure function of the
       weights, the carry at the step start (saved) and G, so nothing about other ranks is
@@ -391,7 +393,8 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
                 f"ScheduledBlendDataset: the state was written by blend state version {version} "
                 f"(policy {show(saved.get('policy'))}), whose deterministic policy "
                 f"{_OLDER_DETERMINISTIC[version]}; version {STATE_VERSION} lays each step of "
-                "global draws out earliest deadline first and cannot continue it. Resume with "
+                "global draws out in a quota-keeping order (earliest deadline first where the "
+                "ideal-position merge is not) and cannot continue it. Resume with "
                 "the energon_ordering release that wrote the state, or start the data stream "
                 "afresh (restore the model without the data-loader state)."
             )

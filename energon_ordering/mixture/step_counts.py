@@ -18,39 +18,46 @@ samples, so it also stays meaningful if G changes (a resume onto another data-pa
 
 **Layout within the step** (:class:`StepLayout`). The running error of source s after p
 of the step's draws is ``D_s(p) = E_s + N_s(p) - p w_s`` (``N_s(p)``: its draws among the first
-p). Keeping ``D_s`` within (-1, 1) gives the source's j-th item of the step (j < c_s) a window
-of positions: it may not come before ``floor((j + E_s) / w_s)`` (else ``D_s`` reaches 1) and
-must come by ``ceil((j + 1 + E_s) / w_s) - 1`` (else ``D_s`` reaches -1). The step is laid out
-earliest deadline first: at each position, of the items whose window has opened, the one whose
-window closes first (ties to the lower source), which is Tijdeman's chairman-assignment rule.
-The windows follow the integral from the carry, not just the step's own counts, so the layout
-continues the previous step and windows of draws that straddle a step boundary stay tight.
-EDF is optimal for unit items: if any order of the step's counts keeps every ``D_s`` within
-(-1, 1), EDF finds one. A loader worker lays out the whole step once (:attr:`StepLayout.order`,
-numpy for the windows plus one heap push and pop per draw: about 7 ms at G = 32,768 and 8
-sources on an idle core, measured) and slices its micro-batches out of it; the layout is a pure
-function of (weights, carry at the step start, G), so no rank needs another's.
+p), so it follows the integral from the carry, not just the step's own counts: the layout
+continues the previous step, and windows of draws that straddle a step boundary stay tight.
+Keeping ``D_s`` within (-1, 1) (quota) gives the source's j-th item of the step (j < c_s) a
+window of positions: not before ``floor((j + E_s) / w_s)`` (else ``D_s`` reaches 1) and by
+``ceil((j + 1 + E_s) / w_s) - 1`` (else ``D_s`` reaches -1). Three orders, the first that
+keeps quota wins:
+
+1. Items merged by ideal position, ``(j + 1/2 + E_s) / w_s`` (ties to the lower source): the
+   divisor-method order, the smoothest (every window within 1 with two sources), kept if
+   every prefix of the step is within quota (checked, O(G S) in numpy). With many sources it
+   often is not (windows reached 2.8 with 4 sources and 3.9 with 6).
+2. Earliest deadline first: at each position, of the items whose window has opened, the one
+   whose window closes first (ties to the lower source), Tijdeman's chairman-assignment rule.
+   EDF is optimal for unit items: if any order of the step's counts keeps quota, it finds one.
+3. If none does (below), the least widened windows the counts admit, to 1/64 of a sample
+   (bisection over EDF runs; rare steps only).
+
+A loader worker lays out the whole step once (:attr:`StepLayout.order`) and slices its
+micro-batches out of it: at G = 32,768 and 8 sources about 2 ms of CPU when the merge keeps
+quota, 9 ms when EDF runs (one heap push and pop per draw in Python), measured. The layout is a
+pure function of (weights, carry at the step start, G), so no rank needs another's.
 
 What it guarantees, over the global draw sequence (``tests/test_step_counts.py``):
 
 - every step: each source within one sample of ``w_s * G`` (within 1 by construction);
 - every prefix of steps: within one sample of the integral (the carry);
 - every prefix of draws within one sample of the integral, so every window of consecutive
-  draws within 2, for any number of sources, whenever the step's counts admit it. They
-  always did with 2-4 sources and with Dirichlet(1) random weights of up to 8 sources. They
-  do not always when several sources at (near) zero weight hold carries that add up beyond
-  one sample, so the sources drawn in the step are together more than one sample ahead or
-  behind: then the step is laid out within the least widened windows its counts admit (to
-  1/64 of a sample). Measured on adversarial random schedules (2-8 sources, weights from
-  Dirichlet(0.05) with zeros, 1,500 schedules): prefixes up to 1.14, windows up to 2.13, in a
-  few steps of a few of them; the divisor-method merge this replaced reached 2.8 with 4
-  sources and 3.9 with 6.
+  draws within 2, for any number of sources, whenever the step's counts admit it (within 1
+  with two sources, measured). They always did with 2-4 sources and with Dirichlet(1) random
+  weights of up to 8 sources. They do not always when several sources at (near) zero weight
+  hold carries that add up beyond one sample, so the sources drawn in the step are together
+  more than one sample ahead or behind. Measured on adversarial random schedules (2-8
+  sources, weights from Dirichlet(0.05) with zeros, 1,500 schedules): prefixes up to 1.14,
+  windows up to 2.13, in a few steps of a few of them.
 
 Trade-off against the alternatives: an EDF over the whole global sequence with no per-step
 counts keeps every prefix within 1 for any weights, but a step's count is then only within 2
-of ``w_s * G``; keeping the counts (and so the saved carries) fixed costs those rare steps.
-Merging items by ideal position (a divisor-method order, the previous layout) needs no whole
-step per worker, but does not keep quota for 4 or more sources.
+of ``w_s * G``; keeping the counts (and so the saved carries) fixed costs those rare steps. A
+closed-form lookup of one position (what the merge alone allowed) would spare a worker the
+whole step, but no such order keeps quota for many sources.
 """
 
 from __future__ import annotations
@@ -189,9 +196,9 @@ class StepLayout:
 
     @cached_property
     def order(self) -> np.ndarray:
-        """The step's sources, position by position (int64, length G): earliest deadline first
-        among the released items, ties to the lower source; see the module docstring for the
-        rare step whose windows cannot all be met. Computed once per layout."""
+        """The step's sources, position by position (int64, length G): the ideal-position merge
+        if it keeps quota, else earliest deadline first, else the least widened windows (see
+        the module docstring). Computed once per layout."""
         order = self._ideal_position_merge()
         if self._keeps_quota(order):
             return order
@@ -209,6 +216,7 @@ class StepLayout:
                 lo = mid
             else:
                 hi, best = mid, order
+        assert best is not None  # slack >= 1 places every item
         return best
 
     def _ideal_position_merge(self) -> np.ndarray:
