@@ -83,6 +83,53 @@ def test_eight_ranks_follow_a_phase_switch_and_a_ramp_per_step(two_sources):
     assert np.abs(np.cumsum(a - target)).max() < 1.0  # the carry: cumulative within one
 
 
+# Five sources, uneven: the ideal-position merge breaks quota in every step, so every step is
+# laid out earliest deadline first.
+FIVE = {"sources": {n: {"weight": w} for n, w in
+                    zip("abcde", (0.63, 0.04, 0.09, 0.12, 0.12))}}
+
+
+@pytest.fixture(scope="module")
+def five_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A metadataset over five sources of 300 samples each."""
+    return make_synthetic_dataset(tmp_path_factory.mktemp("five"),
+                                  {n: 300 for n in "abcde"}, shard_size=50)
+
+
+def test_five_sources_take_the_earliest_deadline_first_layout():
+    from energon_ordering.mixture.schedule import MixtureSchedule
+    from energon_ordering.mixture.step_counts import StepLayout
+
+    weights = MixtureSchedule.from_dict(FIVE).weights_table([0])[0]
+    layout = StepLayout.of_step(weights, R * M * B, [0.0] * 5)
+    assert not layout._keeps_quota(layout._ideal_position_merge())
+    assert layout._keeps_quota(layout.order)
+
+
+@pytest.mark.slow
+def test_every_window_of_five_sources_on_eight_ranks_is_within_two_samples(five_sources):
+    steps = 10
+    records = run_ranks(five_sources, ordering=_cfg(FIVE), world_size=R, steps=steps * M,
+                        batch_size=B)
+    names = "abcde"
+    # the global draw sequence: micro-batch b of every rank in rank order is draws [bRB, (b+1)RB)
+    seq = [names.index(s) for b in range(steps * M) for rank in records
+           for s in rank[b].sources]
+    assert len(seq) == steps * R * M * B
+    w = np.array([0.63, 0.04, 0.09, 0.12, 0.12])
+    dev = np.vstack([np.zeros(5), np.cumsum(np.eye(5)[seq] - w, axis=0)])
+    assert np.abs(dev).max() < 1.0  # every prefix within one sample
+    assert (dev.max(axis=0) - dev.min(axis=0)).max() <= 2.0  # so every window within 2
+
+
+def test_exact_resume_of_one_rank_of_eight_with_five_sources(five_sources):
+    def make():
+        return build_train_loader(five_sources, ordering=_cfg(FIVE), rank=3, world_size=R,
+                                  batch_size=B)
+
+    _cut_and_resume(make, 24, cuts=(0, 5, 8, 13))
+
+
 def _cut_and_resume(make, total, cuts):
     full, states = run_with_cuts(make, total, cuts)
     for cut, state in states.items():
