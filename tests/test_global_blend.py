@@ -241,6 +241,18 @@ def test_a_version_2_random_state_continues_exactly(two_sources):
     assert resume(make, _as_version_2(states[9]), 11) == full[9:]
 
 
+def test_a_version_2_deterministic_state_under_the_per_rank_rule_continues_exactly(two_sources):
+    # A pool behind the blend switched it to the per-rank rule, which version 3 did not change.
+    cfg = _cfg(CONSTANT, length_sort_pool_size=32, length_sort_mode="batch")
+
+    def make():
+        return build_train_loader(two_sources, ordering=cfg, rank=2, world_size=R, batch_size=B)
+
+    full, states = run_with_cuts(make, 20, [9])
+    assert _blend_state(states[9])["_per_rank"] is True
+    assert resume(make, _as_version_2(states[9]), 11) == full[9:]
+
+
 def test_the_micro_batch_size_is_stamped(two_sources):
     # With loader workers Energon lets the micro-batch size change (without, it asserts); the
     # blend's layout depends on it, so its stamp refuses.

@@ -384,11 +384,14 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
     ) -> tuple[FlexState, dict[str, Any]]:
         """A state of an older blend version: its ``deterministic`` sequence differs from this
         version's and cannot be continued, so it is refused; a ``random`` state continues
-        exactly (that policy's draws did not change). A version-1 state gets the fields
-        version 2 added (draw counter, carry, per-rank switch) at their start: the random
-        policy never reads them."""
+        exactly (that policy's draws did not change), and so does a version-2
+        ``deterministic`` state that had already switched to the per-rank rule (a pool or
+        packing behind the blend, or an exhausted source): version 3 changed only the global
+        layout. A version-1 state gets the fields version 2 added (draw counter, carry,
+        per-rank switch) at their start: the random policy never reads them."""
         version = saved.get("state_version")
-        if "deterministic" in (saved.get("policy"), self.policy):
+        per_rank = version == 2 and state.get("_per_rank") is True
+        if "deterministic" in (saved.get("policy"), self.policy) and not per_rank:
             raise StateMismatchError(
                 f"ScheduledBlendDataset: the state was written by blend state version {version} "
                 f"(policy {show(saved.get('policy'))}), whose deterministic policy "
