@@ -83,6 +83,53 @@ def test_eight_ranks_follow_a_phase_switch_and_a_ramp_per_step(two_sources):
     assert np.abs(np.cumsum(a - target)).max() < 1.0  # the carry: cumulative within one
 
 
+# Five sources, uneven: the ideal-position merge breaks quota in every step, so every step is
+# laid out earliest deadline first.
+FIVE = {"sources": {n: {"weight": w} for n, w in
+                    zip("abcde", (0.63, 0.04, 0.09, 0.12, 0.12))}}
+
+
+@pytest.fixture(scope="module")
+def five_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A metadataset over five sources of 300 samples each."""
+    return make_synthetic_dataset(tmp_path_factory.mktemp("five"),
+                                  {n: 300 for n in "abcde"}, shard_size=50)
+
+
+def test_five_sources_take_the_earliest_deadline_first_layout():
+    from energon_ordering.mixture.schedule import MixtureSchedule
+    from energon_ordering.mixture.step_counts import StepLayout
+
+    weights = MixtureSchedule.from_dict(FIVE).weights_table([0])[0]
+    layout = StepLayout.of_step(weights, R * M * B, [0.0] * 5)
+    assert not layout._keeps_quota(layout._ideal_position_merge())
+    assert layout._keeps_quota(layout.order)
+
+
+@pytest.mark.slow
+def test_every_window_of_five_sources_on_eight_ranks_is_within_two_samples(five_sources):
+    steps = 10
+    records = run_ranks(five_sources, ordering=_cfg(FIVE), world_size=R, steps=steps * M,
+                        batch_size=B)
+    names = "abcde"
+    # the global draw sequence: micro-batch b of every rank in rank order is draws [bRB, (b+1)RB)
+    seq = [names.index(s) for b in range(steps * M) for rank in records
+           for s in rank[b].sources]
+    assert len(seq) == steps * R * M * B
+    w = np.array([0.63, 0.04, 0.09, 0.12, 0.12])
+    dev = np.vstack([np.zeros(5), np.cumsum(np.eye(5)[seq] - w, axis=0)])
+    assert np.abs(dev).max() < 1.0  # every prefix within one sample
+    assert (dev.max(axis=0) - dev.min(axis=0)).max() <= 2.0  # so every window within 2
+
+
+def test_exact_resume_of_one_rank_of_eight_with_five_sources(five_sources):
+    def make():
+        return build_train_loader(five_sources, ordering=_cfg(FIVE), rank=3, world_size=R,
+                                  batch_size=B)
+
+    _cut_and_resume(make, 24, cuts=(0, 5, 8, 13))
+
+
 def _cut_and_resume(make, total, cuts):
     full, states = run_with_cuts(make, total, cuts)
     for cut, state in states.items():
@@ -154,8 +201,9 @@ def test_a_version_1_deterministic_state_is_refused_naming_the_per_rank_sequence
     _, states = run_with_cuts(make, 4, [3])
     old = _as_version_1(states[3])
     with pytest.raises(StateMismatchError,
-                       match=r"blend state version 1.*per-rank sequence.*version 2 draws by the "
-                             r"global draw index.*start the data stream afresh"):
+                       match=r"blend state version 1.*per-rank sequence.*version 3 lays each "
+                             r"step of global draws out in a quota-keeping order.*start the data "
+                             r"stream afresh"):
         resume(make, old, 1)
 
 
@@ -165,6 +213,44 @@ def test_a_version_1_random_state_continues_exactly(two_sources):
 
     full, states = run_with_cuts(make, 20, [9])
     assert resume(make, _as_version_1(states[9]), 11) == full[9:]
+
+
+def _as_version_2(state: Any) -> Any:
+    """The state as blend state version 2 wrote it (same fields, another layout per step)."""
+    state = pickle.loads(pickle.dumps(state))
+    _blend_state(state)["_stamp"]["state_version"] = 2
+    return state
+
+
+def test_a_version_2_deterministic_state_is_refused_naming_the_old_layout(two_sources):
+    def make():
+        return build_train_loader(two_sources, ordering=_cfg(CONSTANT), batch_size=B)
+
+    _, states = run_with_cuts(make, 4, [3])
+    with pytest.raises(StateMismatchError,
+                       match=r"blend state version 2 \(policy 'deterministic'\).*merged by ideal "
+                             r"position.*version 3 lays each step.*start the data stream afresh"):
+        resume(make, _as_version_2(states[3]), 1)
+
+
+def test_a_version_2_random_state_continues_exactly(two_sources):
+    def make():
+        return build_train_loader(two_sources, ordering=_cfg(CONSTANT, "random"), batch_size=B)
+
+    full, states = run_with_cuts(make, 20, [9])
+    assert resume(make, _as_version_2(states[9]), 11) == full[9:]
+
+
+def test_a_version_2_deterministic_state_under_the_per_rank_rule_continues_exactly(two_sources):
+    # A pool behind the blend switched it to the per-rank rule, which version 3 did not change.
+    cfg = _cfg(CONSTANT, length_sort_pool_size=32, length_sort_mode="batch")
+
+    def make():
+        return build_train_loader(two_sources, ordering=cfg, rank=2, world_size=R, batch_size=B)
+
+    full, states = run_with_cuts(make, 20, [9])
+    assert _blend_state(states[9])["_per_rank"] is True
+    assert resume(make, _as_version_2(states[9]), 11) == full[9:]
 
 
 def test_the_micro_batch_size_is_stamped(two_sources):

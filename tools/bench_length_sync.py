@@ -13,7 +13,8 @@ world_size=8)``) over a synthetic trimodal multimodal dataset, micro-batch 4. Pr
 5. lean pools at equal memory: the encoded pool (post-encode, 1,000) against the lean key pool
    (pre-encode, 10,000): resident bytes per pooled sample with photo-sized images (448 x 448
    JPEGs decoded by Energon's default decoder), the pool capacity that memory buys, straggler
-   idle and padding over 8 ranks, samples/s and restore latency.
+   idle and padding over 8 ranks, samples/s (live loaders stepped in turn: the median of
+   per-round ratios to no pool, wall and CPU time) and restore latency.
 
 Usage:
     python tools/bench_length_sync.py                 # full run (pools 100 / 1,000 / 10,000)
@@ -100,16 +101,11 @@ def bench_sync(
     return rows
 
 
-def _rate(loader, n_batches: int, from_start: bool = False) -> float:
-    """Samples/s of ``loader`` over ``n_batches``; closes the loader.
-
-    By default timed after the first batch (startup and the first pool's fill are not
-    throughput). ``from_start``: timed from ``iter()``, fills included, so that pools of
-    different sizes that emit the same whole number of pools did the same work (a pool
-    decoded ahead of the timed window would otherwise count as free)."""
+def _rate(loader, n_batches: int) -> float:
+    """Samples/s of ``loader`` over ``n_batches``, timed after the first batch (startup and the
+    first pool's fill are not throughput); closes the loader."""
     it = iter(loader)
-    if not from_start:
-        next(it)
+    next(it)
     t0 = time.perf_counter()
     for _ in range(n_batches):
         next(it)
@@ -263,8 +259,47 @@ def _pool_memory(path: Path, cfg: OrderingConfig) -> dict:
                 state_bytes=len(pickle.dumps(state)))
 
 
+def _interleaved_rates(path: Path, configs: dict[str, OrderingConfig], turn: int,
+                       rounds: int) -> tuple[dict[str, float], dict[str, list[float]],
+                                             dict[str, list[float]]]:
+    """Samples/s of every configuration, as live loaders in one process stepped in turn
+    ``turn`` samples at a time (a whole number of every pool), the order rotated each round,
+    after each emitted its first ``turn`` samples (start-up and first fills are not
+    throughput). Turns of about a second expose every loader to the same load from other
+    processes; runs one after the other swung 0.30-1.22 on a shared machine.
+
+    Returns:
+        ``(median samples/s, per-round wall ratio to "off", per-round CPU-time ratio to
+        "off")``; a ratio > 1 means faster than no pool.
+    """
+    loaders = {name: _loader(path, cfg) for name, cfg in configs.items()}
+    its = {name: iter(loader) for name, loader in loaders.items()}
+    for it in its.values():
+        for _ in range(turn // BATCH):
+            next(it)
+    wall: dict[str, list[float]] = {name: [] for name in its}
+    cpu: dict[str, list[float]] = {name: [] for name in its}
+    names = list(its)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            gc.collect()
+            t, c = time.perf_counter(), time.process_time()
+            for _ in range(turn // BATCH):
+                next(its[name])
+            wall[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
+    del its
+    for loader in loaders.values():
+        close_loader(loader)
+    gc.collect()
+    rate = {name: statistics.median(turn / t for t in w) for name, w in wall.items()}
+    wall_ratio = {name: [o / t for o, t in zip(wall["off"], w)] for name, w in wall.items()}
+    cpu_ratio = {name: [o / t for o, t in zip(cpu["off"], c)] for name, c in cpu.items()}
+    return rate, wall_ratio, cpu_ratio
+
+
 def bench_lean(sync_path: Path, photo_path: Path, world: int, encoded_pool: int, lean_pool: int,
-               rate_samples: int, repeats: int) -> dict:
+               repeats: int) -> dict:
     """Encoded pool vs lean pool, side by side: memory, capacity, sync, samples/s, restore."""
     indexes = [_ensure_index(sync_path), _ensure_index(photo_path)]
     configs = {"off": OrderingConfig(), "encoded": _lean_cfg("post-encode", encoded_pool),
@@ -290,15 +325,11 @@ def bench_lean(sync_path: Path, photo_path: Path, world: int, encoded_pool: int,
                           padding=padding_waste([b for s in st for b in s]))
         click.echo(f"  sync {name}: idle {sync[name]['idle']:.3f} padding "
                    f"{sync[name]['padding']:.3f}", err=True)
-    rates: dict[str, list[float]] = {name: [] for name in configs}
-    for _ in range(repeats):
-        for name, cfg in configs.items():
-            rates[name].append(_rate(_loader(photo_path, cfg), rate_samples // BATCH,
-                                     from_start=True))
-    rate = {name: statistics.median(r) for name, r in rates.items()}
+    rate, wall_ratio, cpu_ratio = _interleaved_rates(photo_path, configs, lean_pool, repeats)
     click.echo(f"  samples/s: {rate}", err=True)
     return dict(indexes=indexes, memory=memory, budget_bytes=budget, sync=sync, rate=rate,
-                rate_samples=rate_samples, repeats=repeats, world=world, steps=steps)
+                wall_ratio=wall_ratio, cpu_ratio=cpu_ratio, turn_samples=lean_pool,
+                repeats=repeats, world=world, steps=steps)
 
 
 def _print_lean(r: dict) -> None:
@@ -322,12 +353,18 @@ def _print_lean(r: dict) -> None:
                    f"{m['bytes'] / 2**20:,.1f} MiB | {m['capacity_at_budget']:,} | "
                    f"{100 * s['idle']:.1f}% | {100 * s['padding']:.1f}% | {r['rate'][name]:.0f} | "
                    f"{m['restore_seconds']:.2f} | {m['fill_seconds']:.2f} |")
-    for name in ("lean", "lean raw"):
-        click.echo(f"\n{name} / encoded samples/s: {r['rate'][name] / r['rate']['encoded']:.3f}; "
-                   f"{name} / off: {r['rate'][name] / r['rate']['off']:.3f}")
-    click.echo(f"(samples/s: median of {r['repeats']} interleaved runs, each timing the first "
-               f"{r['rate_samples']:,} samples from iter(), pool fills included: one full lean pool, "
-               "whole encoded pools; one rank, in-process)")
+    click.echo("\n| pool | wall ratio to off (median) | each round | CPU ratio to off (median) | "
+               "each round |")
+    click.echo("|---|---:|---|---:|---|")
+    for name in ("encoded", "lean", "lean raw"):
+        w, c = r["wall_ratio"][name], r["cpu_ratio"][name]
+        click.echo(f"| {name} | {statistics.median(w):.3f} | {' '.join(f'{x:.2f}' for x in w)} | "
+                   f"{statistics.median(c):.3f} | {' '.join(f'{x:.2f}' for x in c)} |")
+    click.echo(f"(samples/s and ratios: live loaders in one process, stepped in turn "
+               f"{r['turn_samples']:,} samples at a time (one lean pool, whole encoded pools), "
+               f"order rotated each round, {r['repeats']} rounds after each emitted its first "
+               "turn; ratio = no-pool seconds / pool seconds for the same number of samples, "
+               "> 1 faster than no pool; CPU = this process's CPU time; one rank, in-process)")
     click.echo(f"sync: {r['steps']} micro-batches per rank on the trimodal set; memory, samples/s "
                "and restore on the 448x448 JPEG set (the order depends only on lengths).")
     for ix in r["indexes"]:
@@ -364,8 +401,7 @@ def main(out: str, quick: bool, samples: int | None, world_size: int, only: str)
             lean_pool = share
         lean = bench_lean(path, photo, world_size,
                           encoded_pool=min(200 if quick else 1_000, lean_pool),
-                          lean_pool=lean_pool,
-                          rate_samples=2_000 if quick else 10_000, repeats=1 if quick else 3)
+                          lean_pool=lean_pool, repeats=4 if quick else 8)
         _print_lean(lean)
         click.echo(f"\n(lean section {time.perf_counter() - t0:.0f} s)")
         (out_dir / "lean_results.json").write_text(json.dumps(lean, indent=2))

@@ -12,13 +12,15 @@ On a synthetic trimodal dataset with a length index (micro-batch 4), prints:
    filled from the indexes (up to 100k), the key pool filled by reading the payload (the fill
    before issue 16), the raw pool and the encoded pool; ``advise``'s first-batch model
    (start-up + per sample, fitted at the two smallest pools) against the first batch measured at
-   the largest; samples/s against no pool, side by side;
+   the largest; samples/s against no pool, side by side (3b: two live loaders stepped in turn,
+   one pool at a time, the median of per-round wall ratios beside the CPU-time ratio);
 4. **Random reads**: Energon's random access against the byte-range reader, ms per sample, and
    where Energon's time goes (``.tar.idx`` lookup vs tar header walk).
 
 Usage:
     python tools/bench_scale.py --quick          # 20k samples, real pools 1k / 3k / 10k
     python tools/bench_scale.py                  # 120k samples, real pools 1k / 3k / 10k / 100k
+    python tools/bench_scale.py --quick --only-throughput   # section 3b only
 """
 
 from __future__ import annotations
@@ -88,12 +90,8 @@ SETTINGS = {
 THROUGHPUT_SETTINGS = [k for k in SETTINGS if not SETTINGS[k][3]]
 
 
-def _real_loader(path: Path, setting: str | None, pool: int, samples: int,
-                 steady_from: int | None = None) -> dict[str, float]:
-    """Time to first batch, pool bytes, samples/s over ``samples`` samples from the start and,
-    with ``steady_from``, samples/s from sample ``steady_from`` to the end (both ends should be
-    pool boundaries: a pool reads a whole pool ahead of what it emits, so a window that starts
-    at the first sample counts one pool's reads more than it emits)."""
+def _build_loader(path: Path, setting: str | None, pool: int):
+    """One in-process loader (num_workers 0) for a setting of :data:`SETTINGS` (None: no pool)."""
     if setting is None:
         cfg, te = OrderingConfig(), _te(True)
     else:
@@ -102,7 +100,12 @@ def _real_loader(path: Path, setting: str | None, pool: int, samples: int,
                              length_sort_placement=placement, length_sort_pool_holds=holds,
                              length_sort_pool_ramp=ramp)
         te = _te(fill)
-    loader = build_train_loader(path, ordering=cfg, batch_size=BATCH, task_encoder_factory=te)
+    return build_train_loader(path, ordering=cfg, batch_size=BATCH, task_encoder_factory=te)
+
+
+def _real_loader(path: Path, setting: str | None, pool: int) -> dict[str, float]:
+    """Time to first batch and pool bytes of a fresh loader."""
+    loader = _build_loader(path, setting, pool)
     if setting is not None:
         assert (find_stage(loader.dataset, IndexFilledLoader) is not None) == SETTINGS[setting][2]
     gc.collect()
@@ -116,24 +119,46 @@ def _real_loader(path: Path, setting: str | None, pool: int, samples: int,
         n, objs = pool_holdings(stage)
         held = resident_bytes(objs)
         del stage, objs
-    t_steady = c_steady = None
-    for b in range(1, samples // BATCH):
-        if steady_from is not None and b == steady_from // BATCH:
-            t_steady, c_steady = time.perf_counter(), time.process_time()
-        next(it)
-    end, c_end = time.perf_counter(), time.process_time()
-    total = end - t0
     del it
     close_loader(loader)
-    if t_steady is None:
-        steady = steady_cpu = float("nan")
-    else:
-        steady = (samples - steady_from) / (end - t_steady)
-        # CPU seconds of this process (the loader runs in-process): robust to other processes
-        # competing for the cores, which swing wall-clock ratios by 2x on a shared machine
-        steady_cpu = (samples - steady_from) / (c_end - c_steady)
-    return {"first": first, "bytes": held, "rate": samples / total, "steady": steady,
-            "steady_cpu": steady_cpu}
+    return {"first": first, "bytes": held}
+
+
+def _interleaved_throughput(path: Path, setting: str, pool: int, rounds: int) -> dict[str, list]:
+    """No pool (A) against ``setting`` (B), two live loaders in one process, stepped in turn one
+    pool of samples at a time, ABBA ABBA...: per round, the wall and CPU seconds each took for
+    the same number of samples.
+
+    Each loader first emits one pool (start-up and the first fill are not throughput); from then
+    on every B turn fills one pool and emits it, so a round compares equal work. Alternating
+    turns of about a second expose both loaders to the same load from other processes, which
+    makes the per-round ratio robust where whole runs one after the other swung 0.30-1.22 on a
+    shared machine. CPU time is this process's (``time.process_time``: the loaders run
+    in-process), which other processes cannot inflate; the wall ratio still includes what the
+    scheduler does to each (Energon's watchdog thread takes the GIL twice per batch, and on an
+    oversubscribed machine every hand-over waits for a core)."""
+    loaders = {"off": _build_loader(path, None, pool), setting: _build_loader(path, setting, pool)}
+    its = {key: iter(loader) for key, loader in loaders.items()}
+    per_turn = pool // BATCH
+    for it in its.values():
+        for _ in range(per_turn):
+            next(it)
+    wall: dict[str, list[float]] = {key: [] for key in its}
+    cpu: dict[str, list[float]] = {key: [] for key in its}
+    for r in range(rounds):
+        for key in (("off", setting) if r % 2 == 0 else (setting, "off")):
+            gc.collect()
+            t, c = time.perf_counter(), time.process_time()
+            for _ in range(per_turn):
+                next(its[key])
+            wall[key].append(time.perf_counter() - t)
+            cpu[key].append(time.process_time() - c)
+    del its
+    for loader in loaders.values():
+        close_loader(loader)
+    gc.collect()
+    return {"samples": [per_turn * BATCH] * rounds, "wall_off": wall["off"],
+            "wall": wall[setting], "cpu_off": cpu["off"], "cpu": cpu[setting]}
 
 
 def _ramp_cost(pop, pool: int, ranks: int = 8) -> None:
@@ -229,6 +254,27 @@ def _random_reads(path: Path, n: int) -> list[list[str]]:
     return [[k, f"{v:.3f}", f"{v / base:.2f}"] for k, v in timings.items()]
 
 
+def _throughput(path: Path, pool: int, rounds: int) -> None:
+    click.echo(f"3b. throughput against no pool, pool {pool:,}: two live loaders, stepped in turn "
+               f"one pool ({pool:,} samples) at a time, ABBA..., {rounds} rounds after each "
+               "emitted its first pool; ratio = no-pool seconds / pool seconds for the same "
+               "samples (> 1: the pool is faster), median of the per-round ratios; CPU = this "
+               "process's CPU time")
+    rows = []
+    for setting in THROUGHPUT_SETTINGS:
+        r = _interleaved_throughput(path, setting, pool, rounds)
+        wall = [o / p for o, p in zip(r["wall_off"], r["wall"])]
+        cpu = [o / p for o, p in zip(r["cpu_off"], r["cpu"])]
+        rate = [n / t for n, t in zip(r["samples"], r["wall"])]
+        rate_off = [n / t for n, t in zip(r["samples"], r["wall_off"])]
+        rows.append([setting, f"{np.median(rate_off):,.0f}", f"{np.median(rate):,.0f}",
+                     f"{np.median(wall):.3f}", " ".join(f"{x:.2f}" for x in wall),
+                     f"{np.median(cpu):.3f}", f"{sum(r['cpu_off']) / sum(r['cpu']):.3f}",
+                     " ".join(f"{x:.2f}" for x in cpu)])
+    click.echo(_table(["pool", "no pool samples/s", "samples/s", "wall ratio", "each round",
+                       "CPU ratio", "CPU, all rounds", "each round"], rows) + "\n")
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--quick", is_flag=True, help="20k samples; real pools up to 10k.")
 @click.option("--out", type=click.Path(file_okay=False), default="bench_data", help="Data folder.")
@@ -243,9 +289,11 @@ def _random_reads(path: Path, n: int) -> list[list[str]]:
                    "a larger pool on repeating data.")
 @click.option("--real-pools", default=None,
               help="Pool sizes of the real loaders, e.g. 1000,10000,100000.")
-@click.option("--repeats", default=3, help="Rounds of the throughput comparison (3b).")
+@click.option("--repeats", default=12, help="Rounds of the throughput comparison (3b); a round is "
+              "one pool of samples through each loader.")
+@click.option("--only-throughput", is_flag=True, help="Run section 3b only.")
 def main(quick: bool, out: str, steps: int, validate_steps: int, samples: int | None,
-         real_pools: str | None, repeats: int) -> None:
+         real_pools: str | None, repeats: int, only_throughput: bool) -> None:
     """Idle/padding vs ranks and pool (model + 8-rank validation), real-loader costs, reads."""
     n = samples or (20_000 if quick else 120_000)
     if real_pools:
@@ -254,6 +302,9 @@ def main(quick: bool, out: str, steps: int, validate_steps: int, samples: int | 
         pools = (1_000, 3_000, 10_000) if quick else (1_000, 3_000, 10_000, 100_000)
     real_pools = pools
     path = _dataset(Path(out), n)
+    if only_throughput:
+        _throughput(path, real_pools[0], repeats)
+        return
     # The real loaders' first batches are measured before anything else, in a process that holds
     # nothing yet, as a fresh loader worker does (a process holding the other sections' objects
     # pays more for Python's garbage collection during a 100,000-sample fill).
@@ -265,7 +316,7 @@ def main(quick: bool, out: str, steps: int, validate_steps: int, samples: int | 
                 continue  # the others take minutes (payload) or gigabytes (raw, encoded)
             if SETTINGS[setting][3] and pool < 10_000:
                 continue  # the ramp starts at 1,000: nothing to compare
-            r = _real_loader(path, setting, pool, BATCH)
+            r = _real_loader(path, setting, pool)
             firsts.setdefault(setting, []).append((pool, r["first"]))
             walk = f"{_walk_below_pool(path, pool):.2f}" if setting == "keys, index fill" else ""
             real_rows.append([setting, f"{pool:,}", f"{r['first']:.2f}", walk,
@@ -320,37 +371,7 @@ def main(quick: bool, out: str, steps: int, validate_steps: int, samples: int | 
 
     _ramp_cost(pop, max(real_pools))
 
-    tp_pool = real_pools[0]
-    tp_samples = max(8, -(-8_000 // tp_pool)) * tp_pool
-    click.echo(f"3b. throughput: samples/s against no pool measured right before it, pool "
-               f"{tp_pool:,}; 'from start': {tp_samples:,} samples from the first (fills "
-               f"included: a pool reads one pool ahead of what it emitted), 'steady': from sample "
-               f"{tp_pool:,} to {tp_samples:,} (whole pools); {repeats} rounds, median ratio")
-    rates: dict[str | None, list[float]] = {None: []}
-    ratios: dict[str, list[float]] = {k: [] for k in THROUGHPUT_SETTINGS}
-    steady: dict[str, list[float]] = {k: [] for k in THROUGHPUT_SETTINGS}
-    steady_cpu: dict[str, list[float]] = {k: [] for k in THROUGHPUT_SETTINGS}
-    for _ in range(repeats):
-        for setting in THROUGHPUT_SETTINGS:
-            base = _real_loader(path, None, 0, tp_samples, steady_from=tp_pool)
-            r = _real_loader(path, setting, tp_pool, tp_samples, steady_from=tp_pool)
-            rates[None].append(base["rate"])
-            rates.setdefault(setting, []).append(r["rate"])
-            ratios[setting].append(r["rate"] / base["rate"])
-            steady[setting].append(r["steady"] / base["steady"])
-            steady_cpu[setting].append(r["steady_cpu"] / base["steady_cpu"])
-    rows = [["no pool", f"{np.median(rates[None]):,.0f}", "1.00", "", "1.00", "", "1.00", ""]]
-    for setting in THROUGHPUT_SETTINGS:
-        rows.append([setting, f"{np.median(rates[setting]):,.0f}",
-                     f"{np.median(ratios[setting]):.3f}",
-                     " ".join(f"{x:.2f}" for x in ratios[setting]),
-                     f"{np.median(steady[setting]):.3f}",
-                     " ".join(f"{x:.2f}" for x in steady[setting]),
-                     f"{np.median(steady_cpu[setting]):.3f}",
-                     " ".join(f"{x:.2f}" for x in steady_cpu[setting])])
-    click.echo(_table(["pool", "samples/s (median)", "from start vs no pool", "each round",
-                       "steady vs no pool", "each round", "steady, CPU time", "each round"], rows)
-               + "\n")
+    _throughput(path, real_pools[0], repeats)
 
     click.echo("4. random reads of one sample (ms), 3,000 random indexes")
     click.echo(_table(["reader", "ms / sample", "vs Energon"], _random_reads(path, 3000)))

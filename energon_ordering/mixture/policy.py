@@ -10,9 +10,9 @@
     global draw ``(b R + r) B + j`` (rank r's j-th draw of micro-batch b) is a pure function of
     that index, the schedule, R, B and the micro-batches per step, computed by
     :mod:`energon_ordering.mixture.step_counts` (exact counts per optimizer step with a carry,
-    laid out low-discrepancy within the step). No randomness and nothing simulated: each rank
-    computes only its own positions, and together the ranks hit each step's target within one
-    sample. :class:`~energon_ordering.mixture.scheduled_blend.ScheduledBlendDataset` maps its
+    laid out in a quota-keeping order within the step). No randomness and nothing simulated: a
+    worker lays out each step it serves (the same on every rank) and takes its own positions;
+    together the ranks hit each step's target within one sample. :class:`~energon_ordering.mixture.scheduled_blend.ScheduledBlendDataset` maps its
     draws to global indices.
 
 :func:`deterministic_choice` is the per-rank rule the deterministic policy used before blend

@@ -26,9 +26,21 @@ __all__ = ["ScheduledBlendDataset"]
 
 T_sample = TypeVar("T_sample")
 
-#: Version of the blend's saved-state layout and draw logic. 2: the deterministic policy draws
-#: by the global draw index (exact per step across ranks); 1 drew a per-rank sequence.
-STATE_VERSION = 2
+#: Version of the blend's saved-state layout and draw logic. 3: the deterministic policy lays
+#: each step out in a quota-keeping order (the ideal-position merge where it keeps every source
+#: within one sample at every draw, else earliest deadline first: every window of global draws
+#: within 2 samples for any number of sources); 2 always merged the step's items by ideal
+#: position; 1 drew a per-rank sequence.
+#: The random policy draws the same in all three.
+STATE_VERSION = 3
+
+#: Why a deterministic state of an older blend version cannot be continued, by version.
+_OLDER_DETERMINISTIC = {
+    1: "drew a per-rank sequence (the same on every rank, so a step's error was R times a "
+       "rank's)",
+    2: "laid each step's draws out merged by ideal position (the same counts per step, in "
+       "another order within some steps)",
+}
 
 
 class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
@@ -58,12 +70,16 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
       ``(b R + r) B + j``, i.e. position ``((b mod M) R + r) B + j`` of a step's
       ``G = R M B`` draws.
     - The step's source counts are the schedule's weights times G rounded with a carry, and
-      each position's source is a closed-form lookup in the step's low-discrepancy layout
-      (:mod:`energon_ordering.mixture.step_counts`). Nothing about other ranks is simulated.
+      the step's draws are laid out in a quota-keeping order against each source's running
+      integral (:mod:`energon_ordering.mixture.step_counts`). A worker lays out a step once
+      and serves its micro-batches of that step from it; the layout is a pure function of the
+      weights, the carry at the step start (saved) and G, so nothing about other ranks is
+      simulated.
     - Without buffering between the blend and the batch (no pool, no packing), draw k is in
       micro-batch b exactly, so every optimizer step holds each source within one sample of
-      ``weight * G`` and every window of consecutive global draws is within 2 samples
-      (2-3 sources; see the module for more). The weights are those of the step from
+      ``weight * G`` and every window of consecutive global draws is within 2 samples (within
+      1 with two sources; see the module for the rare steps with several near-zero-weight
+      sources that exceed it). The weights are those of the step from
       Energon's batch index (with ``lag_batches``), as for ``random``.
     - With a pool (or packing, or samples skipped by an error handler) between blend and
       batch, the samples of a step come from other draws, so no per-step claim can hold, and
@@ -344,8 +360,8 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
     def restore_state(self, state: FlexState) -> None:
         expected = self._expected_stamp()
         saved = state.get("_stamp") if state is not None else None
-        if isinstance(saved, dict) and saved.get("state_version") == 1:
-            state, saved = self._upgraded_v1(state, saved, expected)
+        if isinstance(saved, dict) and saved.get("state_version") in _OLDER_DETERMINISTIC:
+            state, saved = self._upgraded(state, saved, expected)
         if isinstance(saved, dict) and saved.get("sources") == expected["sources"]:
             # Same sources: only the mixture differs, which the override may let through.
             if self.allow_schedule_change:
@@ -363,25 +379,32 @@ class ScheduledBlendDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         self._cached_layout = None
         self._cached_block = None
 
-    def _upgraded_v1(
+    def _upgraded(
         self, state: FlexState, saved: dict[str, Any], expected: dict[str, Any]
     ) -> tuple[FlexState, dict[str, Any]]:
-        """A version-1 state: its ``deterministic`` sequence was per rank and cannot be
-        continued by the global one, so it is refused; a ``random`` state continues exactly
-        (that policy's draws did not change), with the fields version 2 added (draw counter,
-        carry, per-rank switch) at their start: the random policy never reads them."""
-        if "deterministic" in (saved.get("policy"), self.policy):
+        """A state of an older blend version: its ``deterministic`` sequence differs from this
+        version's and cannot be continued, so it is refused; a ``random`` state continues
+        exactly (that policy's draws did not change), and so does a version-2
+        ``deterministic`` state that had already switched to the per-rank rule (a pool or
+        packing behind the blend, or an exhausted source): version 3 changed only the global
+        layout. A version-1 state gets the fields version 2 added (draw counter, carry,
+        per-rank switch) at their start: the random policy never reads them."""
+        version = saved.get("state_version")
+        per_rank = version == 2 and state.get("_per_rank") is True
+        if "deterministic" in (saved.get("policy"), self.policy) and not per_rank:
             raise StateMismatchError(
-                "ScheduledBlendDataset: the state was written by blend state version 1 "
-                f"(policy {show(saved.get('policy'))}), whose deterministic policy drew a per-rank "
-                "sequence (the same on every rank, so a step's error was R times a rank's); "
-                f"version {STATE_VERSION} draws by the global draw index and cannot continue "
-                "it. Resume with the energon_ordering release that wrote the state, or start "
-                "the data stream afresh (restore the model without the data-loader state)."
+                f"ScheduledBlendDataset: the state was written by blend state version {version} "
+                f"(policy {show(saved.get('policy'))}), whose deterministic policy "
+                f"{_OLDER_DETERMINISTIC[version]}; version {STATE_VERSION} lays each step of "
+                "global draws out in a quota-keeping order (earliest deadline first where the "
+                "ideal-position merge is not) and cannot continue it. Resume with "
+                "the energon_ordering release that wrote the state, or start the data stream "
+                "afresh (restore the model without the data-loader state)."
             )
         upgraded = FlexState(state)
-        upgraded.update(_draws=0, _carry_step=0, _carry=[0.0] * len(self.source_names),
-                        _per_rank=False)
+        if version == 1:
+            upgraded.update(_draws=0, _carry_step=0, _carry=[0.0] * len(self.source_names),
+                            _per_rank=False)
         saved = {**saved, "state_version": STATE_VERSION, "batch_size": expected["batch_size"]}
         upgraded["_stamp"] = saved
         return upgraded, saved

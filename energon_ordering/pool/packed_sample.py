@@ -5,11 +5,17 @@ source infos) that every ``gc.collect()`` walks; Energon's loader collects every
 measured 13 ms per collection, ~10% of a decode-bound pipeline. Packed into one ``bytes`` per
 sample (pickle, protocol 5) the pool holds no tracked objects at all. Energon ``EPath`` objects
 (in every sample's ``__sources__``, expensive to re-create) are not pickled but shared: packed
-by reference, unpacked to the same object.
+by their string, unpacked to the one object of the process with that string.
+
+Packing runs in pickle's C code except for the EPaths: they are reduced through the pickler's
+``dispatch_table`` (a C-level lookup per object), not a ``persistent_id`` hook, which pickle
+calls in Python for every object (~60 per raw sample): about 24 -> 16 us per pack of a
+synthetic trimodal sample (unpacking, ~13 us, is plain ``pickle.loads``).
 """
 
 from __future__ import annotations
 
+import copyreg
 import io
 import pickle
 from typing import Any
@@ -18,39 +24,32 @@ from megatron.energon.epathlib import EPath
 
 __all__ = ["SamplePacker"]
 
+#: The process's shared EPath objects by their string. Packed samples never leave the process
+#: (a checkpoint holds restore keys), so a key always resolves.
+_PATHS: dict[str, EPath] = {}
+
+
+def _shared_path(key: str) -> EPath:
+    return _PATHS[key]
+
+
+def _reduce_path(path: EPath) -> tuple[Any, tuple[str]]:
+    key = str(path)
+    _PATHS.setdefault(key, path)
+    return _shared_path, (key,)
+
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, shared: dict[str, Any]):
-        super().__init__(file, protocol=5)
-        self.shared = shared
-
-    def persistent_id(self, obj: Any) -> Any:
-        if type(obj) is EPath:
-            key = str(obj)
-            self.shared.setdefault(key, obj)
-            return key
-        return None
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, shared: dict[str, Any]):
-        super().__init__(file)
-        self.shared = shared
-
-    def persistent_load(self, pid: Any) -> Any:
-        return self.shared[pid]
+    dispatch_table = {**copyreg.dispatch_table, EPath: _reduce_path}
 
 
 class SamplePacker:
     """Packs samples to ``bytes`` and back; EPath objects are shared, not copied."""
 
-    def __init__(self) -> None:
-        self._shared: dict[str, Any] = {}
-
     def pack(self, sample: Any) -> bytes:
         buf = io.BytesIO()
-        _Pickler(buf, self._shared).dump(sample)
+        _Pickler(buf, protocol=5).dump(sample)
         return buf.getvalue()
 
     def unpack(self, data: bytes) -> Any:
-        return _Unpickler(io.BytesIO(data), self._shared).load()
+        return pickle.loads(data)
