@@ -106,13 +106,16 @@ def test_random_policy_tracks_the_schedule_within_binomial_noise(realized):
     assert [r.sources for r in records] != [r.sources for r in realized["deterministic"][0]]
 
 
-def _cut_and_resume(meta, cfg, *, num_workers, total, cuts):
+def _cut_and_resume(meta, cfg, *, num_workers, total, cuts, horizon):
+    """Runs ``total`` micro-batches, saving at ``cuts``; each resume is compared over the
+    ``horizon`` micro-batches after its cut (each cut sits just before or on a switch, so the
+    horizon crosses it)."""
     def make():
         return build_train_loader(meta, ordering=cfg, num_workers=num_workers, batch_size=4)
 
     full, states = run_with_cuts(make, total, cuts)
     for cut, state in states.items():
-        resumed = resume(make, state, total - cut)
+        resumed = resume(make, state, min(horizon, total - cut))
         for i, (a, b) in enumerate(zip(full[cut:], resumed)):
             assert a == b, f"cut {cut}: first mismatch at batch {cut + i}"
     return full
@@ -126,7 +129,7 @@ def test_exact_resume_across_phase_boundaries(three_sources, num_workers, pool, 
                          length_sort_pool_size=pool, length_sort_mode="batch")
     # switches at steps 30 and 60 = micro-batches 60 and 120; cuts around both
     full = _cut_and_resume(three_sources, cfg, num_workers=num_workers, total=136,
-                           cuts=(0, 57, 60, 61, 119, 123))
+                           cuts=(0, 57, 60, 61, 119, 123), horizon=16)
     if pool == 0 and num_workers == 0:
         # no pool, no lag: the switch lands exactly at micro-batch 60 (step 30)
         web = _counts(full, "web")
