@@ -145,6 +145,7 @@ def _skipping(state: Any) -> list[int]:
 
 
 @pytest.mark.parametrize("energon", [False, True], ids=["ours", "energon"])
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
 def test_a_worker_saved_before_it_saw_its_end_resumes_with_nothing(finite_data, energon):
     """Forced interleaving: both workers are asked for their state after yielding their last
     micro-batch but before Energon stored their end-of-iteration checkpoint (Energon returns
@@ -181,6 +182,7 @@ def test_cuts_at_and_after_the_last_micro_batch_resume_with_the_remainder(
         assert got == records[cut:], f"cut {cut}: skipping {_skipping(state) if num_workers else '-'}"
 
 
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
 def test_a_resumed_loader_saved_again_before_its_workers_yield_resumes_identically(finite_data):
     """A state saved by a restored loader before each worker yielded again (at the end of the
     epoch, or after fewer micro-batches than workers) keeps what each worker still skips, so its

@@ -253,6 +253,7 @@ def test_a_version_2_deterministic_state_under_the_per_rank_rule_continues_exact
     assert resume(make, _as_version_2(states[9]), 11) == full[9:]
 
 
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
 def test_the_micro_batch_size_is_stamped(two_sources):
     # With loader workers Energon lets the micro-batch size change (without, it asserts); the
     # blend's layout depends on it, so its stamp refuses.

@@ -115,6 +115,7 @@ def test_index_fill_emits_the_identical_sequence_of_todays_key_pool(indexed, num
     assert len({k for b in runs[True] for k in b.keys}) == 4 * TOTAL
 
 
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
 def test_index_fill_with_a_mixture_schedule_matches_and_resumes(indexed):
     schedule = {"phases": [{"until": 0.5, "weights": {"web": 0.5, "code": 0.2, "mix": 0.3}},
                            {"until": 1.0, "weights": {"web": 0.1, "code": 0.3, "mix": 0.6}}]}
@@ -129,6 +130,7 @@ def test_index_fill_with_a_mixture_schedule_matches_and_resumes(indexed):
 
 
 @pytest.mark.parametrize("saved,restored", [(True, False), (False, True)])
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
 def test_a_checkpoint_restores_across_index_fill_on_and_off(indexed, saved, restored):
     cfg = _cfg("batch", 64)
     te = {True: IndexedSyntheticTaskEncoder, False: PayloadFillTaskEncoder}

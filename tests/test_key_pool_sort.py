@@ -109,6 +109,7 @@ def test_lean_pool_exact_resume_at_every_cut(indexed_dataset, num_workers, mode,
             assert got == want, f"cut {cut}: first mismatch at batch {step}: {got} != {want}"
 
 
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
 def test_lean_pool_exact_resume_from_mid_pool_worker_snapshots(indexed_dataset):
     snap = dict(checkpoint_every_sec=0, checkpoint_every_min_n_samples=1)
     cuts = (9, 22, 35)
@@ -251,6 +252,7 @@ def test_raw_holding_pool_keeps_packed_compressed_files_out_of_the_gc(indexed_da
 
 
 @pytest.mark.parametrize("saved,restored", [("raw", "keys"), ("keys", "raw")])
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
 def test_switching_what_the_pool_holds_across_a_resume_keeps_the_order(indexed_dataset, saved, restored):
     # The state is the same (keys and lengths) either way; only memory and reads differ.
     full, states = run_with_cuts(_make(indexed_dataset, _cfg("pre-encode", 64, holds=saved), 2), TOTAL, (17,))

@@ -51,6 +51,7 @@ def test_exact_resume_at_every_cut(small_dataset, num_workers, mode, pool_size, 
 
 
 @pytest.mark.parametrize("mode,pool_size", [("sample", 7), ("batch", 64)])
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
 def test_exact_resume_from_mid_pool_worker_snapshots(small_dataset, mode, pool_size):
     # With worker processes Energon restores from the worker's latest in-memory snapshot and
     # replays from there. Snapshot after every batch, so the restored snapshots are taken

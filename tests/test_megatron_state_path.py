@@ -121,6 +121,7 @@ def _check(out: list[dict], rule: str) -> None:
 
 @pytest.mark.skipif(not megatron_lm_sources.have_sources("core_v0.16.1"), reason="no ../shared/thirdparty")
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="the core 0.16.1 leg runs on the default Python")
+@pytest.mark.slow  # a real Megatron-LM client on 2 gloo ranks
 @pytest.mark.timeout(720)
 def test_state_path_equals_the_saver_of_core_v0_16_1(tmp_path):
     _check(_run(tmp_path, "core_v0.16.1"), "expert-suffix")

@@ -212,6 +212,7 @@ def test_cuts_inside_epoch_2_resume_with_its_remainder_then_epoch_3(data, num_wo
            {cut: _resume(data, num_workers, states[cut]) for cut in FAST_CUTS})
 
 
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
 def test_end_of_epoch_2_saved_before_the_workers_saw_it(data):
     """Forced interleaving at the end of epoch 2: the workers are asked for their state after
     yielding their last micro-batch of epoch 2 but before Energon stored their end-of-iteration
@@ -222,6 +223,7 @@ def test_end_of_epoch_2_saved_before_the_workers_saw_it(data):
     _check(epochs, states, 2, {cut: _resume(data, 2, states[cut]) for cut in states})
 
 
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
 def test_the_saved_state_is_not_modified(data):
     """``restore_state_rank`` restores a corrected copy: the same state restores again."""
     epochs, states = _run(data, 2, [3])
@@ -247,6 +249,7 @@ def test_a_state_without_the_epoch_count_still_restores(data):
     "starts every epoch at process 0, so the following epochs are interleaved from worker "
     "next_worker_id on; not correctable without reaching into torch's worker cycle",
 )
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
 def test_the_epoch_after_a_rotated_restore_is_identical(data):
     epochs, states = _run(data, 2, [3])
     assert states[3].next_worker_id == 1

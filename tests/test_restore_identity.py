@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import tiers
 import torch
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
@@ -145,7 +146,7 @@ def _kw(data, row):
     return path, cfg, row
 
 
-@pytest.mark.parametrize("case", list(REFUSED))
+@pytest.mark.parametrize("case", tiers.cases(REFUSED))
 def test_changed_restore_is_refused(data, case):
     saved_with, restored_with, match = REFUSED[case]
     path, cfg, kw = _kw(data, saved_with)
@@ -198,6 +199,7 @@ def test_energon_restore_without_the_precheck_is_typed_too(data, case):
         close_loader(loader)
 
 
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
 def test_unchanged_restore_passes_the_check(data):
     """The check is no blanket refusal: the same configuration resumes exactly."""
     make = _maker(data["meta"], SCHED, num_workers=2)
@@ -216,6 +218,7 @@ def test_supported_change_pool_holds_raw_to_keys_resumes_exactly(data):
 # --- redistribution ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
 def test_energon_checkpoint_redist_is_refused(data, tmp_path):
     """`energon checkpoint redist` (Energon's own tool) hands 2 ranks x 2 workers to 1 rank x 4
     workers; the redistributed state is refused with a message that says so."""

@@ -12,6 +12,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import tiers
 from megatron.energon import stateless
 
 from energon_ordering import OrderingConfig, StateMismatchError, restore_state_rank
@@ -153,7 +154,7 @@ def _make(data, path, row):
     return _maker(data[row.pop("path", path)], cfg, **row)
 
 
-@pytest.mark.parametrize("case", list(CHANGED))
+@pytest.mark.parametrize("case", tiers.cases(CHANGED))
 def test_a_changed_setting_is_refused_by_name(data, case):
     path, saved_with, restored_with, match = CHANGED[case]
     state = _state(_make(data, path, saved_with))
