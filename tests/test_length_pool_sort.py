@@ -50,6 +50,20 @@ def test_exact_resume_at_every_cut(small_dataset, num_workers, mode, pool_size, 
             assert got == want, f"cut {cut}: first mismatch at batch {step}: {got} != {want}"
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_exact_resume_under_energons_default_garbage_collection(small_dataset, num_workers):
+    # The simulations build loaders without Energon's GcDataset (rank_simulation.SIMULATION_GC);
+    # a training loader has it (a full collect, then gc.freeze() at every iteration start).
+    ordering = OrderingConfig(length_sort_pool_size=64, length_sort_mode="batch", seed=3)
+    make = _make(small_dataset, ordering, num_workers, 4, gc_collect_every_n_steps=10)
+    loader = make()
+    assert "GcDataset" in str(loader.dataset)
+    close_loader(loader)
+    full, states = run_with_cuts(make, TOTAL, CUTS)
+    for cut, state in states.items():
+        assert resume(make, state, TOTAL - cut) == full[cut:], f"cut {cut}"
+
+
 @pytest.mark.parametrize("mode,pool_size", [("sample", 7), ("batch", 64)])
 @pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
 def test_exact_resume_from_mid_pool_worker_snapshots(small_dataset, mode, pool_size):

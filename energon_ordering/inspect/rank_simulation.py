@@ -90,6 +90,17 @@ def record_batch(batch: Any) -> BatchRecord:
     )
 
 
+#: Energon's garbage-collection wrapper, as a simulation sets it: off. Energon's default
+#: (``GcDataset``, to bound memory in a long training loop) runs a full ``gc.collect()`` at every
+#: iteration start, before ``gc.freeze()``; in a process holding torch, Energon and many
+#: short-lived loaders each one took 0.1-0.4 s, half the time of a resume test. It changes
+#: neither the order nor what the ordering stages save, but the pipeline then has no
+#: ``GcDataset`` level, so a simulated state restores only into a simulated loader (a state of
+#: a differently built pipeline is refused by name, as always). Pass
+#: ``gc_collect_every_n_steps`` to :func:`build_train_loader` for Energon's own behaviour.
+SIMULATION_GC: dict[str, Any] = {"gc_collect_every_n_steps": 0}
+
+
 def build_train_loader(
     path: str | Path,
     *,
@@ -118,7 +129,7 @@ def build_train_loader(
         repeat: Repeat the data (False = one finite epoch).
         task_encoder_factory: Returns a fresh task encoder with the OrderingTaskEncoder mixin;
             default :class:`energon_ordering.inspect.synthetic_task.SyntheticTaskEncoder`.
-        **loader_kwargs: Passed to ``get_savable_loader``.
+        **loader_kwargs: Passed to ``get_savable_loader`` (over :data:`SIMULATION_GC`).
     """
     if task_encoder_factory is None:
         from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
@@ -136,7 +147,7 @@ def build_train_loader(
         max_samples_per_sequence=max_samples_per_sequence,
         repeat=repeat,
     )
-    loader = get_savable_loader(ds, **loader_kwargs)
+    loader = get_savable_loader(ds, **{**SIMULATION_GC, **loader_kwargs})
     if not _has_accelerator():
         # Energon always asks torch to pin batches; without a GPU there is nothing to pin to
         # and torch warns at every iterator it creates.
@@ -180,8 +191,11 @@ def close_loader(loader: Any) -> None:
         iterator = getattr(loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
+        had_workers = iterator is not None and hasattr(iterator, "_shutdown_workers")
         del it, iterator
-        gc.collect()
+        if had_workers:
+            # drop the workers' last references now; an in-process loader has none to drop
+            gc.collect()
 
 
 def run_ranks(
