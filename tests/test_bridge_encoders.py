@@ -1,5 +1,5 @@
-"""Bridge's built-in HF encoder (``HFEnergonTaskEncoderConfig``, a Qwen2.5-VL processor) under the
-ordering: built by Bridge's ``build_energon_task_encoder``, a length pool, exact resume through
+"""Bridge's built-in encoders (``HFEnergonTaskEncoderConfig`` and ``QwenVLEnergonTaskEncoderConfig``
+over a Qwen2.5-VL processor) under the ordering: built by Bridge's ``build_energon_task_encoder``, a length pool, exact resume through
 Bridge's saver and loader, Bridge's padding and in-batch packing passed through, the
 ``@stateless`` claim checked by re-encoding from restore keys, and each refusal.
 
@@ -40,6 +40,7 @@ from bridge_chatml import (  # noqa: E402
 from megatron.bridge.data.builders.energon import (  # noqa: E402
     HFEnergonTaskEncoderConfig,
     NemotronOmniEnergonTaskEncoderConfig,
+    QwenVLEnergonTaskEncoderConfig,
 )
 from megatron.bridge.data.energon.hf_task_encoder import HFTaskEncoder  # noqa: E402
 from megatron.bridge.data.utils import get_dataset_provider  # noqa: E402
@@ -58,6 +59,7 @@ from energon_ordering.integrations.bridge import OrderingDatasetProvider, Orderi
 from energon_ordering.integrations.bridge_encoders import (  # noqa: E402
     BuiltinEncoderSettings,
     OrderingHFTaskEncoder,
+    OrderingQwenVLTaskEncoder,
     build_builtin_encoder,
 )
 
@@ -97,10 +99,25 @@ def _hf_config(processor) -> HFEnergonTaskEncoderConfig:
                                       max_pixels=MAX_PIXELS, trust_remote_code=False)
 
 
-def _provider(chatml, num_workers: int = 0, **kw) -> OrderingDatasetProvider:
+def _qwen_vl_config(processor) -> QwenVLEnergonTaskEncoderConfig:
+    return QwenVLEnergonTaskEncoderConfig(hf_processor_path=str(processor), patch_size=2,
+                                          spatial_merge_size=MERGE, min_pixels=MIN_PIXELS,
+                                          max_pixels=MAX_PIXELS, trust_remote_code=False)
+
+
+#: Bridge's declarative encoder configs, and the ordering class each is built as.
+ENCODERS = {"hf": (_hf_config, OrderingHFTaskEncoder), "qwen_vl": (_qwen_vl_config, OrderingQwenVLTaskEncoder)}
+
+
+def _hf_processor(encoder):
+    """The Hugging Face processor a built encoder collates with."""
+    return encoder.processor if isinstance(encoder, HFTaskEncoder) else encoder.image_processor
+
+
+def _provider(chatml, num_workers: int = 0, kind: str = "hf", **kw) -> OrderingDatasetProvider:
     data, processor = chatml
     kw = {"ordering": ORDERING, "seq_length": SEQ_LENGTH, **kw}
-    return OrderingDatasetProvider(path=str(data), task_encoder=_hf_config(processor),
+    return OrderingDatasetProvider(path=str(data), task_encoder=ENCODERS[kind][0](processor),
                                    micro_batch_size=MICRO_BATCH, num_workers=num_workers,
                                    pin_memory=False, shuffle_buffer_size=8, **kw)
 
@@ -130,31 +147,32 @@ def _same(a: dict, b: dict) -> bool:
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "in-batch-packed"])
-def test_hf_encoder_resumes_exactly_through_bridge(chatml, tmp_path, pg, packing, num_workers):
-    """The HF encoder with a length pool: a save through Bridge's saver mid-run (the pool holds
+@pytest.mark.parametrize("kind", list(ENCODERS))
+def test_builtin_encoder_resumes_exactly_through_bridge(chatml, tmp_path, pg, kind, packing, num_workers):
+    """Bridge's built-in encoder with a length pool: a save through Bridge's saver mid-run (the pool holds
     samples then) and a load through Bridge's loader into a fresh provider continue with the
     identical batches; Bridge's padding / in-batch packing settings reach the collate."""
     step, after = 3, 6
     settings = ({"enable_in_batch_packing": True, "in_batch_packing_pad_to_multiple_of": 4} if packing
                 else {"pad_to_multiple_of": 8})
-    provider = _provider(chatml, num_workers, **settings)
+    provider = _provider(chatml, num_workers, kind, **settings)
     it = _build(provider, pg)
     encoder = provider.built_task_encoder
-    assert type(encoder) is OrderingHFTaskEncoder and encoder.ordering.length_sort_pool_size == 16
+    assert type(encoder) is ENCODERS[kind][1] and encoder.ordering.length_sort_pool_size == 16
     assert encoder.enable_in_batch_packing is packing  # Bridge's builder got the provider's fields
     _resume_check(provider, 0)
     head = _batches(it, step * PER_STEP)
     maybe_save_dataloader_state(None, it, step, str(tmp_path), pg_collection=pg)
     tail = _batches(it, after)
 
-    fresh = _provider(chatml, num_workers, **settings)
+    fresh = _provider(chatml, num_workers, kind, **settings)
     it2 = _build(fresh, pg)
     maybe_load_dataloader_state(it2, step, str(tmp_path), pg_collection=pg)
     _resume_check(fresh, step)
     resumed = _batches(it2, after)
     assert all(_same(a, b) for a, b in zip(resumed, tail))
 
-    tokenizer = encoder.processor.tokenizer
+    tokenizer = _hf_processor(encoder).tokenizer
     seen = [sample_ids(b["input_ids"], tokenizer) for b in head + tail]
     assert all(len(ids) == MICRO_BATCH for ids in seen)
     flat = [i for ids in seen for i in ids]
@@ -187,13 +205,15 @@ def test_pool_groups_similar_lengths(chatml, pg):
     assert pooled < unpooled / 2, (pooled, unpooled)
 
 
-def test_encode_sample_is_pure_and_restorable(chatml):
+@pytest.mark.parametrize("kind", list(ENCODERS))
+def test_encode_sample_is_pure_and_restorable(chatml, kind):
     """The claim behind ``@stateless``: re-encoding a sample from its restore key gives the same
     sample (same collated tokens and pixels), and the length is text + visual tokens. Bridge's
     own class cannot restore a sample at all (no restore key on its output, not stateless)."""
     data, processor = chatml
-    encoder = build_builtin_encoder(_hf_config(processor), BuiltinEncoderSettings(seq_length=SEQ_LENGTH),
+    encoder = build_builtin_encoder(ENCODERS[kind][0](processor), BuiltinEncoderSettings(seq_length=SEQ_LENGTH),
                                     path=str(data), micro_batch_size=MICRO_BATCH)
+    hf_processor = _hf_processor(encoder)
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
     loader = get_loader(get_train_dataset(str(data), batch_size=None, task_encoder=encoder, worker_config=wc,
                                           shuffle_buffer_size=None, max_samples_per_sequence=None))
@@ -206,11 +226,12 @@ def test_encode_sample_is_pure_and_restorable(chatml):
         assert _same(a, b)
         grid = a["visual_inputs"].image_grid_thw
         visual = int(grid.prod()) // MERGE**2
-        text = len(encoder.processor.tokenizer(
-            encoder.processor.apply_chat_template(sample.example["conversation"], tokenize=False))["input_ids"])
+        text = len(hf_processor.tokenizer(
+            hf_processor.apply_chat_template(sample.example["conversation"], tokenize=False))["input_ids"])
         assert encoder.ordering_sample_length(sample) == text - 1 + visual  # the placeholder expands
 
-    plain = HFTaskEncoder.__new__(HFTaskEncoder)
+    bridge_class = next(c for c in type(encoder).__mro__ if c.__module__.startswith("megatron.bridge"))
+    plain = bridge_class.__new__(bridge_class)
     plain.__dict__.update(vars(encoder))
     loader = get_loader(get_train_dataset(str(data), batch_size=None, task_encoder=plain, worker_config=wc,
                                           shuffle_buffer_size=None, max_samples_per_sequence=None))

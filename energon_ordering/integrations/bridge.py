@@ -15,6 +15,12 @@ for training and validation::
                                           recipe="llava_pretrain", micro_batch_size=4, num_workers=4)
     pretrain(cfg, forward_step, callbacks=[OrderingResumeCheck(cfg.dataset)])
 
+Bridge's built-in encoders: pass ``task_encoder=HFEnergonTaskEncoderConfig(...)`` or
+``QwenVLEnergonTaskEncoderConfig(...)`` (Bridge's declarative configs) instead of an encoder
+object, with ``pad_to_max_length``, ``pad_to_multiple_of``, ``enable_in_batch_packing``, ... as in
+Bridge's ``EnergonDatasetConfig``; :mod:`energon_ordering.integrations.bridge_encoders` builds it
+with Bridge's builder and gives it the ordering (no warmup or Energon packing with them).
+
 Config life cycle, as Bridge drives it: ``process_config_with_overrides`` sets the provider's
 fields (``dataset.recipe=...``, ``dataset.ordering.length_sort_pool_size=16``, ``dataset.*``),
 ``ConfigContainer.validate()`` calls :meth:`OrderingDatasetProvider.finalize`, which computes the
@@ -192,7 +198,8 @@ class OrderingDatasetProvider(DatasetProvider):
             so command-line overrides such as ``dataset.ordering.length_sort_pool_size=16`` reach
             it); None: the recipe alone (or every ordering stage off). With None, override with
             ``+dataset.ordering.<setting>=...`` (Hydra's syntax for a new key).
-        seq_length: Passed to Bridge's data module (tokens; informational for custom encoders).
+        seq_length: Passed to Bridge's data module (tokens; informational for custom encoders);
+            for a built-in encoder config, its collate's ``seq_length`` as in Bridge.
         validation_task_encoder: Encoder for the validation split; None: ``task_encoder``.
         do_validation: Build the validation loader (when Bridge asks for validation samples).
         num_val_workers: Loader workers for validation; None: ``num_workers``.
