@@ -15,6 +15,12 @@ for training and validation::
                                           recipe="llava_pretrain", micro_batch_size=4, num_workers=4)
     pretrain(cfg, forward_step, callbacks=[OrderingResumeCheck(cfg.dataset)])
 
+Bridge's built-in encoders: pass ``task_encoder=HFEnergonTaskEncoderConfig(...)`` or
+``QwenVLEnergonTaskEncoderConfig(...)`` (Bridge's declarative configs) instead of an encoder
+object, with ``pad_to_max_length``, ``pad_to_multiple_of``, ``enable_in_batch_packing``, ... as in
+Bridge's ``EnergonDatasetConfig``; :mod:`energon_ordering.integrations.bridge_encoders` builds it
+with Bridge's builder and gives it the ordering (no warmup or Energon packing with them).
+
 Config life cycle, as Bridge drives it: ``process_config_with_overrides`` sets the provider's
 fields (``dataset.recipe=...``, ``dataset.ordering.length_sort_pool_size=16``, ``dataset.*``),
 ``ConfigContainer.validate()`` calls :meth:`OrderingDatasetProvider.finalize`, which computes the
@@ -106,6 +112,12 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess by the 
 
 from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, show
+from energon_ordering.integrations.bridge_encoders import (
+    BUILTIN_ENCODER_CONFIGS,
+    BuiltinEncoderSettings,
+    build_builtin_encoder,
+    check_builtin_ordering,
+)
 from energon_ordering.integrations.bridge_run import RunShape, agree_with_run, missing_split
 from energon_ordering.integrations.megatron_lm import DataloaderRestoreError, consumed_micro_batches
 from energon_ordering.packaged_recipes import resolve_recipe
@@ -172,7 +184,12 @@ class OrderingDatasetProvider(DatasetProvider):
     Args:
         path: The prepared Energon dataset or metadataset.
         task_encoder: Your task encoder with the :class:`OrderingTaskEncoder` mixin first in its
-            bases (``encode_sample`` ``@stateless``); its ``ordering`` is set here.
+            bases (``encode_sample`` ``@stateless``); its ``ordering`` is set here. Or one of
+            Bridge's declarative built-in encoder configs, ``HFEnergonTaskEncoderConfig`` or
+            ``QwenVLEnergonTaskEncoderConfig``: built at :meth:`build_datasets` by Bridge's
+            ``build_energon_task_encoder`` and given the ordering
+            (:mod:`energon_ordering.integrations.bridge_encoders`; a post-encode pool, mixture
+            schedules and exact resume; no warmup, no Energon packing).
         micro_batch_size: Samples per micro-batch (Bridge's ``train.micro_batch_size``).
         recipe: A recipe file, or the name of a packaged recipe (``llava_pretrain``); None: no
             recipe.
@@ -181,7 +198,8 @@ class OrderingDatasetProvider(DatasetProvider):
             so command-line overrides such as ``dataset.ordering.length_sort_pool_size=16`` reach
             it); None: the recipe alone (or every ordering stage off). With None, override with
             ``+dataset.ordering.<setting>=...`` (Hydra's syntax for a new key).
-        seq_length: Passed to Bridge's data module (tokens; informational for custom encoders).
+        seq_length: Passed to Bridge's data module (tokens; informational for custom encoders);
+            for a built-in encoder config, its collate's ``seq_length`` as in Bridge.
         validation_task_encoder: Encoder for the validation split; None: ``task_encoder``.
         do_validation: Build the validation loader (when Bridge asks for validation samples).
         num_val_workers: Loader workers for validation; None: ``num_workers``.
@@ -193,6 +211,11 @@ class OrderingDatasetProvider(DatasetProvider):
         scale_schedule_to_run: A mixture schedule written for another ``total_steps`` than
             Bridge's ``train.train_iters`` is stretched to the run (each phase keeps its share)
             instead of refused.
+        pad_to_max_length, pad_to_multiple_of, enable_in_batch_packing,
+        defer_in_batch_packing_to_step, in_batch_packing_pad_to_multiple_of: Bridge's
+            ``EnergonDatasetConfig`` fields of the same names and defaults, passed to
+            ``build_energon_task_encoder`` for a built-in encoder config; with your own encoder
+            they must stay at their defaults (configure your encoder instead).
 
     The :class:`OrderingConfig` is computed from the final fields, never at construction: at
     Bridge's :meth:`finalize` (after command-line overrides), at :meth:`check_run` (against the
@@ -216,6 +239,11 @@ class OrderingDatasetProvider(DatasetProvider):
     allow_dataloader_restart: bool = False
     scale_schedule_to_run: bool = False
     dataloader_type: Literal["external"] | None = "external"
+    pad_to_max_length: bool = False
+    pad_to_multiple_of: int = 128
+    enable_in_batch_packing: bool = False
+    defer_in_batch_packing_to_step: bool = False
+    in_batch_packing_pad_to_multiple_of: int = 1
 
     def __post_init__(self) -> None:
         self._check_fields()
@@ -227,6 +255,47 @@ class OrderingDatasetProvider(DatasetProvider):
         self.ordering_config: OrderingConfig | None = None
         self.run_shape: RunShape | None = None  # set by check_run
         self.train_loader: OrderingEnergonDataloader | None = None
+        self.built_task_encoder: OrderingTaskEncoder | None = None  # set by build_datasets
+
+    def _builtin(self) -> bool:
+        """True if ``task_encoder`` is one of Bridge's declarative built-in encoder configs."""
+        return isinstance(self.task_encoder, BUILTIN_ENCODER_CONFIGS)
+
+    def _builtin_settings(self) -> BuiltinEncoderSettings:
+        return BuiltinEncoderSettings(**{
+            f.name: getattr(self, f.name) for f in dataclasses.fields(BuiltinEncoderSettings)})
+
+    def _check_builtin_fields(self) -> None:
+        """A built-in encoder config is checked by Bridge's own ``validate()``; with your own
+        encoder, the fields only Bridge's builder reads must keep their defaults."""
+        if self._builtin():
+            try:
+                self.task_encoder.validate()
+            except ValueError as e:
+                raise OrderingConfigError(
+                    f"OrderingDatasetProvider.task_encoder ({type(self.task_encoder).__name__}): {e} "
+                    "(Bridge's validate(); fix that field of dataset.task_encoder)."
+                ) from e
+            for name in ("pad_to_multiple_of", "in_batch_packing_pad_to_multiple_of"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise OrderingConfigError(
+                        f"OrderingDatasetProvider.{name} = {show(value)} must be an int >= 1 "
+                        "(tokens, as in Bridge's EnergonDatasetConfig)."
+                    )
+            return
+        defaults = BuiltinEncoderSettings(seq_length=self.seq_length)
+        for f in dataclasses.fields(BuiltinEncoderSettings):
+            if f.name in ("seq_length", "trust_remote_code"):
+                continue  # the provider's own fields, meaningful for every encoder
+            value, default = getattr(self, f.name), getattr(defaults, f.name)
+            if value != default:
+                raise OrderingConfigError(
+                    f"OrderingDatasetProvider.{f.name} = {show(value)} configures Bridge's built-in "
+                    f"encoders, but task_encoder is your {type(self.task_encoder).__name__}, which "
+                    f"does not read it; leave it at {show(default)} and configure your encoder "
+                    "(or pass an HFEnergonTaskEncoderConfig / QwenVLEnergonTaskEncoderConfig)."
+                )
 
     def _check_fields(self) -> None:
         if self.dataloader_type != "external":
@@ -237,13 +306,18 @@ class OrderingDatasetProvider(DatasetProvider):
             )
         for encoder, name in ((self.task_encoder, "task_encoder"),
                               (self.validation_task_encoder, "validation_task_encoder")):
+            if name == "task_encoder" and self._builtin():
+                continue
             if name == "task_encoder" or encoder is not None:
                 if not isinstance(encoder, OrderingTaskEncoder):
                     raise OrderingTypeError(
                         f"OrderingDatasetProvider.{name} = {type(encoder).__name__} has no "
                         f"OrderingTaskEncoder mixin; define class MyTE(OrderingTaskEncoder, "
-                        f"{type(encoder).__name__}) and pass MyTE()."
+                        f"{type(encoder).__name__}) and pass MyTE()"
+                        + (", or pass one of Bridge's HFEnergonTaskEncoderConfig / "
+                           "QwenVLEnergonTaskEncoderConfig." if name == "task_encoder" else ".")
                     )
+        self._check_builtin_fields()
         if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int) \
                 or self.micro_batch_size < 1:
             raise OrderingConfigError(
@@ -280,6 +354,8 @@ class OrderingDatasetProvider(DatasetProvider):
     def _ordering_config(self, run: RunShape | None = None) -> OrderingConfig:
         """The OrderingConfig of the current fields, completed by and checked against ``run``."""
         config, given = self._settings()
+        if self._builtin():
+            check_builtin_ordering(config, self.task_encoder)
         if run is None:
             return config
         return agree_with_run(config, run, given=given, scale_schedule_to_run=self.scale_schedule_to_run)
@@ -345,9 +421,15 @@ class OrderingDatasetProvider(DatasetProvider):
         want_valid = self.do_validation and context.valid_samples > 0
         if want_valid:
             self._require_split("val")
-        self.task_encoder.ordering = config
-        if self.validation_task_encoder is not None:
-            self.validation_task_encoder.ordering = config
+        encoder, validation_encoder = self.task_encoder, self.validation_task_encoder
+        if self._builtin():  # Bridge's builder, as its EnergonDatasetConfig would; one encoder for both
+            encoder = build_builtin_encoder(self.task_encoder, self._builtin_settings(),
+                                            path=self.path, micro_batch_size=self.micro_batch_size)
+            validation_encoder = validation_encoder if validation_encoder is not None else encoder
+        encoder.ordering = config
+        if validation_encoder is not None:
+            validation_encoder.ordering = config
+        self.built_task_encoder = encoder
         datamodule = EnergonMultiModalDataModule(
             path=self.path,
             tokenizer=context.tokenizer,
@@ -358,8 +440,8 @@ class OrderingDatasetProvider(DatasetProvider):
             pin_memory=self.pin_memory,
             shuffle_buffer_size=self.shuffle_buffer_size,
             max_samples_per_sequence=self.max_samples_per_sequence,
-            task_encoder=self.task_encoder,
-            validation_task_encoder=self.validation_task_encoder,
+            task_encoder=encoder,
+            validation_task_encoder=validation_encoder,
             pg_collection=context.pg_collection,
             **self.dataset_kwargs,
         )
