@@ -408,7 +408,7 @@ class OrderingDatasetProvider(DatasetProvider):
                 f"({reason}), but Bridge asks for validation samples (validation.eval_iters > 0 "
                 "with validation.eval_interval set). Set dataset.do_validation=false, or "
                 "validation.eval_iters=0, or point dataset.path at a metadataset with a "
-                f"{split!r} split."
+                f"{show(split)} split."
             )
 
     def build_datasets(self, context: DatasetBuildContext) -> tuple[Any | None, Any | None, None]:
