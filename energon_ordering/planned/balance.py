@@ -16,6 +16,8 @@ The algorithm (:func:`balance_window`), all deterministic given the inputs:
    sources, greedy on the closest pairs) to the step's share of the bands so far: step t
    should hold ``counts[t, s] x (samples of s in bands 0..m) / (samples of s in the window)``
    of source s after band m (error diffusion across bands).
+   Then two steps exchange their slots of one band while that lowers the total absolute
+   excess (best exchange first): slots stay whole, so this costs no balance at all.
 4. **Exact counts.** A step still off its counts trades samples with another step: a sample of
    a source it has too many of for one of a source it lacks, choosing the two samples of
    nearest cost over all steps with opposite excesses, in rounds of growing relative gap
@@ -133,6 +135,34 @@ def _trade(flat: np.ndarray, costs: np.ndarray, sources: np.ndarray, excess: np.
     return len(pairs)
 
 
+def _swap_slots(slots: np.ndarray, bands: np.ndarray, comp: np.ndarray,
+                slot_of_step: np.ndarray, excess: np.ndarray) -> None:
+    """Step 3b: exchanges two steps' slots of one band while that lowers the total absolute
+    excess (best exchange first). Slots stay whole, so no micro-batch changes: only which step
+    it belongs to, and every step keeps one slot per band."""
+    M, K, _ = comp.shape
+    while True:
+        best, best_gain = None, 0
+        for m in range(M):
+            c = comp[m][slot_of_step[m]]  # [K, S]: the band's slot of each step
+            delta = c[None, :, :] - c[:, None, :]  # step t takes t2's slot: excess[t] += delta[t, t2]
+            now = np.abs(excess).sum(axis=1)
+            after = (np.abs(excess[:, None, :] + delta).sum(axis=2)
+                     + np.abs(excess[None, :, :] - delta).sum(axis=2))
+            gain = now[:, None] + now[None, :] - after
+            t, t2 = np.unravel_index(int(np.argmax(gain)), gain.shape)
+            if gain[t, t2] > best_gain:
+                best, best_gain = (m, int(t), int(t2)), int(gain[t, t2])
+        if best is None:
+            return
+        m, t, t2 = best
+        d = comp[m][slot_of_step[m, t2]] - comp[m][slot_of_step[m, t]]
+        excess[t] += d
+        excess[t2] -= d
+        slot_of_step[m, [t, t2]] = slot_of_step[m, [t2, t]]
+        slots[t, m], slots[t2, m] = bands[m, slot_of_step[m, t]], bands[m, slot_of_step[m, t2]]
+
+
 def _repair(slots: np.ndarray, costs: np.ndarray, sources: np.ndarray, counts: np.ndarray) -> None:
     """Step 4: trades samples between steps (in place on ``slots`` ``[K, M, RB]``) until every
     step holds exactly ``counts[t, s]`` samples of source s.
@@ -157,8 +187,12 @@ def _repair(slots: np.ndarray, costs: np.ndarray, sources: np.ndarray, counts: n
         pa = np.flatnonzero(sources[flat[t]] == s)
         pb = np.flatnonzero(sources[flat[t2]] == s2)
         ca, cb = costs[flat[t, pa]], costs[flat[t2, pb]]
-        i = int(np.argmin(np.abs(ca[:, None] - cb[None, :]).min(axis=1)))
-        j = int(np.argmin(np.abs(cb - ca[i])))
+        ob = np.argsort(cb, kind="stable")
+        near = np.clip(np.searchsorted(cb[ob], ca), 1, max(1, len(cb) - 1))
+        left_b, right_b = ob[np.minimum(near - 1, len(cb) - 1)], ob[np.minimum(near, len(cb) - 1)]
+        nearest = np.where(np.abs(cb[right_b] - ca) < np.abs(cb[left_b] - ca), right_b, left_b)
+        i = int(np.argmin(np.abs(cb[nearest] - ca)))  # the nearest pair, O((a + b) log b)
+        j = int(nearest[i])
         flat[t, pa[i]], flat[t2, pb[j]] = flat[t2, pb[j]], flat[t, pa[i]]
         excess[t, s] -= 1
         excess[t, s2] += 1
@@ -231,6 +265,7 @@ def balance_window(
     seen = np.zeros(S)
     have = np.zeros((K, S))
     slots = np.empty((K, M, RB), dtype=np.int64)
+    slot_of_step = np.empty((M, K), dtype=np.int64)
     for m in range(M):
         seen += comp[m].sum(axis=0)
         target = counts * (seen / total)[None, :] - have  # [K, S]
@@ -238,5 +273,7 @@ def balance_window(
         step_of_slot = _match(dist)
         slots[step_of_slot, m] = bands[m]
         have[step_of_slot] += comp[m]
+        slot_of_step[m, step_of_slot] = np.arange(K)
+    _swap_slots(slots, bands, comp, slot_of_step, (have - counts).astype(np.int64))
     _repair(slots, costs, sources, counts)
     return _deal(slots, costs, R, B)
