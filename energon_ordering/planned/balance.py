@@ -92,47 +92,70 @@ def _trade(flat: np.ndarray, costs: np.ndarray, sources: np.ndarray, excess: np.
     step, pos, kind, value = step[order], pos[order], kind[order], value[order]
     quota_a, quota_b = qa.copy(), qb.copy()
     alive = np.ones(len(value), dtype=bool)
-    pairs: list[tuple[int, int, int, int]] = []  # (step, position) of a, then of b
+    pairs: list[np.ndarray] = []  # rows (step a, position a, step b, position b)
     tolerance = TRADE_TOLERANCE
+    parity = 0
     while left > 0:
         if alive.sum() * 2 < len(alive):  # compact: rounds cost O(candidates left)
             step, pos, kind, value, alive = (x[alive] for x in (step, pos, kind, value, alive))
         live = np.flatnonzero(alive)
-        adj = np.flatnonzero(kind[live[:-1]] != kind[live[1:]])
-        if len(adj) == 0:
+        if len(live) < 2:
             break
-        lo, hi = live[adj], live[adj + 1]
+        # runs of one kind in the merged order; at a boundary between a run of a's and a run of
+        # b's, pair them from the boundary outwards (nearest first), every other boundary per
+        # round so that no run is claimed from both sides
+        kd = kind[live]
+        starts = np.flatnonzero(np.concatenate(([True], kd[1:] != kd[:-1])))
+        ends = np.concatenate((starts[1:], [len(live)]))
+        if len(starts) < 2:
+            break
+        bounds = np.arange(parity, len(starts) - 1, 2)
+        parity ^= 1
+        span = np.minimum(ends[bounds] - starts[bounds], ends[bounds + 1] - starts[bounds + 1])
+        j = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)
+        lo = live[np.repeat(ends[bounds], span) - 1 - j]
+        hi = live[np.repeat(starts[bounds + 1], span) + j]
         gap = value[hi] - value[lo]
-        near = np.flatnonzero(gap <= tolerance * np.maximum(value[hi], 1.0))
-        taken = 0
-        for j in near[np.argsort(gap[near], kind="stable")].tolist():
-            i, k = int(lo[j]), int(hi[j])
-            if not (alive[i] and alive[k]):
-                continue
-            ia, ib = (k, i) if kind[i] else (i, k)
-            if quota_a[step[ia]] == 0 or quota_b[step[ib]] == 0:
-                continue
-            quota_a[step[ia]] -= 1
-            quota_b[step[ib]] -= 1
-            alive[i] = alive[k] = False
-            pairs.append((int(step[ia]), int(pos[ia]), int(step[ib]), int(pos[ib])))
-            taken += 1
-            left -= 1
-            if left == 0:
-                break
+        ok = gap <= tolerance * np.maximum(value[hi], 1.0)
+        lo, hi, gap = lo[ok], hi[ok], gap[ok]
+        if len(lo) == 0:
+            if parity == 0:
+                tolerance *= 2  # no pair that near at either parity: accept pairs twice as far
+            continue
+        o = np.argsort(gap, kind="stable")
+        lo, hi = lo[o], hi[o]
+        ia = np.where(kind[lo], hi, lo)
+        ib = np.where(kind[lo], lo, hi)
+        # each step gives at most its quota: the pair's rank among its step's pairs, nearest first
+        accept = (_rank_within(step[ia]) < quota_a[step[ia]]) & (_rank_within(step[ib]) < quota_b[step[ib]])
+        ia, ib = ia[accept][:left], ib[accept][:left]
+        np.subtract.at(quota_a, step[ia], 1)
+        np.subtract.at(quota_b, step[ib], 1)
+        alive[ia] = alive[ib] = False
+        pairs.append(np.stack((step[ia], pos[ia], step[ib], pos[ib]), axis=1))
+        left -= len(ia)
         # candidates of steps whose quota is used up leave the pool
         alive &= np.where(kind, quota_b[step] > 0, quota_a[step] > 0)
-        if taken == 0:
-            tolerance *= 2  # no pair that near is left: accept pairs up to twice as far
     if not pairs:
         return 0
-    sa, pa_, sb, pb_ = np.array(pairs, dtype=np.int64).T
+    sa, pa_, sb, pb_ = np.concatenate(pairs).T
     flat[sa, pa_], flat[sb, pb_] = flat[sb, pb_], flat[sa, pa_]
     moved_a = np.bincount(sa, minlength=len(qa))
     moved_b = np.bincount(sb, minlength=len(qa))
     excess[:, s] += moved_b - moved_a
     excess[:, s2] += moved_a - moved_b
-    return len(pairs)
+    return len(sa)
+
+
+def _rank_within(groups: np.ndarray) -> np.ndarray:
+    """For each element, how many earlier elements have the same group (0, 1, 2, ...)."""
+    order = np.argsort(groups, kind="stable")
+    g = groups[order]
+    first = np.concatenate(([True], g[1:] != g[:-1]))
+    start = np.maximum.accumulate(np.where(first, np.arange(len(g)), 0))
+    rank = np.empty(len(g), dtype=np.int64)
+    rank[order] = np.arange(len(g)) - start
+    return rank
 
 
 def _swap_slots(slots: np.ndarray, bands: np.ndarray, comp: np.ndarray,
