@@ -115,9 +115,6 @@ def test_draws_cover_each_source_epoch_exactly_once() -> None:
 
 # ---- the plan of a window ------------------------------------------------------------------
 
-LENGTHS = None
-
-
 def _lengths() -> list[np.ndarray]:
     rng = np.random.default_rng(0)
     a = np.clip(rng.lognormal(np.log(600), 0.8, 3_001), 16, 8192).astype(np.int64)

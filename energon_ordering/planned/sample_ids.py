@@ -51,7 +51,8 @@ class SampleIds:
 
     def join(self, sources: np.ndarray, indices: np.ndarray) -> np.ndarray:
         """Global ids of ``(source, index within source)`` pairs."""
-        return self.offsets[np.asarray(sources, dtype=np.int64)] + np.asarray(indices, dtype=np.int64)
+        offsets = self.offsets[np.asarray(sources, dtype=np.int64)]
+        return offsets + np.asarray(indices, dtype=np.int64)
 
     def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(source, index within source)`` of global ids (the inverse of :meth:`join`)."""

@@ -40,11 +40,13 @@ __all__ = ["DEFAULT_WINDOW_STEPS", "PLAN_VERSION", "WindowPlan", "plan_window", 
 PLAN_VERSION = 1
 assert ROUNDS == 6  # part of PLAN_VERSION 1
 
-#: The default ``plan_window_steps``: the smallest window that met issue 23's targets (idle
-#: <= 1.5x the global sort of the same samples and <= 0.5%, padding <= 2%, every step within
-#: one sample) at 8, 64, 256 and 1,024 ranks on both benchmark mixes (trimodal; heavy-tailed two
-#: sources), micro-batch 4, 8 micro-batches per step, in ``tools/bench_planned.py``: K = 16
-#: missed idle on the heavy mix at 256 and 1,024 ranks (0.51-0.53%), K = 32 met all (0.34%).
+#: The default ``plan_window_steps``, measured by ``tools/bench_planned.py`` (8, 64, 256 and
+#: 1,024 ranks, micro-batch 4, 8 micro-batches per step, a trimodal mix and a heavy-tailed two-
+#: source mix): the smallest window that meets issue 23's targets (idle <= 1.5x the global sort
+#: of the same samples and <= 0.5%, padding <= 2%, every step within one sample) using at most
+#: 2/3 of each. K = 16 met them with little room (heavy mix: idle 0.42-0.43%, padding 1.77%);
+#: K = 32 halves both (0.24%, 0.94%) for twice the window's memory (about 85-115 MiB of
+#: transient arrays at 1,024 ranks) and the same planning time per step.
 DEFAULT_WINDOW_STEPS = 32
 
 
