@@ -64,7 +64,7 @@ def _match(dist: np.ndarray) -> np.ndarray:
     out = np.full(k, -1, dtype=np.int64)
     used = np.zeros(k, dtype=bool)
     done = 0
-    for flat in np.lexsort((np.arange(k * k), dist.ravel())):
+    for flat in np.argsort(dist.ravel(), kind="stable"):
         i, t = divmod(int(flat), k)
         if out[i] < 0 and not used[t]:
             out[i], used[t] = t, True
@@ -90,7 +90,7 @@ def _trade(flat: np.ndarray, costs: np.ndarray, sources: np.ndarray, excess: np.
     pos = np.concatenate((pa, pb))
     kind = np.concatenate((np.zeros(len(ta), dtype=bool), np.ones(len(tb), dtype=bool)))
     value = costs[flat[step, pos]]
-    order = np.lexsort((np.arange(len(value)), value))
+    order = np.argsort(value, kind="stable")  # ties by candidate order
     step, pos, kind, value = step[order], pos[order], kind[order], value[order]
     quota_a, quota_b = qa.copy(), qb.copy()
     alive = np.ones(len(value), dtype=bool)
@@ -227,21 +227,27 @@ def _repair(slots: np.ndarray, costs: np.ndarray, sources: np.ndarray, counts: n
         excess[t2, s] += 1
 
 
-def _deal(slots: np.ndarray, costs: np.ndarray, world_size: int, micro_batch: int) -> np.ndarray:
-    """Step 5: ``[..., R B]`` slots -> ``[..., R, B]`` micro-batches per rank."""
+def _deal(slots: np.ndarray, costs: np.ndarray, world_size: int, micro_batch: int,
+          chunk_samples: int = 1 << 16) -> np.ndarray:
+    """Step 5: ``[..., R B]`` slots -> ``[..., R, B]`` micro-batches per rank (slots dealt in
+    chunks of about ``chunk_samples`` samples, to bound the temporaries)."""
     shape = slots.shape[:-1]
     R, B = world_size, micro_batch
-    flat = slots.reshape(-1, R * B)
-    n = flat.shape[0]
-    desc = np.take_along_axis(flat, np.argsort(-costs[flat], axis=1, kind="stable"), axis=1)
-    tuples = desc.reshape(n, B, R)
-    out = np.empty((n, R, B), dtype=np.int64)
-    totals = np.zeros((n, R))
-    rows = np.arange(n)[:, None]
-    for j in range(B):
-        ranks = np.argsort(totals, axis=1, kind="stable")  # cheapest rank first
-        out[rows, ranks, j] = tuples[:, j, :]
-        totals[rows, ranks] += costs[tuples[:, j, :]]
+    every = slots.reshape(-1, R * B)
+    out = np.empty((every.shape[0], R, B), dtype=np.int64)
+    step = max(1, chunk_samples // (R * B))
+    for lo in range(0, every.shape[0], step):
+        flat = every[lo: lo + step]
+        n = flat.shape[0]
+        desc = np.take_along_axis(flat, np.argsort(-costs[flat], axis=1, kind="stable"), axis=1)
+        tuples = desc.reshape(n, B, R)
+        part = out[lo: lo + step]
+        totals = np.zeros((n, R))
+        rows = np.arange(n)[:, None]
+        for j in range(B):
+            ranks = np.argsort(totals, axis=1, kind="stable")  # cheapest rank first
+            part[rows, ranks, j] = tuples[:, j, :]
+            totals[rows, ranks] += costs[tuples[:, j, :]]
     return out.reshape(*shape, R, B)
 
 
@@ -280,7 +286,7 @@ def balance_window(
         raise ValueError("balance_window: every step's counts must sum to G = R M B.")
     if not np.array_equal(np.bincount(sources, minlength=S)[:S], counts.sum(axis=0)):
         raise ValueError("balance_window: the window's sources do not add up to the counts.")
-    order = np.lexsort((np.arange(len(costs)), costs))
+    order = np.argsort(costs, kind="stable")  # ties by their order in the window
     bands = order.reshape(M, K, RB)  # band m, slot k
     comp = np.stack([
         np.stack([np.bincount(sources[bands[m, k]], minlength=S) for k in range(K)])

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MAX_SIZE", "ROUNDS", "PermutationKey", "permutation_key", "permute", "unpermute"]
+__all__ = ["CHUNK", "MAX_SIZE", "ROUNDS", "PermutationKey", "permutation_key", "permute", "unpermute"]
 
 #: Feistel rounds. Bumping it (or anything else here) changes every planned order: it is part
 #: of :data:`energon_ordering.planned.window.PLAN_VERSION`.
@@ -101,6 +101,25 @@ def _feistel(x: np.ndarray, bits: np.ndarray, keys: tuple[tuple[int, int], ...],
     return (left << w_right) | right
 
 
+#: Indices transformed at once: bounds the temporaries (about 20 arrays of this many 8-byte
+#: words) and keeps them in cache, which is also faster than one pass over a long array.
+CHUNK = 1 << 16
+
+
+def _walk_chunk(x: np.ndarray, size: np.ndarray, key: PermutationKey,
+                inverse: bool) -> np.ndarray:
+    """One chunk: int64 ``x`` and ``size`` (same shape, or ``size`` 0-d) -> int64."""
+    h = _bits(size)
+    limit = size.astype(np.uint64)
+    out = _feistel(x.astype(np.uint64), h, key.rounds, inverse)
+    walking = np.flatnonzero(out >= limit)
+    while walking.size:  # cycle walking: at most the cycle through the start (< n)
+        hw = h if h.ndim == 0 else h[walking]
+        out[walking] = _feistel(out[walking], hw, key.rounds, inverse)
+        walking = walking[out[walking] >= (limit if limit.ndim == 0 else limit[walking])]
+    return out.astype(np.int64)
+
+
 def _walk(indices: np.ndarray | int, n: np.ndarray | int, key: PermutationKey,
           inverse: bool) -> np.ndarray:
     x = np.asarray(indices, dtype=np.int64)
@@ -108,18 +127,18 @@ def _walk(indices: np.ndarray | int, n: np.ndarray | int, key: PermutationKey,
     if size.size and (int(size.min()) < 1 or int(size.max()) > MAX_SIZE):
         raise ValueError(f"permute: n in [{int(size.min())}, {int(size.max())}]; a permutation "
                          f"needs 1 <= n <= 2**53 elements.")
-    x, size = np.broadcast_arrays(x, size)
+    shape = np.broadcast_shapes(x.shape, size.shape)
+    if size.ndim:
+        x, size = (a.ravel() for a in np.broadcast_arrays(x, size))
+    else:
+        x = np.broadcast_to(x, shape).ravel()
     if x.size and (int(x.min()) < 0 or bool((x >= size).any())):
         raise ValueError("permute: every index must lie in [0, n).")
-    x, size = x.ravel(), size.ravel()
-    h = _bits(size)
-    limit = size.astype(np.uint64)
-    out = _feistel(x.astype(np.uint64), h, key.rounds, inverse)
-    walking = np.flatnonzero(out >= limit)
-    while walking.size:  # cycle walking: at most the cycle through the start (< n)
-        out[walking] = _feistel(out[walking], h[walking], key.rounds, inverse)
-        walking = walking[out[walking] >= limit[walking]]
-    return out.astype(np.int64).reshape(np.shape(np.broadcast_arrays(indices, n)[0]))
+    out = np.empty(x.size, dtype=np.int64)
+    for lo in range(0, x.size, CHUNK):
+        part = size if size.ndim == 0 else size[lo: lo + CHUNK]
+        out[lo: lo + CHUNK] = _walk_chunk(x[lo: lo + CHUNK], part, key, inverse)
+    return out.reshape(shape)
 
 
 def permute(indices: np.ndarray | int, n: np.ndarray | int, key: PermutationKey) -> np.ndarray:

@@ -137,8 +137,9 @@ def plan_window(
     per_source = counts.sum(axis=0)
     index = [draws(seed, s, ids.sizes[s], cursor.drawn[s], int(per_source[s])) for s in range(S)]
     src = np.concatenate([np.full(len(ix), s, dtype=np.int64) for s, ix in enumerate(index)])
-    within = np.concatenate(index)
     cost = sample_cost(np.concatenate([np.asarray(lengths[s])[ix] for s, ix in enumerate(index)]))
+    within = np.concatenate(index)
+    del index
     pos = balance_window(cost, src, counts, world_size=R, micro_batch=B,
                          micro_batches_per_step=M)  # [K, M, R, B]
     flat = ids.join(src, within)[pos].transpose(0, 2, 1, 3)
