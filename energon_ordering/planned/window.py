@@ -45,7 +45,7 @@ assert ROUNDS == 6  # part of PLAN_VERSION 1
 #: source mix): the smallest window that meets issue 23's targets (idle <= 1.5x the global sort
 #: of the same samples and <= 0.5%, padding <= 2%, every step within one sample) using at most
 #: 2/3 of each. K = 16 met them with little room (heavy mix: idle 0.42-0.43%, padding 1.77%);
-#: K = 32 halves both (0.24%, 0.94%) for twice the window's memory (about 85-115 MiB of
+#: K = 32 halves both (0.24%, 0.94%) for twice the window's memory (about 50-75 MiB of
 #: transient arrays at 1,024 ranks) and the same planning time per step.
 DEFAULT_WINDOW_STEPS = 32
 
