@@ -78,6 +78,11 @@ _REDIST = (
 
 #: What to do when a field differs, by field name (the generic fix is the caller's).
 FIELD_FIXES: dict[str, str] = {
+    "length_sort_mode": (
+        "States of the length pools and of the planned global order (length_sort_mode = "
+        "'planned') do not restore into each other: resume with the length_sort_mode the state "
+        "was written with, or start the data stream fresh."
+    ),
     "rank": (
         "The state is another data-parallel rank's: load the per-rank state file written by "
         "this rank (e.g. Megatron-LM's train_dataloader_dprankXXX.pt with XXX = this rank)."

@@ -1,0 +1,283 @@
+"""The planned global order's source: this rank's micro-batches of the plan, read by byte range.
+
+With ``length_sort_mode = "planned"`` (issue 23) no rank walks its own slice of the shards.
+Every rank and loader worker computes the same plan of the global order
+(:func:`energon_ordering.planned.window.plan_window`, from the sources' length indexes, the
+seed and the blend weights) and reads the samples of its own micro-batches from their byte
+ranges in Energon's ``.nv-meta/index.sqlite``
+(:class:`~energon_ordering.pool.byte_range_reader.ByteRangeReader`). Energon's own load
+functions (the factory's ``load_sample``, any cooker) then decode each sample, exactly as the
+pre-encode pool's :class:`~energon_ordering.pool.deferred_load.Materialize` does, and the
+pipeline continues with ``encode_sample``, batching and ``encode_batch`` as in every mode::
+
+    PlannedSourceDataset -> encode_sample -> [SeqLenWarmupDataset] -> BatchDataset -> stamp
+
+Micro-batches of a rank are numbered ``b = step x M + m`` (M micro-batches per optimizer step).
+Energon's loader takes batches from its workers in turn, so loader worker w yields the
+micro-batches ``b = w, w + W, w + 2 W, ...`` (W = ``max(1, num_workers)``), B samples each,
+in the plan's order; the batcher above groups them B at a time.
+
+State (per loader worker): the next micro-batch ``b`` and how many of its samples went out,
+the plan cursor of the window the worker is in (a few dozen bytes: window index, draws per
+source, carry), and a stamp of the mode and :data:`~energon_ordering.planned.window.PLAN_VERSION`.
+A restore recomputes that window's plan from the cursor: nothing else is needed to continue
+exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable
+
+import numpy as np
+from megatron.energon.flavors.base_dataset import SavableDataset
+from megatron.energon.flavors.webdataset.sample_loader import RawSampleData
+from megatron.energon.state import FlexState
+from megatron.energon.worker import WorkerConfig
+
+from energon_ordering.errors import LengthIndexError, OrderingConfigError, show
+from energon_ordering.planned.cursor import PlanCursor
+from energon_ordering.planned.sample_ids import SampleIds
+from energon_ordering.planned.window import PLAN_VERSION, WindowPlan, plan_window, window_weights
+from energon_ordering.pool.byte_range_reader import ByteRangeReader
+from energon_ordering.state_stamp import check_stamp
+
+__all__ = ["PLANNED_STATE_VERSION", "PlannedSourceDataset", "indexed_lengths"]
+
+logger = logging.getLogger(__name__)
+
+#: Bumped when the saved state of :class:`PlannedSourceDataset` changes its layout.
+PLANNED_STATE_VERSION = 1
+
+#: First element of the restore key of a sample this source yields.
+RESTORE_KIND = "PlannedSource"
+
+
+def indexed_lengths(reader: ByteRangeReader, dataset: Any) -> np.ndarray:
+    """Every sample's length, in the reader's sample order (Energon's sample index), from the
+    length index joined to Energon's index.
+
+    Raises:
+        LengthIndexError: The length index does not cover every sample of the split.
+        OrderingConfigError: The split excludes samples (``sample_excludes``).
+    """
+    n = len(reader)
+    out = np.empty(n, dtype=np.float64)
+    for i in range(n):
+        shard, key, length = reader.visit(i)
+        if length is None:
+            raise LengthIndexError(
+                f"planned order: sample {show(key)} of {dataset} (shard {shard}) is not in the "
+                f"length index {reader.lengths}; the plan needs every sample's length. Rebuild "
+                f"it with `energon-ordering index {dataset}`."
+            )
+        if reader.sample_filter is not None and not reader.sample_filter(f"{shard}/{key}"):
+            raise OrderingConfigError(
+                f"planned order: the split of {dataset} excludes samples (e.g. {show(key)}); "
+                "length_sort_mode = 'planned' does not support sample_excludes yet: drop the "
+                "excludes or use a pool mode."
+            )
+        out[i] = length
+    return out
+
+
+class PlannedSourceDataset(SavableDataset[Any]):
+    """This rank's micro-batches of the planned global order (see the module docstring).
+
+    Args:
+        readers: Per source, byte-range access to its training split.
+        loaders: Per source, Energon's load functions (innermost first) that turn a raw sample
+            (``RawSampleData``) into the sample ``encode_sample`` receives.
+        lengths: Per source, every sample's length (:func:`indexed_lengths`).
+        weights: The blend weight of each source (normalised here).
+        seed: The ordering seed (the same on every rank).
+        window_steps: K, ``plan_window_steps``.
+        micro_batches_per_step: M.
+        batch_size: B, samples per micro-batch.
+        worker_config: Energon's worker configuration (rank, world size R, num_workers).
+    """
+
+    _savable_fields = ("_stamp", "_next", "_offset", "_cursor")
+
+    def __init__(
+        self,
+        readers: Sequence[ByteRangeReader],
+        loaders: Sequence[Sequence[Callable[[Any], Any]]],
+        lengths: Sequence[np.ndarray],
+        *,
+        weights: Sequence[float],
+        seed: int,
+        window_steps: int,
+        micro_batches_per_step: int,
+        batch_size: int,
+        worker_config: WorkerConfig,
+    ):
+        super().__init__(worker_config=worker_config)
+        self.readers = list(readers)
+        self.loaders = [list(fns) for fns in loaders]
+        self.lengths = [np.asarray(x, dtype=np.float64) for x in lengths]
+        self.ids = SampleIds.of([len(x) for x in self.lengths])
+        w = np.asarray(weights, dtype=np.float64)
+        self.weights = w / w.sum()
+        self.seed = int(seed)
+        self.window_steps = int(window_steps)
+        self.micro_batches_per_step = int(micro_batches_per_step)
+        self.batch_size = int(batch_size)
+        self._plan: WindowPlan | None = None  # not saved: recomputed from the cursor
+        self.reset_state_own()
+
+    # -- state -----------------------------------------------------------------------------
+
+    def _expected_stamp(self) -> dict[str, Any]:
+        return {
+            "mode": "planned",
+            "plan_version": PLAN_VERSION,
+            "state_version": PLANNED_STATE_VERSION,
+            "sizes": list(self.ids.sizes),
+            "weights": [float(x) for x in self.weights],
+            "seed": self.seed,
+            "window_steps": self.window_steps,
+            "micro_batches_per_step": self.micro_batches_per_step,
+            "batch_size": self.batch_size,
+            "world_size": int(self.worker_config.world_size),
+        }
+
+    def _workers(self) -> int:
+        return max(1, self.worker_config.num_workers)
+
+    def reset_state_own(self) -> None:
+        self._stamp = self._expected_stamp()
+        # the next micro-batch of this worker (rank-local count) and how many of its samples
+        # went out; None: not started (a worker's first micro-batch is its worker index, known
+        # only in the worker)
+        self._next: int | None = None
+        self._offset = 0
+        self._cursor = _cursor_state(PlanCursor.start(len(self.ids.sizes)))
+        self._plan = None
+
+    def save_state(self) -> FlexState:
+        return super().save_state()
+
+    def restore_state(self, state: FlexState) -> None:
+        check_stamp(
+            type(self).__name__, state, self._expected_stamp(),
+            "Resume with the configuration, data and data-parallel size the state was written "
+            "with, or start the data stream fresh.",
+        )
+        super().restore_state(state)
+        self._plan = None
+
+    # -- iteration -------------------------------------------------------------------------
+
+    def _window_plan(self, window: int) -> WindowPlan:
+        """The plan of ``window``, advancing the saved cursor window by window to it."""
+        plan = self._plan
+        if plan is not None and plan.cursor.window == window:
+            return plan
+        cursor = _cursor_of(self._cursor)
+        if window < cursor.window:
+            raise OrderingConfigError(
+                f"PlannedSourceDataset: micro-batch {self._next} lies in window {window}, before "
+                f"the cursor's window {cursor.window}; the state is inconsistent, start fresh.")
+        wc = self.worker_config
+        while True:
+            plan = plan_window(
+                self.lengths,
+                seed=self.seed,
+                cursor=cursor,
+                weights=window_weights(self.weights, cursor.window, self.window_steps),
+                window_steps=self.window_steps,
+                world_size=int(wc.world_size),
+                micro_batch=self.batch_size,
+                micro_batches_per_step=self.micro_batches_per_step,
+            )
+            if cursor.window == window:
+                break
+            cursor = plan.next_cursor
+        self._cursor = _cursor_state(cursor)
+        self._plan = plan
+        return plan
+
+    def micro_batch_ids(self, b: int) -> np.ndarray:
+        """Global sample ids of this rank's micro-batch ``b`` (rank-local count)."""
+        M, K = self.micro_batches_per_step, self.window_steps
+        step, m = divmod(int(b), M)
+        window, t = divmod(step, K)
+        return self._window_plan(window).ids[t, int(self.worker_config.rank), m]
+
+    def _load(self, gid: int) -> Any:
+        (source,), (index,) = self.ids.split(np.array([gid]))
+        source, index = int(source), int(index)
+        key = (RESTORE_KIND, source, index)
+        raw = self.readers[source].read(index)
+        sample: Any = RawSampleData(__restore_key__=key, data=(raw,))
+        for fn in self.loaders[source]:
+            sample = fn(sample)
+        if isinstance(sample, dict):
+            sample["__restore_key__"] = key
+        else:
+            sample.__restore_key__ = key
+        return sample
+
+    def __iter__(self) -> Iterator[Any]:
+        workers = self._workers()
+        if self._next is None:
+            self._next = self.worker_config.rank_worker_id()
+        while True:
+            b, j = self._next, self._offset
+            ids = self.micro_batch_ids(b)
+            for pos in range(j, len(ids)):
+                sample = self._load(int(ids[pos]))
+                # the state after this yield: the next sample of the plan
+                if pos + 1 == len(ids):
+                    self._next, self._offset = b + workers, 0
+                else:
+                    self._offset = pos + 1
+                yield sample
+
+    # -- Energon's SavableDataset interface ------------------------------------------------
+
+    def len_worker(self, worker_idx: int | None = None) -> int:
+        """Samples of one source epoch over all sources, this worker's share."""
+        return max(1, self.ids.total // (int(self.worker_config.world_size) * self._workers()))
+
+    def worker_has_samples(self) -> bool:
+        return True
+
+    def can_restore_sample(self) -> bool:
+        return True
+
+    def restore_sample(self, restore_key: tuple[Any, ...]) -> Any:
+        if (len(restore_key) != 3 or restore_key[0] != RESTORE_KIND
+                or not 0 <= int(restore_key[1]) < len(self.readers)):
+            raise OrderingConfigError(
+                f"PlannedSourceDataset: restore key {show(restore_key)} is not "
+                f"({RESTORE_KIND!r}, source, index).")
+        _, source, index = restore_key
+        return self._load(int(self.ids.join(np.array([source]), np.array([index]))[0]))
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "type": type(self).__qualname__,
+            "readers": [str(r) for r in self.readers],
+            "loaders": [[self._function_config(fn) for fn in fns] for fns in self.loaders],
+            **{k: v for k, v in self._expected_stamp().items() if k != "state_version"},
+            "worker_config": self.worker_config.config(),
+        }
+
+    def __str__(self) -> str:
+        return (f"PlannedSourceDataset(sources={list(self.ids.sizes)}, seed={self.seed}, "
+                f"window_steps={self.window_steps}, micro_batches_per_step="
+                f"{self.micro_batches_per_step}, batch_size={self.batch_size})")
+
+
+def _cursor_state(cursor: PlanCursor) -> dict[str, Any]:
+    """A cursor as plain builtins (Megatron-Bridge's restricted unpickler)."""
+    return {"window": int(cursor.window), "drawn": [int(d) for d in cursor.drawn],
+            "carry": [float(c) for c in cursor.carry]}
+
+
+def _cursor_of(state: dict[str, Any]) -> PlanCursor:
+    return PlanCursor(int(state["window"]), tuple(int(d) for d in state["drawn"]),
+                      tuple(float(c) for c in state["carry"]))
