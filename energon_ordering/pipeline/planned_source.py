@@ -253,7 +253,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 or not 0 <= int(restore_key[1]) < len(self.readers)):
             raise OrderingConfigError(
                 f"PlannedSourceDataset: restore key {show(restore_key)} is not "
-                f"({RESTORE_KIND!r}, source, index).")
+                f"({show(RESTORE_KIND)}, source, index).")
         _, source, index = restore_key
         return self._load(int(self.ids.join(np.array([source]), np.array([index]))[0]))
 

@@ -1,0 +1,251 @@
+"""``length_sort_mode: planned`` on real pipelines: every rank reads the plan's micro-batches,
+exact resume, the refusals (issue 23).
+
+Real prepared datasets with length indexes, real ``get_train_dataset`` + ``get_savable_loader``
+per simulated rank (``WorkerConfig(rank=r, world_size=R)``); the expected order is computed
+directly with :func:`energon_ordering.planned.window.plan_window`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from megatron.energon import WorkerConfig, load_dataset
+
+from energon_ordering import OrderingConfig
+from energon_ordering.errors import LengthIndexError, OrderingConfigError, StateMismatchError
+from energon_ordering.inspect.rank_simulation import (
+    build_train_loader,
+    resume,
+    run_ranks,
+    run_with_cuts,
+)
+from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
+from energon_ordering.length_index.build import build_length_index
+from energon_ordering.length_index.index import LengthIndex
+from energon_ordering.pipeline.planned_source import PlannedSourceDataset
+from energon_ordering.planned.cursor import PlanCursor
+from energon_ordering.planned.window import plan_window, window_weights
+from energon_ordering.pool.byte_range_reader import ByteRangeReader
+from energon_ordering.state_stamp import restore_state_rank
+
+B, M, K = 4, 2, 2
+
+
+def planned(**kw) -> OrderingConfig:
+    return OrderingConfig(length_sort_mode="planned", length_sort_placement="pre-encode",
+                          length_sort_pool_holds="keys", micro_batches_per_step=M, seed=5,
+                          plan_window_steps=K, **kw)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """Two indexed sources (web: short, code: long; weights 0.7 / 0.3) and their metadataset."""
+    root = tmp_path_factory.mktemp("planned")
+    meta = make_synthetic_dataset(
+        root,
+        [SourceSpec("web", 160, "short", weight=0.7), SourceSpec("code", 96, "long", weight=0.3)],
+        shard_size=32,
+    )
+    for name in ("web", "code"):
+        build_length_index(root / name, task_encoder=IndexedSyntheticTaskEncoder())
+    return meta
+
+
+def _readers(path: Path) -> list[ByteRangeReader]:
+    """Byte-range readers of the sources of ``path`` (a dataset or the metadataset), in
+    Energon's shard order, with their length indexes: the test's own view of the sample ids."""
+    folders = [path] if path.is_dir() else [path.parent / "web", path.parent / "code"]
+    readers = []
+    for folder in folders:
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+        factory = load_dataset(folder).get_datasets(
+            training=True, split_part="train", worker_config=wc,
+        ).datasets[0].dataset
+        shards = [(s.name, s.count) for s in factory.shards]
+        index = LengthIndex.open(folder)
+        readers.append(ByteRangeReader(folder, shards, lengths=index.path))
+    return readers
+
+
+def expected_keys(path: Path, weights: list[float], world_size: int, micro_batches: int
+                  ) -> list[list[tuple[str, ...]]]:
+    """``keys[rank][b]``: the plan's samples of each rank's micro-batch b, from plan_window."""
+    readers = _readers(path)
+    lengths = [np.array([r.visit(i)[2] for i in range(len(r))]) for r in readers]
+    sizes = [len(x) for x in lengths]
+    offsets = np.concatenate(([0], np.cumsum(sizes)))
+    cursor = PlanCursor.start(len(readers))
+    out: list[list[tuple[str, ...]]] = [[] for _ in range(world_size)]
+    w = np.asarray(weights) / sum(weights)
+    while len(out[0]) < micro_batches:
+        plan = plan_window(lengths, seed=5, cursor=cursor,
+                           weights=window_weights(w, cursor.window, K), window_steps=K,
+                           world_size=world_size, micro_batch=B, micro_batches_per_step=M)
+        for t in range(K):
+            for r in range(world_size):
+                for m in range(M):
+                    keys = []
+                    for gid in plan.ids[t, r, m]:
+                        s = int(np.searchsorted(offsets, gid, side="right") - 1)
+                        keys.append(readers[s].key(int(gid - offsets[s])))
+                    out[r].append(tuple(keys))
+        cursor = plan.next_cursor
+    return [rank[:micro_batches] for rank in out]
+
+
+@pytest.mark.parametrize("which", ["dataset", "metadataset"])
+def test_every_rank_reads_the_plans_micro_batches(data, which):
+    path = data.parent / "web" if which == "dataset" else data
+    weights = [1.0] if which == "dataset" else [0.7, 0.3]
+    steps = 10  # 5 optimizer steps: windows 0, 1 and 2
+    records = run_ranks(path, ordering=planned(), world_size=3, steps=steps, batch_size=B,
+                        task_encoder_factory=IndexedSyntheticTaskEncoder)
+    want = expected_keys(path, weights, 3, steps)
+    for rank in range(3):
+        assert [r.keys for r in records[rank]] == want[rank]
+    if which == "metadataset":
+        # every optimizer step (all ranks, M micro-batches) holds each source's exact count
+        G = 3 * M * B
+        for step in range(steps // M):
+            keys = [k for r in range(3) for b in range(step * M, step * M + M)
+                    for k in records[r][b].keys]
+            web = sum(k.startswith("web") for k in keys)
+            assert abs(web - 0.7 * G) <= 1
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_exact_resume_at_cuts(data, num_workers):
+    def make():
+        return build_train_loader(data, ordering=planned(), rank=1, world_size=3,
+                                  num_workers=num_workers, batch_size=B,
+                                  task_encoder_factory=IndexedSyntheticTaskEncoder)
+
+    total = 12
+    cuts = [0, 3, 6, total - 1]  # the last cut: before the last micro-batch
+    records, states = run_with_cuts(make, total, cuts)
+    if num_workers == 0:
+        assert [r.keys for r in records] == expected_keys(data, [0.7, 0.3], 3, total)[1]
+    for cut in cuts:
+        assert resume(make, states[cut], total - cut) == records[cut:], cut
+
+
+@pytest.mark.slow
+def test_loader_workers_deliver_the_same_order(data):
+    """Micro-batch b from loader worker b % num_workers: 2 workers give the 0-worker order."""
+    runs = [run_ranks(data, ordering=planned(), world_size=3, steps=8, batch_size=B,
+                      num_workers=w, task_encoder_factory=IndexedSyntheticTaskEncoder)
+            for w in (0, 2)]
+    assert runs[0] == runs[1]
+
+
+def _pool_cfg() -> OrderingConfig:
+    return OrderingConfig(length_sort_pool_size=32, length_sort_mode="batch", seed=5,
+                          length_sort_placement="pre-encode", length_sort_pool_holds="keys",
+                          micro_batches_per_step=M)
+
+
+@pytest.mark.parametrize("saved,restored", [("pool", "planned"), ("planned", "pool")])
+def test_state_of_the_other_mode_is_refused(data, saved, restored):
+    cfgs = {"pool": _pool_cfg(), "planned": planned()}
+
+    def make(cfg):
+        return build_train_loader(data, ordering=cfg, batch_size=B,
+                                  task_encoder_factory=IndexedSyntheticTaskEncoder)
+
+    _, states = run_with_cuts(lambda: make(cfgs[saved]), 3, [2])
+    loader = make(cfgs[restored])
+    with pytest.raises(StateMismatchError, match="length_sort_mode: saved"):
+        restore_state_rank(loader, states[2])
+
+
+def test_the_pipeline_has_the_planned_source_and_no_energon_walk(data):
+    loader = build_train_loader(data, ordering=planned(), batch_size=B,
+                                task_encoder_factory=IndexedSyntheticTaskEncoder)
+    stages, stack = [], [loader.dataset]
+    while stack:
+        ds = stack.pop()
+        stages.append(type(ds).__name__)
+        stack.extend([ds.dataset] if hasattr(ds, "dataset") else [])
+    assert stages[-1] == PlannedSourceDataset.__name__
+    assert "WebdatasetSampleLoaderDataset" not in stages and "BlendDataset" not in stages
+    assert "ShuffleBufferDataset" not in stages
+
+
+def test_unused_energon_settings_are_logged_once(data, caplog):
+    with caplog.at_level(logging.INFO, logger="energon_ordering.task_encoder"):
+        build_train_loader(data, ordering=planned(), batch_size=B, shuffle_buffer_size=32,
+                           max_samples_per_sequence=16,
+                           task_encoder_factory=IndexedSyntheticTaskEncoder)
+    lines = [r.getMessage() for r in caplog.records if "planned" in r.getMessage()]
+    assert len(lines) == 1
+    assert "shuffle_buffer_size = 32" in lines[0] and "max_samples_per_sequence" in lines[0]
+
+
+def test_a_dataset_without_length_index_is_refused(tmp_path):
+    path = make_synthetic_dataset(tmp_path, [SourceSpec("web", 40, "short")], shard_size=20)
+    with pytest.raises(LengthIndexError, match="no length index"):
+        build_train_loader(path.parent / "web", ordering=planned(), batch_size=B,
+                           task_encoder_factory=IndexedSyntheticTaskEncoder)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(repeat=False), "repeat=False"),
+    (dict(batch_size=None), "batch_size"),
+])
+def test_unsupported_builds_are_refused(data, kwargs, match):
+    with pytest.raises(OrderingConfigError, match=match):
+        build_train_loader(data, ordering=planned(), task_encoder_factory=IndexedSyntheticTaskEncoder,
+                           **{"batch_size": B, **kwargs})
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+def test_planned_config_defaults_the_window():
+    from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
+
+    cfg = OrderingConfig(length_sort_mode="planned", length_sort_placement="pre-encode",
+                         length_sort_pool_holds="keys")
+    assert cfg.planned and not cfg.length_sort_enabled
+    assert cfg.plan_window_steps == DEFAULT_WINDOW_STEPS
+    assert OrderingConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(length_sort_pool_size=1024), r"length_sort_pool_size = 1024.*plan_window_steps"),
+    (dict(plan_window_steps=0), r"plan_window_steps = 0.*int >= 1"),
+    (dict(plan_window_steps=2.5), r"plan_window_steps = 2.5"),
+    (dict(length_sort_placement="post-encode", length_sort_pool_holds="raw"),
+     r"length_sort_placement = 'post-encode'.*'pre-encode'"),
+    (dict(length_sort_pool_holds="raw"), r"length_sort_pool_holds = 'raw'.*'keys'"),
+])
+def test_planned_config_refusals(kwargs, match):
+    base = dict(length_sort_mode="planned", length_sort_placement="pre-encode",
+                length_sort_pool_holds="keys")
+    with pytest.raises(OrderingConfigError, match=match):
+        OrderingConfig(**{**base, **kwargs})
+
+
+def test_plan_window_steps_outside_planned_mode_is_refused():
+    with pytest.raises(OrderingConfigError, match=r"plan_window_steps = 8 applies to "
+                       r"length_sort_mode = 'planned' only"):
+        OrderingConfig(length_sort_pool_size=64, length_sort_mode="batch", plan_window_steps=8)
+
+
+def test_a_recipe_takes_the_planned_keys(tmp_path):
+    recipe = tmp_path / "planned.yaml"
+    recipe.write_text("length_sort_mode: planned\nplacement: pre-encode\n"
+                      "length_sort_pool_holds: keys\nmicro_batches_per_step: 4\nseed: 7\n"
+                      "plan_window_steps: 16\n")
+    cfg = OrderingConfig.from_yaml(recipe)
+    assert (cfg.length_sort_mode, cfg.plan_window_steps, cfg.micro_batches_per_step) == (
+        "planned", 16, 4)
+    recipe.write_text("length_sort_mode: planned\nplacement: pre-encode\n"
+                      "length_sort_pool_holds: keys\nlength_sort_pool_size: 4096\n")
+    with pytest.raises(OrderingConfigError, match=r"planned\.yaml: .*plan_window_steps"):
+        OrderingConfig.from_yaml(recipe)
