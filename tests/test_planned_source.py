@@ -9,6 +9,7 @@ directly with :func:`energon_ordering.planned.window.plan_window`.
 from __future__ import annotations
 
 import logging
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,8 @@ from energon_ordering import OrderingConfig
 from energon_ordering.errors import LengthIndexError, OrderingConfigError, StateMismatchError
 from energon_ordering.inspect.rank_simulation import (
     build_train_loader,
+    close_loader,
+    record_batch,
     resume,
     run_ranks,
     run_with_cuts,
@@ -37,9 +40,9 @@ B, M, K = 4, 2, 2
 
 
 def planned(**kw) -> OrderingConfig:
-    return OrderingConfig(length_sort_mode="planned", length_sort_placement="pre-encode",
-                          length_sort_pool_holds="keys", micro_batches_per_step=M, seed=5,
-                          plan_window_steps=K, **kw)
+    return OrderingConfig(**{**dict(length_sort_mode="planned", length_sort_placement="pre-encode",
+                                    length_sort_pool_holds="keys", micro_batches_per_step=M,
+                                    seed=5, plan_window_steps=K), **kw})
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +252,97 @@ def test_a_recipe_takes_the_planned_keys(tmp_path):
                       "length_sort_pool_holds: keys\nlength_sort_pool_size: 4096\n")
     with pytest.raises(OrderingConfigError, match=r"planned\.yaml: .*plan_window_steps"):
         OrderingConfig.from_yaml(recipe)
+
+
+# -- elastic resume --------------------------------------------------------------------------
+
+EK = 4  # plan_window_steps of the elastic tests: a restore inside a window re-plans its tail
+
+
+def _loader(data, world_size, mbps, rank, num_workers=0):
+    return build_train_loader(data, ordering=planned(micro_batches_per_step=mbps,
+                                                     plan_window_steps=EK),
+                              rank=rank, world_size=world_size, num_workers=num_workers,
+                              batch_size=B, task_encoder_factory=IndexedSyntheticTaskEncoder)
+
+
+def _steps(records, mbps):
+    """``records[rank][micro-batch]`` -> per optimizer step, the sorted keys of all ranks."""
+    n = len(records[0]) // mbps
+    return [sorted(k for rank in records for b in rank[s * mbps:(s + 1) * mbps] for k in b.keys)
+            for s in range(n)]
+
+
+def _run(data, world_size, mbps, start_step, end_step, state=None, num_workers=0):
+    """Steps ``start_step..end_step-1`` on every rank (each restored from ``state``, one rank's
+    state, if given); returns the per-step keys and rank 0's state after the last step."""
+    records, end_state = [], None
+    for rank in range(world_size):
+        loader = _loader(data, world_size, mbps, rank, num_workers)
+        if state is not None:
+            restore_state_rank(loader, state)
+        it = iter(loader)
+        records.append([record_batch(next(it)) for _ in range((end_step - start_step) * mbps)])
+        if rank == 0:
+            end_state = pickle.loads(pickle.dumps(loader.save_state_rank()))
+        del it
+        close_loader(loader)
+    return _steps(records, mbps), end_state
+
+
+@pytest.mark.parametrize("shapes", [
+    [(4, 1), (2, 2)],          # 4 -> 2 ranks
+    [(4, 1), (2, 2), (4, 1)],  # 4 -> 2 -> 4 ranks, both inside one window
+])
+def test_elastic_resume_continues_the_global_order(data, shapes):
+    end = 3 * EK  # windows 0, 1 and 2
+    bounds = [0, EK + 1, EK + 3][: len(shapes)] + [end]  # the restores fall inside window 1
+    whole, _ = _run(data, *shapes[0], 0, end)
+    spliced, state = [], None
+    for shape, start, stop in zip(shapes, bounds, bounds[1:]):
+        part, state = _run(data, *shape, start, stop, state=state)  # rank 0's file only
+        spliced += part
+    assert len(spliced) == end
+    flat_whole = [k for s in whole for k in s]
+    flat_spliced = [k for s in spliced for k in s]
+    # no source epoch ends in these steps: every sample once, the same samples as uninterrupted
+    assert len(flat_spliced) == len(set(flat_spliced)) == len(flat_whole)
+    assert set(flat_spliced) == set(flat_whole)
+    # each window holds the same samples, each step the same count per source
+    for w in range(3):
+        win = slice(w * EK, (w + 1) * EK)
+        assert sorted(k for s in spliced[win] for k in s) == sorted(k for s in whole[win] for k in s)
+    for a, b in zip(spliced, whole):
+        assert sum(k.startswith("web") for k in a) == sum(k.startswith("web") for k in b)
+    # the steps before the first restore are untouched
+    assert spliced[: bounds[1]] == whole[: bounds[1]]
+
+
+@pytest.mark.slow  # both variants start loader workers
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_elastic_resume_onto_other_loader_workers(data, num_workers):
+    """A state saved with 0 loader workers continues with 3, and one saved with 2 with 0, at
+    the same data-parallel size: the very same order (every rank restored from rank 0's file)."""
+    other = 3 if num_workers == 0 else 0
+    end = 3 * EK
+    whole, _ = _run(data, 2, 2, 0, end, num_workers=num_workers)
+    first, state = _run(data, 2, 2, 0, EK + 1, num_workers=num_workers)
+    rest, _ = _run(data, 2, 2, EK + 1, end, state=state, num_workers=other)
+    assert first + rest == whole  # same shape: the very same order
+
+
+def test_elastic_resume_keeps_the_global_batch(data):
+    _, state = _run(data, 4, 1, 0, 2)
+    loader = _loader(data, 2, 1, 0)
+    with pytest.raises(StateMismatchError, match=r"global batch.*micro_batches_per_step = 2"):
+        restore_state_rank(loader, state)
+
+
+def test_pool_modes_still_refuse_another_world_size(data):
+    def make(world_size):
+        return build_train_loader(data, ordering=_pool_cfg(), world_size=world_size, batch_size=B,
+                                  task_encoder_factory=IndexedSyntheticTaskEncoder)
+
+    _, states = run_with_cuts(lambda: make(2), 2, [1])
+    with pytest.raises(StateMismatchError, match="world_size: saved 2 != configured 1"):
+        restore_state_rank(make(1), states[1])

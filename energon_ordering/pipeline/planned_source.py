@@ -36,7 +36,13 @@ from megatron.energon.flavors.webdataset.sample_loader import RawSampleData
 from megatron.energon.state import FlexState
 from megatron.energon.worker import WorkerConfig
 
-from energon_ordering.errors import LengthIndexError, OrderingConfigError, show
+from energon_ordering.errors import (
+    LengthIndexError,
+    OrderingConfigError,
+    StateMismatchError,
+    show,
+)
+from energon_ordering.planned.balance import balance_window, sample_cost
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.sample_ids import SampleIds
 from energon_ordering.planned.window import PLAN_VERSION, WindowPlan, plan_window, window_weights
@@ -98,7 +104,8 @@ class PlannedSourceDataset(SavableDataset[Any]):
         worker_config: Energon's worker configuration (rank, world size R, num_workers).
     """
 
-    _savable_fields = ("_stamp", "_next", "_offset", "_cursor")
+    _savable_fields = ("_stamp", "_next", "_offset", "_cursor", "_start_step", "_history")
+
 
     def __init__(
         self,
@@ -125,6 +132,9 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self.micro_batches_per_step = int(micro_batches_per_step)
         self.batch_size = int(batch_size)
         self._plan: WindowPlan | None = None  # not saved: recomputed from the cursor
+        self._steps: list[np.ndarray] | None = None  # the window's steps as read here
+        #: Set by :meth:`restore_elastic` (before iteration): where this loader starts.
+        self.elastic_start: dict[str, Any] | None = None
         self.reset_state_own()
 
     # -- state -----------------------------------------------------------------------------
@@ -153,8 +163,16 @@ class PlannedSourceDataset(SavableDataset[Any]):
         # only in the worker)
         self._next: int | None = None
         self._offset = 0
-        self._cursor = _cursor_state(PlanCursor.start(len(self.ids.sizes)))
+        start = self.elastic_start
+        # the global optimizer step this loader started at, and the data-parallel shapes in
+        # effect before each elastic restore: [{"at_step", "world_size",
+        # "micro_batches_per_step"}] (the window of a restore is re-planned from its step on)
+        self._start_step = 0 if start is None else int(start["step"])
+        self._history = [] if start is None else [dict(h) for h in start["history"]]
+        self._cursor = (_cursor_state(PlanCursor.start(len(self.ids.sizes))) if start is None
+                        else dict(start["cursor"]))
         self._plan = None
+        self._steps = None
 
     def save_state(self) -> FlexState:
         return super().save_state()
@@ -167,20 +185,77 @@ class PlannedSourceDataset(SavableDataset[Any]):
         )
         super().restore_state(state)
         self._plan = None
+        self._steps = None
+
+    def restore_elastic(self, saved: Sequence[tuple[Any, int]]) -> None:
+        """Continues a planned state saved at another data-parallel size, micro-batches per
+        step or ``num_workers`` (elastic resume; call before iterating).
+
+        Every rank's state holds the same global position, so any rank's state will do. The
+        window the state was saved in is re-planned from its step on for this loader's shape,
+        from the same samples and with the same per-step source counts; later windows are
+        planned for this shape from the same cursor. Nothing is lost or drawn twice.
+
+        Args:
+            saved: Per loader worker of the saved rank, its saved state of this stage and the
+                micro-batches it emitted after that checkpoint (Energon's ``offset``).
+
+        Raises:
+            StateMismatchError: The global batch or micro-batch size changed, or the state was
+                saved inside an optimizer step.
+        """
+        wc = self.worker_config
+        known = [state for state, _ in saved if state is not None]
+        if not known:  # saved before any worker ran: nothing was read
+            self.elastic_start = None
+            self.reset_state_own()
+            return
+        first = known[0]
+        old = first["_stamp"]
+        R1, M1, B1 = int(old["world_size"]), int(old["micro_batches_per_step"]), int(
+            old["batch_size"])
+        R2, M2, B2 = int(wc.world_size), self.micro_batches_per_step, self.batch_size
+        if B1 != B2 or R1 * M1 != R2 * M2:
+            raise StateMismatchError(
+                f"PlannedSourceDataset: the global batch changes from {R1} ranks x {M1} "
+                f"micro-batches x {B1} samples to {R2} x {M2} x {B2}; an elastic resume keeps "
+                "the global batch and the micro-batch size: set micro_batches_per_step = "
+                f"{R1 * M1 // R2 if (R1 * M1) % R2 == 0 else '(none fits)'} for {R2} ranks.")
+        workers = max(1, len(saved))
+        nexts, cursors = [], []
+        start = int(first.get("_start_step", 0))
+        for w, (state, offset) in enumerate(saved):
+            n = None if state is None else state["_next"]
+            n = start * M1 + w if n is None else int(n)
+            nexts.append(n + int(offset) * workers)
+            if state is not None:
+                cursors.append(state["_cursor"])
+        consumed = min(nexts)
+        step, within = divmod(consumed, M1)
+        if within:
+            raise StateMismatchError(
+                f"PlannedSourceDataset: the state was saved after micro-batch {within} of "
+                f"optimizer step {step} ({M1} per step); an elastic resume starts at an "
+                "optimizer step: save at a step boundary (Megatron-LM and Bridge do).")
+        history = [dict(h) for h in first.get("_history", [])]
+        if (R1, M1) != (R2, M2):
+            history.append({"at_step": step, "world_size": R1, "micro_batches_per_step": M1})
+        cursor = min(cursors, key=lambda c: int(c["window"]))
+        self.elastic_start = {"step": step, "history": history, "cursor": dict(cursor)}
+        self.reset_state_own()
+        self._stamp = self._expected_stamp()
 
     # -- iteration -------------------------------------------------------------------------
 
-    def _window_plan(self, window: int) -> WindowPlan:
-        """The plan of ``window``, advancing the saved cursor window by window to it."""
-        plan = self._plan
-        if plan is not None and plan.cursor.window == window:
-            return plan
+    def _window_plan(self, window: int, world_size: int, micro_batches: int) -> WindowPlan:
+        """The plan of ``window`` for ``world_size`` ranks and ``micro_batches`` per step,
+        advancing the saved cursor window by window to it (the cursor does not depend on the
+        shape: only the global batch, which an elastic restore keeps)."""
         cursor = _cursor_of(self._cursor)
         if window < cursor.window:
             raise OrderingConfigError(
                 f"PlannedSourceDataset: micro-batch {self._next} lies in window {window}, before "
                 f"the cursor's window {cursor.window}; the state is inconsistent, start fresh.")
-        wc = self.worker_config
         while True:
             plan = plan_window(
                 self.lengths,
@@ -188,9 +263,9 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 cursor=cursor,
                 weights=window_weights(self.weights, cursor.window, self.window_steps),
                 window_steps=self.window_steps,
-                world_size=int(wc.world_size),
+                world_size=world_size,
                 micro_batch=self.batch_size,
-                micro_batches_per_step=self.micro_batches_per_step,
+                micro_batches_per_step=micro_batches,
             )
             if cursor.window == window:
                 break
@@ -199,12 +274,46 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self._plan = plan
         return plan
 
+    def _shape_at(self, step: int) -> tuple[int, int]:
+        """(world size, micro-batches per step) in effect at global optimizer ``step``."""
+        for h in sorted(self._history, key=lambda h: int(h["at_step"])):
+            if int(h["at_step"]) > step:
+                return int(h["world_size"]), int(h["micro_batches_per_step"])
+        return int(self.worker_config.world_size), self.micro_batches_per_step
+
+    def _window_steps(self, window: int) -> list[np.ndarray]:
+        """The window's steps as ``[R, M, B]`` global ids each: planned for the shape in effect
+        at the window's start, and re-planned from each elastic restore's step on for the
+        shape after it (the same samples, the same per-step source counts)."""
+        if self._steps is not None and self._plan is not None and self._plan.cursor.window == window:
+            return self._steps
+        K, B = self.window_steps, self.batch_size
+        first = window * K
+        R, M = self._shape_at(first)
+        plan = self._window_plan(window, R, M)
+        steps = list(plan.ids)
+        for h in sorted(self._history, key=lambda h: int(h["at_step"])):
+            t = int(h["at_step"]) - first
+            if 0 < t < K:
+                R2, M2 = self._shape_at(first + t)
+                tail = np.concatenate([x.ravel() for x in steps[t:]])
+                src, within = self.ids.split(tail)
+                lens = np.empty(len(tail))
+                for s, lengths in enumerate(self.lengths):
+                    lens[src == s] = lengths[within[src == s]]
+                cost = sample_cost(lens)
+                pos = balance_window(cost, src, plan.counts[t:], world_size=R2, micro_batch=B,
+                                     micro_batches_per_step=M2)  # [K - t, M2, R2, B]
+                steps[t:] = list(tail[pos].transpose(0, 2, 1, 3))
+        self._steps = steps
+        return steps
+
     def micro_batch_ids(self, b: int) -> np.ndarray:
         """Global sample ids of this rank's micro-batch ``b`` (rank-local count)."""
         M, K = self.micro_batches_per_step, self.window_steps
         step, m = divmod(int(b), M)
         window, t = divmod(step, K)
-        return self._window_plan(window).ids[t, int(self.worker_config.rank), m]
+        return self._window_steps(window)[t][int(self.worker_config.rank), m]
 
     def _load(self, gid: int) -> Any:
         (source,), (index,) = self.ids.split(np.array([gid]))
@@ -223,7 +332,8 @@ class PlannedSourceDataset(SavableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         workers = self._workers()
         if self._next is None:
-            self._next = self.worker_config.rank_worker_id()
+            self._next = self._start_step * self.micro_batches_per_step \
+                + self.worker_config.rank_worker_id()
         while True:
             b, j = self._next, self._offset
             ids = self.micro_batch_ids(b)
