@@ -24,6 +24,7 @@ from energon_ordering.inspect.rank_simulation import (
     record_batch,
     resume,
     run_ranks,
+    run_saving_every_step,
     run_with_cuts,
 )
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
@@ -189,15 +190,14 @@ def test_unused_energon_settings_are_logged_once(data, caplog):
     assert "shuffle_buffer_size = 32" in lines[0] and "max_samples_per_sequence" in lines[0]
 
 
-def test_a_dataset_without_length_index_is_refused(tmp_path):
-    path = make_synthetic_dataset(tmp_path, [SourceSpec("web", 40, "short")], shard_size=20)
+def test_a_dataset_without_length_index_is_refused(data, tmp_path):
+    # the indexes are looked for in an empty folder: none for either source
     with pytest.raises(LengthIndexError, match="no length index"):
-        build_train_loader(path.parent / "web", ordering=planned(), batch_size=B,
+        build_train_loader(data, ordering=planned(length_index_dir=str(tmp_path)), batch_size=B,
                            task_encoder_factory=IndexedSyntheticTaskEncoder)
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(repeat=False), "repeat=False"),
     (dict(batch_size=None), "batch_size"),
 ])
 def test_unsupported_builds_are_refused(data, kwargs, match):
@@ -346,3 +346,48 @@ def test_pool_modes_still_refuse_another_world_size(data):
     _, states = run_with_cuts(lambda: make(2), 2, [1])
     with pytest.raises(StateMismatchError, match="world_size: saved 2 != configured 1"):
         restore_state_rank(make(1), states[1])
+
+
+# -- finite epochs ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["dataset", "metadataset"])
+def test_a_finite_epoch_ends_at_the_same_step_on_every_rank(data, which):
+    path = data.parent / "web" if which == "dataset" else data
+    records = run_ranks(path, ordering=planned(), world_size=3, steps=None, repeat=False,
+                        batch_size=B, task_encoder_factory=IndexedSyntheticTaskEncoder)
+    G = 3 * M * B
+    # web alone: 160 // 24 = 6 steps; the blend: web (0.7 x 24 = 16.8 per step) runs out first,
+    # after 9 steps (151 of its 160 samples)
+    steps = 6 if which == "dataset" else 9
+    assert [len(r) for r in records] == [steps * M] * 3
+    keys = [k for rank in records for b in rank for k in b.keys]
+    assert len(keys) == len(set(keys)) == steps * G  # each sample at most once in the epoch
+    assert records == run_ranks(path, ordering=planned(), world_size=3, steps=None, repeat=False,
+                                batch_size=B, task_encoder_factory=IndexedSyntheticTaskEncoder)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_finite_epoch_resumes_exactly_and_to_nothing_after_its_last_step(data, num_workers):
+    def make():
+        return build_train_loader(data, ordering=planned(), rank=2, world_size=3, repeat=False,
+                                  num_workers=num_workers, batch_size=B,
+                                  task_encoder_factory=IndexedSyntheticTaskEncoder)
+
+    records, states = run_saving_every_step(make)
+    assert len(records) == 9 * M and len(states) == len(records) + 1
+    for cut in (0, 5, len(records) - 1, len(records)):  # the last: after the last step
+        loader = make()
+        restore_state_rank(loader, pickle.loads(states[cut]))
+        assert [record_batch(b) for b in loader] == records[cut:], cut
+        close_loader(loader)
+
+
+def test_the_next_finite_epoch_draws_every_source_anew(data):
+    loader = build_train_loader(data, ordering=planned(), repeat=False, batch_size=B,
+                                task_encoder_factory=IndexedSyntheticTaskEncoder)
+    epochs = [[k for b in loader for k in record_batch(b).keys] for _ in range(2)]
+    close_loader(loader)
+    assert len(epochs[0]) == len(epochs[1]) > 0
+    assert len(set(epochs[1])) == len(epochs[1])
+    assert epochs[0] != epochs[1]  # another permutation of each source

@@ -272,10 +272,6 @@ def _validate_planned(cfg: OrderingConfig, args: BuildArgs, packing: int | None)
     if args.batch_size is None:
         raise OrderingConfigError(
             f"{mode} plans micro-batches; pass batch_size to get_train_dataset.")
-    if not args.repeat:
-        raise OrderingConfigError(
-            f"{mode}: get_train_dataset(repeat=False) (a finite epoch) is not supported by the "
-            "planned order yet; pass repeat=True.")
     if packing is not None:
         raise OrderingConfigError(
             f"{mode}: packing (packing_buffer_size = {packing}) is not supported by the planned "
@@ -451,6 +447,7 @@ def _planned_stages(cfg: OrderingConfig, args: BuildArgs) -> Iterator[Stage]:
             ("micro_batches_per_step", cfg.micro_batches_per_step),
             ("batch_size", args.batch_size),
             ("weights", weights),
+            ("finite", not args.repeat),
         ),
     )
     yield Stage(ENCODE, "the task encoder's encode_sample (stateless)", energon=True)

@@ -42,6 +42,7 @@ from energon_ordering.errors import (
     StateMismatchError,
     show,
 )
+from energon_ordering.mixture.step_counts import step_source_counts
 from energon_ordering.planned.balance import balance_window, sample_cost
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.sample_ids import SampleIds
@@ -101,10 +102,13 @@ class PlannedSourceDataset(SavableDataset[Any]):
         window_steps: K, ``plan_window_steps``.
         micro_batches_per_step: M.
         batch_size: B, samples per micro-batch.
+        finite: One epoch per iteration (``repeat=False``): see :meth:`end_step`. False: the
+            sources repeat, each on its own, and the iteration never ends.
         worker_config: Energon's worker configuration (rank, world size R, num_workers).
     """
 
-    _savable_fields = ("_stamp", "_next", "_offset", "_cursor", "_start_step", "_history")
+    _savable_fields = ("_stamp", "_epoch", "_next", "_offset", "_cursor", "_start_step",
+                       "_history")
 
 
     def __init__(
@@ -118,6 +122,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         window_steps: int,
         micro_batches_per_step: int,
         batch_size: int,
+        finite: bool = False,
         worker_config: WorkerConfig,
     ):
         super().__init__(worker_config=worker_config)
@@ -131,6 +136,14 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self.window_steps = int(window_steps)
         self.micro_batches_per_step = int(micro_batches_per_step)
         self.batch_size = int(batch_size)
+        self.finite = bool(finite)
+        self._end_step: int | None = None
+        if self.finite and self.end_step() == 0:
+            raise OrderingConfigError(
+                f"planned order: a finite epoch (repeat=False) of sources of "
+                f"{list(self.ids.sizes)} samples holds no full optimizer step of "
+                f"{self._global_batch()} samples (weights {show(self.weights.tolist())}); use "
+                "more data, a smaller global batch, or repeat=True.")
         self._plan: WindowPlan | None = None  # not saved: recomputed from the cursor
         self._steps: list[np.ndarray] | None = None  # the window's steps as read here
         #: Set by :meth:`restore_elastic` (before iteration): where this loader starts.
@@ -151,7 +164,43 @@ class PlannedSourceDataset(SavableDataset[Any]):
             "micro_batches_per_step": self.micro_batches_per_step,
             "batch_size": self.batch_size,
             "world_size": int(self.worker_config.world_size),
+            "finite": self.finite,
         }
+
+    def _epoch_cursor(self, epoch: int) -> dict[str, Any]:
+        """The plan cursor at the start of finite epoch ``epoch`` (every source at the start of
+        its epoch-``epoch`` permutation); the start of training when repeating."""
+        return _cursor_state(PlanCursor(0, tuple(epoch * n for n in self.ids.sizes),
+                                        (0.0,) * len(self.ids.sizes)))
+
+    def _global_batch(self) -> int:
+        return int(self.worker_config.world_size) * self.micro_batches_per_step * self.batch_size
+
+    def end_step(self) -> int | None:
+        """The optimizer steps of a finite epoch (None: repeating).
+
+        Epoch e draws each source's epoch-e permutation from its start. It ends before the
+        first step at which some source would run out: every rank stops after the same step,
+        every sample is drawn at most once per epoch, and what is left of the sources at the
+        end (less than one step's count of the first source to run out, more of the others)
+        is not drawn in that epoch. A pure function of the sizes, weights and global batch, so
+        an elastic resume (same global batch) keeps it."""
+        if not self.finite:
+            return None
+        if self._end_step is None:
+            sizes = np.asarray(self.ids.sizes, dtype=np.int64)
+            drawn = np.zeros_like(sizes)
+            carry, step, chunk = None, 0, 4096
+            while True:
+                counts, carry = step_source_counts(np.tile(self.weights, (chunk, 1)),
+                                                   self._global_batch(), carry)
+                cum = drawn + np.cumsum(counts, axis=0)
+                over = (cum > sizes).any(axis=1)
+                if over.any():
+                    self._end_step = step + int(np.argmax(over))
+                    break
+                step, drawn = step + chunk, cum[-1]
+        return self._end_step
 
     def _workers(self) -> int:
         return max(1, self.worker_config.num_workers)
@@ -164,12 +213,13 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self._next: int | None = None
         self._offset = 0
         start = self.elastic_start
+        self._epoch = 0 if start is None else int(start.get("epoch", 0))
         # the global optimizer step this loader started at, and the data-parallel shapes in
         # effect before each elastic restore: [{"at_step", "world_size",
         # "micro_batches_per_step"}] (the window of a restore is re-planned from its step on)
         self._start_step = 0 if start is None else int(start["step"])
         self._history = [] if start is None else [dict(h) for h in start["history"]]
-        self._cursor = (_cursor_state(PlanCursor.start(len(self.ids.sizes))) if start is None
+        self._cursor = (self._epoch_cursor(self._epoch) if start is None
                         else dict(start["cursor"]))
         self._plan = None
         self._steps = None
@@ -241,7 +291,8 @@ class PlannedSourceDataset(SavableDataset[Any]):
         if (R1, M1) != (R2, M2):
             history.append({"at_step": step, "world_size": R1, "micro_batches_per_step": M1})
         cursor = min(cursors, key=lambda c: int(c["window"]))
-        self.elastic_start = {"step": step, "history": history, "cursor": dict(cursor)}
+        self.elastic_start = {"step": step, "history": history, "cursor": dict(cursor),
+                              "epoch": int(first.get("_epoch", 0))}
         self.reset_state_own()
         self._stamp = self._expected_stamp()
 
@@ -256,13 +307,17 @@ class PlannedSourceDataset(SavableDataset[Any]):
             raise OrderingConfigError(
                 f"PlannedSourceDataset: micro-batch {self._next} lies in window {window}, before "
                 f"the cursor's window {cursor.window}; the state is inconsistent, start fresh.")
+        end = self.end_step()
         while True:
+            k = self.window_steps
+            if end is not None:  # a finite epoch's last window ends with the epoch
+                k = min(k, end - cursor.window * self.window_steps)
             plan = plan_window(
                 self.lengths,
                 seed=self.seed,
                 cursor=cursor,
-                weights=window_weights(self.weights, cursor.window, self.window_steps),
-                window_steps=self.window_steps,
+                weights=window_weights(self.weights, cursor.window, k),
+                window_steps=k,
                 world_size=world_size,
                 micro_batch=self.batch_size,
                 micro_batches_per_step=micro_batches,
@@ -294,7 +349,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         steps = list(plan.ids)
         for h in sorted(self._history, key=lambda h: int(h["at_step"])):
             t = int(h["at_step"]) - first
-            if 0 < t < K:
+            if 0 < t < len(steps):
                 R2, M2 = self._shape_at(first + t)
                 tail = np.concatenate([x.ravel() for x in steps[t:]])
                 src, within = self.ids.split(tail)
@@ -334,8 +389,14 @@ class PlannedSourceDataset(SavableDataset[Any]):
         if self._next is None:
             self._next = self._start_step * self.micro_batches_per_step \
                 + self.worker_config.rank_worker_id()
+        end = self.end_step()
         while True:
             b, j = self._next, self._offset
+            if end is not None and b // self.micro_batches_per_step >= end:
+                # the epoch's end: the next iteration is the next epoch, as Energon's reader
+                # resets itself at the end of a finite epoch
+                self._start_epoch(self._epoch + 1)
+                return
             ids = self.micro_batch_ids(b)
             for pos in range(j, len(ids)):
                 sample = self._load(int(ids[pos]))
@@ -346,11 +407,23 @@ class PlannedSourceDataset(SavableDataset[Any]):
                     self._offset = pos + 1
                 yield sample
 
+    def _start_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+        self._next = None
+        self._offset = 0
+        self._start_step = 0
+        self._history = []
+        self._cursor = self._epoch_cursor(epoch)
+        self._plan = None
+        self._steps = None
+
     # -- Energon's SavableDataset interface ------------------------------------------------
 
     def len_worker(self, worker_idx: int | None = None) -> int:
-        """Samples of one source epoch over all sources, this worker's share."""
-        return max(1, self.ids.total // (int(self.worker_config.world_size) * self._workers()))
+        """Samples of one epoch (finite: :meth:`end_step` steps; repeating: one pass over all
+        sources), this worker's share."""
+        total = self.ids.total if not self.finite else self.end_step() * self._global_batch()
+        return max(1, total // (int(self.worker_config.world_size) * self._workers()))
 
     def worker_has_samples(self) -> bool:
         return True
