@@ -197,6 +197,20 @@ def test_a_dataset_without_length_index_is_refused(data, tmp_path):
                            task_encoder_factory=IndexedSyntheticTaskEncoder)
 
 
+@pytest.mark.filterwarnings("ignore:length index .* was computed by test")
+def test_a_length_index_missing_samples_is_refused(data, tmp_path):
+    # an index of the web dataset without its last 10 keys, in a folder of its own
+    from energon_ordering.length_index.index import write_length_index
+
+    web = data.parent / "web"
+    reader = _readers(web)[0]
+    pairs = [reader.visit(i)[1:] for i in range(len(reader) - 10)]
+    write_length_index(web, pairs, computed_by="test", index_dir=tmp_path)
+    with pytest.raises(LengthIndexError, match=r"sample 'web-\d+' .* is not in the length index"):
+        build_train_loader(web, ordering=planned(length_index_dir=str(tmp_path)), batch_size=B,
+                           task_encoder_factory=IndexedSyntheticTaskEncoder)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(batch_size=None), "batch_size"),
 ])

@@ -63,30 +63,29 @@ RESTORE_KIND = "PlannedSource"
 
 def indexed_lengths(reader: ByteRangeReader, dataset: Any) -> np.ndarray:
     """Every sample's length, in the reader's sample order (Energon's sample index), from the
-    length index joined to Energon's index.
+    length index joined to Energon's index (one query per shard).
 
     Raises:
         LengthIndexError: The length index does not cover every sample of the split.
         OrderingConfigError: The split excludes samples (``sample_excludes``).
     """
-    n = len(reader)
-    out = np.empty(n, dtype=np.float64)
-    for i in range(n):
-        shard, key, length = reader.visit(i)
-        if length is None:
-            raise LengthIndexError(
-                f"planned order: sample {show(key)} of {dataset} (shard {shard}) is not in the "
-                f"length index {reader.lengths}; the plan needs every sample's length. Rebuild "
-                f"it with `energon-ordering index {dataset}`."
-            )
-        if reader.sample_filter is not None and not reader.sample_filter(f"{shard}/{key}"):
-            raise OrderingConfigError(
-                f"planned order: the split of {dataset} excludes samples (e.g. {show(key)}); "
-                "length_sort_mode = 'planned' does not support sample_excludes yet: drop the "
-                "excludes or use a pool mode."
-            )
-        out[i] = length
-    return out
+    lengths, missing = reader.lengths_array()
+    if missing is not None:
+        shard, key, _ = reader.visit(missing)
+        raise LengthIndexError(
+            f"planned order: sample {show(key)} of {dataset} (shard {shard}) is not in the "
+            f"length index {reader.lengths}; the plan needs every sample's length. Rebuild "
+            f"it with `energon-ordering index {dataset}`."
+        )
+    if reader.sample_filter is not None:
+        for i in range(len(reader)):
+            if not reader.keep(i):
+                raise OrderingConfigError(
+                    f"planned order: the split of {dataset} excludes samples (e.g. "
+                    f"{show(reader.key(i))}); length_sort_mode = 'planned' does not support "
+                    "sample_excludes yet: drop the excludes or use a pool mode."
+                )
+    return lengths
 
 
 class PlannedSourceDataset(SavableDataset[Any]):
