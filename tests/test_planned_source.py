@@ -405,3 +405,15 @@ def test_the_next_finite_epoch_draws_every_source_anew(data):
     assert len(epochs[0]) == len(epochs[1]) > 0
     assert len(set(epochs[1])) == len(epochs[1])
     assert epochs[0] != epochs[1]  # another permutation of each source
+
+
+def test_the_plan_of_a_planned_pipeline():
+    from energon_ordering.pipeline import BuildArgs, plan_pipeline
+
+    plan = plan_pipeline(planned(), BuildArgs(batch_size=B, shuffle_buffer_size=100))
+    names = [s.name for s in plan]
+    assert names == ["PlannedSourceDataset", "encode_sample", "InputEndDataset", "BatchDataset",
+                     "PipelineStampDataset"]
+    assert plan.stage("PlannedSourceDataset").kwargs["window_steps"] == K
+    with pytest.raises(OrderingConfigError, match="packing .* not supported by the planned"):
+        plan_pipeline(planned(pack_seq_length=64), BuildArgs(batch_size=B, packing_buffer_size=8))
