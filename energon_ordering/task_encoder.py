@@ -514,7 +514,8 @@ class OrderingTaskEncoder:
             readers, loaders, lengths,
             weights=kw["weights"], seed=kw["seed"], window_steps=kw["window_steps"],
             micro_batches_per_step=kw["micro_batches_per_step"], batch_size=kw["batch_size"],
-            finite=kw["finite"], worker_config=worker_config,
+            finite=kw["finite"], schedule=kw["schedule"], source_names=kw["source_names"],
+            worker_config=worker_config,
         )
         dataset = self.build_encode_sample(dataset, worker_config=worker_config)  # type: ignore[attr-defined]
         dataset = self.build_batch(

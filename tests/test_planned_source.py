@@ -417,3 +417,34 @@ def test_the_plan_of_a_planned_pipeline():
     assert plan.stage("PlannedSourceDataset").kwargs["window_steps"] == K
     with pytest.raises(OrderingConfigError, match="packing .* not supported by the planned"):
         plan_pipeline(planned(pack_seq_length=64), BuildArgs(batch_size=B, packing_buffer_size=8))
+
+
+# -- a step schedule ---------------------------------------------------------------------------
+
+SWITCH = {"total_steps": 8, "phases": [{"until": 0.5, "weights": {"web": 0.8, "code": 0.2}},
+                                        {"until": 1.0, "weights": {"web": 0.2, "code": 0.8}}]}
+
+
+def test_a_schedule_sets_every_steps_counts_across_a_phase_switch(data):
+    # windows of 3 steps: the switch at step 4 falls inside the second window; 6 steps (two
+    # whole windows) draw neither source past its first epoch
+    cfg = planned(mixture_schedule=SWITCH, plan_window_steps=3)
+    steps = 6
+    records = run_ranks(data, ordering=cfg, world_size=3, steps=steps * M, batch_size=B,
+                        task_encoder_factory=IndexedSyntheticTaskEncoder)
+    G = 3 * M * B
+    web = [sum(k.startswith("web") for r in records for b in r[s * M:(s + 1) * M] for k in b.keys)
+           for s in range(steps)]
+    want = [0.8 * G] * 4 + [0.2 * G] * (steps - 4)
+    assert all(abs(w - x) < 1 for w, x in zip(web, want)), web
+    assert all(abs(sum(web[:s]) - sum(want[:s])) < 1 for s in range(steps + 1))  # the carry
+    keys = [k for r in records for b in r for k in b.keys]
+    assert len(keys) == len(set(keys)) == steps * G
+
+
+def test_a_schedule_over_other_sources_is_refused(data):
+    other = {"sources": {"web": {"weight": 1.0}, "books": {"weight": 1.0}}}
+    with pytest.raises(OrderingConfigError, match=r"names the sources \['web', 'books'\].*"
+                       r"\['web', 'code'\]"):
+        build_train_loader(data, ordering=planned(mixture_schedule=other), batch_size=B,
+                           task_encoder_factory=IndexedSyntheticTaskEncoder)

@@ -276,11 +276,13 @@ def _validate_planned(cfg: OrderingConfig, args: BuildArgs, packing: int | None)
         raise OrderingConfigError(
             f"{mode}: packing (packing_buffer_size = {packing}) is not supported by the planned "
             "order yet; drop packing_buffer_size or use a pool mode (length_sort_mode = 'batch').")
-    if cfg.mixture_schedule is not None:
+    schedule = cfg.mixture_schedule
+    names = [s.name for s in args.sources]
+    if schedule is not None and None not in names and set(schedule.sources) != set(names):
         raise OrderingConfigError(
-            f"{mode}: mixture_schedule is not supported by the planned order yet (the "
-            "metadataset's blend weights are planned exactly per step); drop mixture_schedule "
-            "or use a pool mode.")
+            f"OrderingConfig.mixture_schedule names the sources {list(schedule.sources)}, but "
+            f"the metadataset has {names}; {mode} plans exactly the metadataset's sources: give "
+            "the schedule one weight per metadataset entry (by its `subflavors: {source: ...}`).")
     if args.own_batch_group_criterion:
         raise OrderingConfigError(
             f"{mode} cannot be combined with {args.encoder}.batch_group_criterion; remove the "
@@ -448,6 +450,9 @@ def _planned_stages(cfg: OrderingConfig, args: BuildArgs) -> Iterator[Stage]:
             ("batch_size", args.batch_size),
             ("weights", weights),
             ("finite", not args.repeat),
+            ("schedule", cfg.mixture_schedule),
+            ("source_names", tuple(s.name for s in args.sources)
+             if cfg.mixture_schedule is not None else None),
         ),
     )
     yield Stage(ENCODE, "the task encoder's encode_sample (stateless)", energon=True)

@@ -46,7 +46,7 @@ from energon_ordering.mixture.step_counts import step_source_counts
 from energon_ordering.planned.balance import balance_window, sample_cost
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.sample_ids import SampleIds
-from energon_ordering.planned.window import PLAN_VERSION, WindowPlan, plan_window, window_weights
+from energon_ordering.planned.window import PLAN_VERSION, WindowPlan, plan_window
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
 from energon_ordering.state_stamp import check_stamp
 
@@ -103,6 +103,10 @@ class PlannedSourceDataset(SavableDataset[Any]):
         batch_size: B, samples per micro-batch.
         finite: One epoch per iteration (``repeat=False``): see :meth:`end_step`. False: the
             sources repeat, each on its own, and the iteration never ends.
+        schedule: A :class:`~energon_ordering.mixture.schedule.MixtureSchedule` whose weights
+            at each optimizer step replace ``weights`` (each step's counts within one sample
+            of them, cumulative counts tracking their integral); None: ``weights``.
+        source_names: With ``schedule``: each source's name, in the order of ``readers``.
         worker_config: Energon's worker configuration (rank, world size R, num_workers).
     """
 
@@ -122,6 +126,8 @@ class PlannedSourceDataset(SavableDataset[Any]):
         micro_batches_per_step: int,
         batch_size: int,
         finite: bool = False,
+        schedule: Any = None,
+        source_names: Sequence[str] | None = None,
         worker_config: WorkerConfig,
     ):
         super().__init__(worker_config=worker_config)
@@ -136,6 +142,16 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self.micro_batches_per_step = int(micro_batches_per_step)
         self.batch_size = int(batch_size)
         self.finite = bool(finite)
+        self.schedule = schedule
+        self._columns = None
+        if schedule is not None:
+            names = list(source_names or ())
+            if sorted(names) != sorted(schedule.sources):
+                raise OrderingConfigError(
+                    f"OrderingConfig.mixture_schedule names the sources "
+                    f"{list(schedule.sources)}, the metadataset {names}; give the schedule "
+                    "exactly one weight per metadataset entry.")
+            self._columns = [list(schedule.sources).index(n) for n in names]
         self._end_step: int | None = None
         if self.finite and self.end_step() == 0:
             raise OrderingConfigError(
@@ -164,7 +180,15 @@ class PlannedSourceDataset(SavableDataset[Any]):
             "batch_size": self.batch_size,
             "world_size": int(self.worker_config.world_size),
             "finite": self.finite,
+            "schedule": None if self.schedule is None else self.schedule.to_dict(),
         }
+
+    def _step_weights(self, first: int, steps: int) -> np.ndarray:
+        """``[steps, S]`` normalised weights of global optimizer steps ``first ..``: the
+        schedule's (in the sources' order), else the blend weights."""
+        if self.schedule is None:
+            return np.tile(self.weights, (steps, 1))
+        return self.schedule.weights_table(np.arange(first, first + steps))[:, self._columns]
 
     def _epoch_cursor(self, epoch: int) -> dict[str, Any]:
         """The plan cursor at the start of finite epoch ``epoch`` (every source at the start of
@@ -191,7 +215,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
             drawn = np.zeros_like(sizes)
             carry, step, chunk = None, 0, 4096
             while True:
-                counts, carry = step_source_counts(np.tile(self.weights, (chunk, 1)),
+                counts, carry = step_source_counts(self._step_weights(step, chunk),
                                                    self._global_batch(), carry)
                 cum = drawn + np.cumsum(counts, axis=0)
                 over = (cum > sizes).any(axis=1)
@@ -315,7 +339,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 self.lengths,
                 seed=self.seed,
                 cursor=cursor,
-                weights=window_weights(self.weights, cursor.window, k),
+                weights=self._step_weights(cursor.window * self.window_steps, k),
                 window_steps=k,
                 world_size=world_size,
                 micro_batch=self.batch_size,
