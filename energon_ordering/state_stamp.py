@@ -630,6 +630,11 @@ def _restore_elastic(loader: Any, state: Any) -> bool:
             "restore_state_rank: an elastic resume of the planned order must restore before the "
             "loader is iterated; restore into a fresh loader.")
     planned.restore_elastic(entries)
+    # the pipeline's own end-of-epoch record carries over: a state saved after the last step
+    # of a finite epoch resumes to nothing, as an exact restore does
+    ended = [bool(s.get("_ended")) for s in stamps if s is not None]
+    stage._ended = bool(ended) and all(ended)
+    stage._epochs = min(int(s.get("_epochs", 0)) for s in stamps if s is not None)
     return True
 
 

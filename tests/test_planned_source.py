@@ -448,3 +448,39 @@ def test_a_schedule_over_other_sources_is_refused(data):
                        r"\['web', 'code'\]"):
         build_train_loader(data, ordering=planned(mixture_schedule=other), batch_size=B,
                            task_encoder_factory=IndexedSyntheticTaskEncoder)
+
+
+@pytest.mark.parametrize("before,after", [
+    ((3, 2, 0), (6, 1, 0)),
+    pytest.param((3, 2, 2), (3, 2, 3), marks=pytest.mark.slow),
+], ids=["3x2-to-6x1-ranks", "2-to-3-workers"])
+def test_elastic_resume_of_a_finite_epoch_draws_every_sample_once(data, before, after):
+    """(ranks, micro-batches per step, loader workers) change inside a finite epoch, with the
+    same global batch: the epoch's samples, each once; a state after its last step resumes to
+    nothing."""
+    def make(world_size, mbps, workers, rank):
+        return build_train_loader(
+            data, ordering=planned(micro_batches_per_step=mbps, plan_window_steps=4),
+            rank=rank, world_size=world_size, num_workers=workers, repeat=False, batch_size=B,
+            task_encoder_factory=IndexedSyntheticTaskEncoder)
+
+    whole = [run_saving_every_step(lambda: make(*before, r)) for r in range(before[0])]
+    epoch = sorted(k for records, _ in whole for b in records for k in b.keys)
+    cut = 5 * 2  # before step 5 (inside the second window of 4 steps)
+    first = [k for records, _ in whole for b in records[:cut] for k in b.keys]
+    rest = []
+    for rank in range(after[0]):
+        loader = make(*after, rank)
+        restore_state_rank(loader, pickle.loads(whole[0][1][cut]))  # rank 0's file only
+        rest += [k for b in loader for k in record_batch(b).keys]
+        close_loader(loader)
+    assert sorted(first + rest) == epoch and len(set(epoch)) == len(epoch)
+    # after the last step: saved before the end was met, and after it (the epoch over)
+    ended = make(*before, 0)
+    assert len(list(ended)) == len(whole[0][0])
+    for state in (pickle.loads(whole[0][1][-1]), ended.save_state_rank()):
+        loader = make(*after, after[0] - 1)
+        restore_state_rank(loader, state)
+        assert list(loader) == []
+        close_loader(loader)
+    close_loader(ended)
