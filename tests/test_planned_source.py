@@ -484,3 +484,26 @@ def test_elastic_resume_of_a_finite_epoch_draws_every_sample_once(data, before, 
         assert list(loader) == []
         close_loader(loader)
     close_loader(ended)
+
+
+def test_prefetched_reads_give_the_same_order(data):
+    """The byte ranges of the current and next micro-batch are read on prefetch threads; the
+    order is the plan's either way."""
+    def run(threads):
+        loader = build_train_loader(data, ordering=planned(), rank=1, world_size=3, batch_size=B,
+                                    task_encoder_factory=IndexedSyntheticTaskEncoder)
+        stack, source = [loader.dataset], None
+        while source is None:
+            ds = stack.pop()
+            source = ds if isinstance(ds, PlannedSourceDataset) else None
+            stack.extend([ds.dataset] if hasattr(ds, "dataset") else [])
+        source.prefetch_threads = threads
+        it = iter(loader)
+        records = [record_batch(next(it)) for _ in range(6)]
+        used = source._executor is not None
+        del it
+        close_loader(loader)
+        return records, used
+
+    (on, used_on), (off, used_off) = run(2), run(0)
+    assert on == off and used_on and not used_off

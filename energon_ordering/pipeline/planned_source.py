@@ -27,7 +27,9 @@ exactly.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
@@ -59,6 +61,10 @@ PLANNED_STATE_VERSION = 1
 
 #: First element of the restore key of a sample this source yields.
 RESTORE_KIND = "PlannedSource"
+
+#: Threads per loader worker that read the byte ranges of the current and the next micro-batch
+#: ahead of decoding, so that storage latency overlaps the pipeline's compute (0: no prefetch).
+PREFETCH_THREADS = 2
 
 
 def indexed_lengths(reader: ByteRangeReader, dataset: Any) -> np.ndarray:
@@ -163,6 +169,9 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self._steps: list[np.ndarray] | None = None  # the window's steps as read here
         #: Set by :meth:`restore_elastic` (before iteration): where this loader starts.
         self.elastic_start: dict[str, Any] | None = None
+        self.prefetch_threads = PREFETCH_THREADS
+        self._executor: ThreadPoolExecutor | None = None  # per process, never pickled
+        self._local: threading.local | None = None
         self.reset_state_own()
 
     # -- state -----------------------------------------------------------------------------
@@ -393,11 +402,36 @@ class PlannedSourceDataset(SavableDataset[Any]):
         window, t = divmod(step, K)
         return self._window_steps(window)[t][int(self.worker_config.rank), m]
 
-    def _load(self, gid: int) -> Any:
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_executor": None, "_local": None}
+
+    def _read(self, gid: int) -> Any:
+        """The raw sample of global id ``gid`` (runs on a prefetch thread: each thread reads
+        through its own copy of the readers, which hold a connection and open files)."""
+        source, index = (int(x[0]) for x in self.ids.split(np.array([gid])))
+        local = self._local
+        if local is None:
+            return self.readers[source].read(index)
+        readers = getattr(local, "readers", None)
+        if readers is None:
+            readers = local.readers = [r.thread_copy() for r in self.readers]
+        return readers[source].read(index)
+
+    def _prefetch(self, gids: np.ndarray) -> list[Future]:
+        """Starts reading ``gids`` on the prefetch threads (started on first use)."""
+        if self._executor is None:
+            self._local = threading.local()
+            self._executor = ThreadPoolExecutor(self.prefetch_threads,
+                                                thread_name_prefix="planned-prefetch")
+        return [self._executor.submit(self._read, int(g)) for g in gids]
+
+    def _load(self, gid: int, raw: Any = None) -> Any:
+        """Sample ``gid`` decoded by Energon's load functions (``raw``: already read)."""
         (source,), (index,) = self.ids.split(np.array([gid]))
         source, index = int(source), int(index)
         key = (RESTORE_KIND, source, index)
-        raw = self.readers[source].read(index)
+        if raw is None:
+            raw = self.readers[source].read(index)
         sample: Any = RawSampleData(__restore_key__=key, data=(raw,))
         for fn in self.loaders[source]:
             sample = fn(sample)
@@ -413,16 +447,25 @@ class PlannedSourceDataset(SavableDataset[Any]):
             self._next = self._start_step * self.micro_batches_per_step \
                 + self.worker_config.rank_worker_id()
         end = self.end_step()
+        M, K = self.micro_batches_per_step, self.window_steps
+        ahead: dict[int, list[Future]] = {}  # micro-batch -> its reads, started
         while True:
             b, j = self._next, self._offset
-            if end is not None and b // self.micro_batches_per_step >= end:
+            if end is not None and b // M >= end:
                 # the epoch's end: the next iteration is the next epoch, as Energon's reader
                 # resets itself at the end of a finite epoch
                 self._start_epoch(self._epoch + 1)
                 return
             ids = self.micro_batch_ids(b)
+            reads: list[Any] = [None] * len(ids)
+            if self.prefetch_threads > 0:
+                reads = ahead.pop(b, None) or ([None] * j + self._prefetch(ids[j:]))
+                nb = b + workers  # this worker's next micro-batch, if its plan is at hand
+                if nb // M // K == b // M // K and (end is None or nb // M < end):
+                    ahead[nb] = self._prefetch(self.micro_batch_ids(nb))
             for pos in range(j, len(ids)):
-                sample = self._load(int(ids[pos]))
+                read = reads[pos]
+                sample = self._load(int(ids[pos]), None if read is None else read.result())
                 # the state after this yield: the next sample of the plan
                 if pos + 1 == len(ids):
                     self._next, self._offset = b + workers, 0

@@ -35,6 +35,7 @@ sample ``i`` of shard ``s`` has the index ``sum(count of shards before s) + i``.
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import sqlite3
@@ -264,6 +265,13 @@ class ByteRangeReader:
         it lacks the key) of sample ``index``, from the indexes (no shard read)."""
         shard, found, at = self._block_entry(index)
         return self.shards[shard][0], found[0][at], found[1][at]
+
+    def thread_copy(self) -> ByteRangeReader:
+        """A copy with its own sqlite connection, key cache and open files, for another thread
+        (one reader's connection and files are not shared between threads)."""
+        other = copy.copy(self)
+        other._reset_process_state()
+        return other
 
     def lengths_array(self) -> tuple[np.ndarray, int | None]:
         """Every sample's length from the length index, in the reader's sample order, in one
