@@ -21,7 +21,21 @@ State (per loader worker): the next micro-batch ``b`` and how many of its sample
 the plan cursor of the window the worker is in (a few dozen bytes: window index, draws per
 source, carry), and a stamp of the mode and :data:`~energon_ordering.planned.window.PLAN_VERSION`.
 A restore recomputes that window's plan from the cursor: nothing else is needed to continue
-exactly.
+exactly. The byte ranges of the current and the next micro-batch are read on a few prefetch
+threads (:data:`PREFETCH_THREADS`), so storage latency overlaps decoding and encoding.
+
+Elastic resume (:meth:`PlannedSourceDataset.restore_elastic`, through
+:func:`energon_ordering.state_stamp.restore_state_rank`): every rank's state holds the same
+global position, so a state restores at another data-parallel size, ``micro_batches_per_step``
+or ``num_workers`` with the same global batch. The rest of the window it was saved in is
+re-planned for the new shape from the same samples and per-step source counts (recorded in
+the state as ``_history``, so later exact restores re-plan it alike); later windows are planned
+for the new shape. Nothing is lost or drawn twice.
+
+Finite epochs (``repeat=False``, :meth:`PlannedSourceDataset.end_step`): the epoch ends before
+the first step at which some source would run out, known from the sizes, weights and global
+batch, so every rank stops after the same step; epoch e draws each source's epoch-e
+permutation.
 """
 
 from __future__ import annotations
