@@ -60,7 +60,7 @@ from energon_ordering.errors import (
 )
 from energon_ordering.mixture.step_counts import step_source_counts
 from energon_ordering.planned.balance import balance_window, sample_cost
-from energon_ordering.planned.cursor import PlanCursor
+from energon_ordering.planned.cursor import PlanCursor, advance
 from energon_ordering.planned.sample_ids import SampleIds
 from energon_ordering.planned.window import PLAN_VERSION, WindowPlan, plan_window
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
@@ -354,23 +354,28 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 f"PlannedSourceDataset: micro-batch {self._next} lies in window {window}, before "
                 f"the cursor's window {cursor.window}; the state is inconsistent, start fresh.")
         end = self.end_step()
-        while True:
+
+        def steps_of(c: PlanCursor) -> int:  # a finite epoch's last window ends with the epoch
             k = self.window_steps
-            if end is not None:  # a finite epoch's last window ends with the epoch
-                k = min(k, end - cursor.window * self.window_steps)
-            plan = plan_window(
-                self.lengths,
-                seed=self.seed,
-                cursor=cursor,
-                weights=self._step_weights(cursor.window * self.window_steps, k),
-                window_steps=k,
-                world_size=world_size,
-                micro_batch=self.batch_size,
-                micro_batches_per_step=micro_batches,
-            )
-            if cursor.window == window:
-                break
-            cursor = plan.next_cursor
+            return k if end is None else min(k, end - c.window * k)
+
+        while cursor.window < window:  # earlier windows: their counts only, not their plans
+            k = steps_of(cursor)
+            counts, carry = step_source_counts(
+                self._step_weights(cursor.window * self.window_steps, k), self._global_batch(),
+                cursor.carry)
+            cursor = advance(cursor, counts, carry)
+        k = steps_of(cursor)
+        plan = plan_window(
+            self.lengths,
+            seed=self.seed,
+            cursor=cursor,
+            weights=self._step_weights(cursor.window * self.window_steps, k),
+            window_steps=k,
+            world_size=world_size,
+            micro_batch=self.batch_size,
+            micro_batches_per_step=micro_batches,
+        )
         self._cursor = _cursor_state(cursor)
         self._plan = plan
         return plan
