@@ -638,6 +638,21 @@ def _restore_elastic(loader: Any, state: Any) -> bool:
     return True
 
 
+def loader_stamp(loader: Any) -> dict[str, Any] | None:
+    """The pipeline stamp of ``loader``'s pipeline (None: not built by OrderingTaskEncoder)."""
+    stage = _find_stamp_stage(getattr(loader, "dataset", None))
+    return None if stage is None else dict(stage.stamp)
+
+
+def saved_stamp(state: Any) -> dict[str, Any] | None:
+    """The pipeline stamp a ``save_state_rank()`` state was written under (None: none)."""
+    for ws in getattr(state, "worker_states", None) or []:
+        found = _find_saved_stamp(_saved_pipeline_state(ws))
+        if found is not None and isinstance(found.get("_stamp"), dict):
+            return dict(found["_stamp"])
+    return None
+
+
 def _find_stage_with(dataset: Any, attribute: str) -> Any:
     """The first stage of ``dataset``'s pipeline (top down) that has ``attribute``."""
     stack = [dataset]

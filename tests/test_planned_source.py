@@ -507,3 +507,45 @@ def test_prefetched_reads_give_the_same_order(data):
 
     (on, used_on), (off, used_off) = run(2), run(0)
     assert on == off and used_on and not used_off
+
+
+def test_megatron_restore_reads_dprank0_at_another_data_parallel_size(data, tmp_path, caplog):
+    """Megatron-LM: saved at 2 data-parallel ranks (2 micro-batches per step), resumed at 4 (1
+    per step); rank 3 has no file of its own and continues from dprank 0's, honouring the
+    iteration."""
+    import argparse
+
+    import torch
+
+    from energon_ordering.integrations.megatron_lm import (
+        DataloaderRestoreError,
+        _restore,
+        dataloader_state_path,
+    )
+
+    _, state = _run(data, 2, 2, 0, 3)  # 3 iterations at 2 ranks: rank 0's state
+    for iteration in (3, 4):
+        path = dataloader_state_path(tmp_path / "dl", iteration, 0)
+        path.parent.mkdir(parents=True)
+        torch.save({"dataloader_state_dict": state}, path)
+
+    def args(iteration):
+        return argparse.Namespace(load=str(tmp_path / "ckpt"), iteration=iteration,
+                                  dataloader_save=str(tmp_path / "dl"), micro_batch_size=B,
+                                  global_batch_size=16, data_parallel_size=4,
+                                  allow_dataloader_restart=False)
+
+    loader = _loader(data, 4, 1, 3)
+    with caplog.at_level(logging.WARNING, logger="energon_ordering.integrations.megatron_lm"):
+        _restore(loader, args=args(3), dp_rank=3)
+    assert "continues from data-parallel rank 0's" in caplog.text
+    it = iter(loader)
+    got = [record_batch(next(it)) for _ in range(3)]
+    del it
+    close_loader(loader)
+    direct = _loader(data, 4, 1, 3)
+    assert resume(lambda: direct, state, 3) == got
+    loader = _loader(data, 4, 1, 3)
+    with pytest.raises(DataloaderRestoreError, match="saved after 6 micro-batches"):
+        _restore(loader, args=args(4), dp_rank=3)
+    close_loader(loader)
