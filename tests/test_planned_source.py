@@ -509,6 +509,7 @@ def test_prefetched_reads_give_the_same_order(data):
     assert on == off and used_on and not used_off
 
 
+@pytest.mark.slow  # imports megatron-core (~10 s)
 def test_megatron_restore_reads_dprank0_at_another_data_parallel_size(data, tmp_path, caplog):
     """Megatron-LM: saved at 2 data-parallel ranks (2 micro-batches per step), resumed at 4 (1
     per step); rank 3 has no file of its own and continues from dprank 0's, honouring the
