@@ -14,11 +14,16 @@ from energon_ordering.errors import OrderingConfigError, OrderingTypeError, show
 from energon_ordering.pool.order import POOL_ORDERS
 from energon_ordering.pool.ramp import RAMP_MIN_POOL
 from energon_ordering.mixture.schedule import MixtureSchedule
+from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES
 from energon_ordering.yaml_file import load_yaml
 
-__all__ = ["PACK_POOL_PLACEMENTS", "PLACEMENTS", "POOL_HOLDS", "OrderingConfig"]
+__all__ = ["PACK_POOL_PLACEMENTS", "PLACEMENTS", "PLANNED", "POOL_HOLDS", "OrderingConfig"]
+
+#: ``length_sort_mode`` of the planned global order (issue 23): no pool; every rank computes the
+#: same plan of the global order from the length index (:mod:`energon_ordering.planned`).
+PLANNED = "planned"
 
 #: Where the length pool can sit: after ``encode_sample`` (pooling encoded samples) or before
 #: decoding (pooling restore keys and lengths only).
@@ -39,7 +44,10 @@ class OrderingConfig:
         length_sort_mode: ``"sample"`` (reference: permute sorted samples) or ``"batch"``
             (permute sorted micro-batch-sized chunks; near padding-free) or ``"stratified"``
             (one sample per length band in every micro-batch: sources mixed per step, padding
-            like ``"sample"``). See :mod:`energon_ordering.pool.order`.
+            like ``"sample"``). See :mod:`energon_ordering.pool.order`. ``"planned"``: no pool;
+            every rank reads its micro-batches from one plan of the global order, computed alike
+            on every rank from the length index (see ``plan_window_steps``); needs
+            ``length_sort_placement = "pre-encode"`` and ``length_sort_pool_holds = "keys"``.
         length_sort_placement: Where the length pool sits. ``"post-encode"`` (default, the
             reference behaviour): after ``encode_sample``, pooling encoded samples. ``"pre-encode"``:
             before decoding, as the lean :class:`~energon_ordering.pool.key_pool_sort.KeyPoolSortDataset`
@@ -104,6 +112,11 @@ class OrderingConfig:
             is refused on restore.
         length_index_dir: Where the length indexes live if not in ``<dataset>/.nv-meta/``
             (``energon-ordering index --index-dir``; for read-only datasets).
+        plan_window_steps: With ``length_sort_mode = "planned"``: optimizer steps per window of
+            the plan; the ranks are balanced within each window (larger: less straggler idle
+            and padding, more planning memory). Default
+            :data:`~energon_ordering.planned.window.DEFAULT_WINDOW_STEPS`, measured by
+            ``tools/bench_planned.py``. Only in planned mode.
     """
 
     length_sort_pool_size: int = 0
@@ -125,6 +138,7 @@ class OrderingConfig:
     pack_pool_placement: str = "packs"
     length_index: str | None = None
     length_index_dir: str | None = None
+    plan_window_steps: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("length_sort_pool_size", "seed", "micro_batches_per_step", "total_steps"):
@@ -279,11 +293,55 @@ class OrderingConfig:
                     f"OrderingConfig.{name} = {show(value)} ({type(value).__name__}) must be a "
                     "string or None."
                 )
-        if self.length_sort_mode not in POOL_ORDERS:
+        if self.length_sort_mode == PLANNED:
+            self._check_planned()
+        elif self.length_sort_mode not in POOL_ORDERS:
             raise OrderingConfigError(
                 f"OrderingConfig.length_sort_mode = {show(self.length_sort_mode)} is unknown; use "
-                f"one of {sorted(POOL_ORDERS)}."
+                f"one of {sorted([*POOL_ORDERS, PLANNED])}."
             )
+        elif self.plan_window_steps is not None:
+            raise OrderingConfigError(
+                f"OrderingConfig.plan_window_steps = {show(self.plan_window_steps)} applies to "
+                f"length_sort_mode = 'planned' only (length_sort_mode is "
+                f"{show(self.length_sort_mode)}); drop plan_window_steps or set "
+                "length_sort_mode = 'planned'."
+            )
+
+    def _check_planned(self) -> None:
+        """The settings ``length_sort_mode = "planned"`` needs; fills the default window."""
+        if self.length_sort_pool_size != 0:
+            raise OrderingConfigError(
+                f"OrderingConfig.length_sort_pool_size = {self.length_sort_pool_size}: "
+                "length_sort_mode = 'planned' has no pool; the plan balances ranks over windows "
+                "of plan_window_steps optimizer steps instead. Drop length_sort_pool_size (set "
+                f"plan_window_steps, default {DEFAULT_WINDOW_STEPS}, to change the window)."
+            )
+        if self.length_sort_placement != "pre-encode":
+            raise OrderingConfigError(
+                f"OrderingConfig.length_sort_placement = {show(self.length_sort_placement)}: "
+                "length_sort_mode = 'planned' plans from the length index before anything is "
+                "read; set length_sort_placement = 'pre-encode'."
+            )
+        if self.length_sort_pool_holds != "keys":
+            raise OrderingConfigError(
+                f"OrderingConfig.length_sort_pool_holds = {show(self.length_sort_pool_holds)}: "
+                "length_sort_mode = 'planned' reads every sample by its byte range when its "
+                "micro-batch is due; set length_sort_pool_holds = 'keys'."
+            )
+        k = DEFAULT_WINDOW_STEPS if self.plan_window_steps is None else self.plan_window_steps
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+            raise OrderingConfigError(
+                f"OrderingConfig.plan_window_steps = {show(k)}: the plan balances ranks over "
+                "windows of this many optimizer steps; give an int >= 1 (default "
+                f"{DEFAULT_WINDOW_STEPS})."
+            )
+        object.__setattr__(self, "plan_window_steps", int(k))
+
+    @property
+    def planned(self) -> bool:
+        """True for the planned global order (``length_sort_mode = "planned"``)."""
+        return self.length_sort_mode == PLANNED
 
     def _resolve_schedule(self, value: Any) -> MixtureSchedule | None:
         if value is None:

@@ -78,6 +78,11 @@ _REDIST = (
 
 #: What to do when a field differs, by field name (the generic fix is the caller's).
 FIELD_FIXES: dict[str, str] = {
+    "length_sort_mode": (
+        "States of the length pools and of the planned global order (length_sort_mode = "
+        "'planned') do not restore into each other: resume with the length_sort_mode the state "
+        "was written with, or start the data stream fresh."
+    ),
     "rank": (
         "The state is another data-parallel rank's: load the per-rank state file written by "
         "this rank (e.g. Megatron-LM's train_dataloader_dprankXXX.pt with XXX = this rank)."
@@ -580,10 +585,102 @@ def restore_state_rank(loader: Any, state: Any) -> None:
     ``loader.restore_state_rank`` on the result, then :func:`count_skipped_samples`.
 
     ``state`` itself is never modified (:func:`start_begun_epochs` works on a copy)."""
+    if _restore_elastic(loader, state):
+        return
     check_loader_state(loader, state)
     state = start_begun_epochs(state)
     loader.restore_state_rank(state)
     count_skipped_samples(loader, state)
+
+
+#: Stamp fields in which a planned state may differ from the loader (an elastic resume).
+ELASTIC_FIELDS = frozenset({"rank", "world_size", "num_workers", "micro_batches_per_step"})
+
+
+def _restore_elastic(loader: Any, state: Any) -> bool:
+    """The elastic resume of the planned global order (``length_sort_mode = 'planned'``): a
+    state saved at another data-parallel size, rank, micro-batches per step or ``num_workers``
+    continues the same global order (see ``PlannedSourceDataset.restore_elastic``). Returns
+    False (nothing done) for every other state, which the exact checks then take; other modes
+    keep refusing such states there."""
+    if state is None:
+        return False
+    check_state_shape(state)
+    stage = _find_stamp_stage(getattr(loader, "dataset", None))
+    if stage is None or stage.stamp.get("length_sort_mode") != "planned":
+        return False
+    pipelines = [_saved_pipeline_state(ws) for ws in state.worker_states]
+    stamps = [_find_saved_stamp(p) for p in pipelines]
+    found = [s.get("_stamp") for s in stamps if s is not None]
+    if not found or not isinstance(found[0], dict):
+        return False
+    saved = found[0]
+    differ = {k for k in {*saved, *stage.stamp} if saved.get(k) != stage.stamp.get(k)}
+    if not differ or not differ <= ELASTIC_FIELDS:
+        return False
+    planned = _find_stage_with(loader.dataset, "restore_elastic")
+    if planned is None:
+        return False
+    entries = []
+    for ws, pipeline in zip(state.worker_states, pipelines):
+        offset = 0 if isinstance(ws, FlexState) else int(getattr(ws, "offset", 0) or 0)
+        entries.append((_find_saved_class(pipeline, type(planned).__name__), offset))
+    if getattr(loader, "_iterator", None) is not None:
+        raise StateMismatchError(
+            "restore_state_rank: an elastic resume of the planned order must restore before the "
+            "loader is iterated; restore into a fresh loader.")
+    planned.restore_elastic(entries)
+    # the pipeline's own end-of-epoch record carries over: a state saved after the last step
+    # of a finite epoch resumes to nothing, as an exact restore does
+    ended = [bool(s.get("_ended")) for s in stamps if s is not None]
+    stage._ended = bool(ended) and all(ended)
+    stage._epochs = min(int(s.get("_epochs", 0)) for s in stamps if s is not None)
+    return True
+
+
+def loader_stamp(loader: Any) -> dict[str, Any] | None:
+    """The pipeline stamp of ``loader``'s pipeline (None: not built by OrderingTaskEncoder)."""
+    stage = _find_stamp_stage(getattr(loader, "dataset", None))
+    return None if stage is None else dict(stage.stamp)
+
+
+def saved_stamp(state: Any) -> dict[str, Any] | None:
+    """The pipeline stamp a ``save_state_rank()`` state was written under (None: none)."""
+    for ws in getattr(state, "worker_states", None) or []:
+        found = _find_saved_stamp(_saved_pipeline_state(ws))
+        if found is not None and isinstance(found.get("_stamp"), dict):
+            return dict(found["_stamp"])
+    return None
+
+
+def _find_stage_with(dataset: Any, attribute: str) -> Any:
+    """The first stage of ``dataset``'s pipeline (top down) that has ``attribute``."""
+    stack = [dataset]
+    while stack:
+        ds = stack.pop()
+        if hasattr(ds, attribute):
+            return ds
+        stack.extend(getattr(ds, "datasets", None) or [])
+        inner = getattr(ds, "dataset", None)
+        if inner is not None:
+            stack.append(inner)
+    return None
+
+
+def _find_saved_class(state: Any, name: str) -> Any:
+    """The saved state of the stage of class ``name`` inside a saved pipeline state."""
+    stack = [state]
+    while stack:
+        s = stack.pop()
+        if not isinstance(s, dict):
+            continue
+        if s.get("__class__") == name:
+            return s
+        inner = s.get("datasets")
+        if isinstance(inner, list):
+            stack.extend(inner)
+        stack.append(s.get("dataset"))
+    return None
 
 
 #: The Energon version whose worker checkpoints :func:`start_begun_epochs` and

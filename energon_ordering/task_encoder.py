@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import types
 import warnings
 from collections.abc import Iterator
@@ -30,6 +31,8 @@ from energon_ordering.pipeline.plan import (
     LENGTH_POOL,
     PACK_CAP,
     PACK_POOL,
+    PLANNED_SOURCE,
+    PLANNED_UNUSED,
     REPEAT,
     SCHEDULED_BLEND,
     SEQ_WARMUP,
@@ -38,12 +41,13 @@ from energon_ordering.pipeline.plan import (
     PipelinePlan,
     plan_pipeline,
 )
+from energon_ordering.pipeline.planned_source import PlannedSourceDataset, indexed_lengths
 from energon_ordering.pipeline.sources import describe_source
 from energon_ordering.pipeline.stamp import pipeline_stamp
 from energon_ordering.pool.finite_shuffle_buffer import FiniteShuffleBufferDataset
 from energon_ordering.pool.deferred_load import Defer, DeferredLength, Materialize, split_loader
 from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
-from energon_ordering.pool.index_fill import index_fill_problem, index_filled
+from energon_ordering.pool.index_fill import index_fill_problem, index_filled, loader_byte_reader
 from energon_ordering.length_index.index import (
     LengthIndex,
     length_index_files,
@@ -63,6 +67,8 @@ from energon_ordering.warmup.token_layout import TokenLayout
 from energon_ordering.errors import show
 
 __all__ = ["OrderingTaskEncoder"]
+
+logger = logging.getLogger(__name__)
 
 
 class OrderingTaskEncoder:
@@ -298,7 +304,9 @@ class OrderingTaskEncoder:
             kwargs["packing_buffer_size"] = plan.packing_buffer_size
         build = TrainBuild(encoder=self, plan=plan)
         with build.active():
-            if plan.has(SCHEDULED_BLEND):
+            if plan.has(PLANNED_SOURCE):
+                dataset = self._build_planned_train(plan, batch_size=batch_size, **kwargs)
+            elif plan.has(SCHEDULED_BLEND):
                 dataset = self._build_scheduled_train(plan, batch_size=batch_size, **kwargs)
             else:
                 dataset = super().build_train_datasets(batch_size=batch_size, **kwargs)  # type: ignore[misc]
@@ -442,6 +450,76 @@ class OrderingTaskEncoder:
             batch_size=batch_size,
             batch_drop_last=batch_drop_last,
             packing_buffer_size=packing_buffer_size,
+            worker_config=worker_config,
+        )
+        epochize = plan.stage(EPOCHIZE)
+        if epochize is not None:
+            dataset = EpochizeDataset(dataset, **epochize.kwargs, worker_config=worker_config)
+        if worker_config.should_log(level=1):
+            dataset = LogSampleDataset(dataset, mode="train", worker_config=worker_config)
+        return dataset
+
+    def _build_planned_train(
+        self,
+        plan: PipelinePlan,
+        *,
+        datasets: list[Any],
+        worker_config: WorkerConfig,
+        batch_size: int | None,
+        batch_drop_last: bool = False,
+        packing_buffer_size: int | None = None,
+        virtual_epoch_length: int = 0,
+        shuffle_buffer_size: int | None = None,
+        blend_mode: Any = None,
+        repeat: bool = True,
+    ) -> SavableDataset:
+        """The planned global order: :class:`PlannedSourceDataset` over every source (read by
+        byte range, decoded by Energon's own load functions), then Energon's encode_sample and
+        batching. Energon's slice walk, blend, repeat and shuffle buffer are not built."""
+        build = current_build(self)
+        assert build is not None
+        unused = [f"{name} = {value}" for name, value in (
+            ("shuffle_buffer_size", shuffle_buffer_size),
+            ("max_samples_per_sequence", [s.max_samples_per_sequence for s in plan.args.sources]),
+            ("parallel_shard_iters", [s.parallel_shard_iters for s in plan.args.sources]),
+        ) if value not in (None, 0, 1) and value != [None] * len(plan.args.sources)]
+        if unused:
+            logger.info(
+                "length_sort_mode = 'planned': Energon's %s replaced by the plan (%s unused)",
+                "/".join(PLANNED_UNUSED), ", ".join(unused))
+        readers, loaders, lengths = [], [], []
+        for d in datasets:
+            loaded = super()._load_dataset(  # type: ignore[misc]
+                d, 0, worker_config=worker_config)
+            raw, load_fns = split_loader(loaded)
+            problem = index_fill_problem(raw)
+            if problem is not None:
+                raise OrderingConfigError(
+                    f"OrderingConfig.length_sort_mode = 'planned' reads samples by byte range, "
+                    f"but {raw} cannot be: {problem}; use a pool mode for this dataset.")
+            index = self._ordering_length_source(build, d.dataset)
+            if not isinstance(index, LengthIndex):
+                raise OrderingConfigError(
+                    f"OrderingConfig.length_sort_mode = 'planned' plans from a length index, "
+                    f"and {show(d.dataset)} has none; build it with `energon-ordering index "
+                    f"{getattr(d.dataset, 'path', '<dataset>')}`.")
+            reader = loader_byte_reader(raw, index.path, index.digest, cache_shards=16)
+            readers.append(reader)
+            loaders.append(load_fns)
+            lengths.append(indexed_lengths(reader, getattr(d.dataset, "path", d.dataset)))
+        source = plan.stage(PLANNED_SOURCE)
+        assert source is not None
+        kw = source.kwargs
+        dataset: SavableDataset = PlannedSourceDataset(
+            readers, loaders, lengths,
+            weights=kw["weights"], seed=kw["seed"], window_steps=kw["window_steps"],
+            micro_batches_per_step=kw["micro_batches_per_step"], batch_size=kw["batch_size"],
+            finite=kw["finite"], schedule=kw["schedule"], source_names=kw["source_names"],
+            worker_config=worker_config,
+        )
+        dataset = self.build_encode_sample(dataset, worker_config=worker_config)  # type: ignore[attr-defined]
+        dataset = self.build_batch(
+            dataset, batch_size=batch_size, batch_drop_last=batch_drop_last,
             worker_config=worker_config,
         )
         epochize = plan.stage(EPOCHIZE)

@@ -2,11 +2,12 @@
 
 Rooms, from the top: ``cli/``; ``integrations/`` and ``inspect/``; ``task_encoder``;
 ``pipeline/`` (which stages a configuration gets); ``config``; ``pool/``, ``mixture/``,
-``warmup/``, ``length_index/``; the shared base (``errors``, ``state_stamp``, ``yaml_file``,
+``warmup/``, ``length_index/``, ``planned/``; the shared base (``errors``, ``state_stamp``, ``yaml_file``,
 ``sqlite_file``, ``sample_fields``, ``source_tag``). A room may import rooms below it and itself.
 Within the middle level, ``length_index`` may use ``pool`` (building an index reads samples with
-the pool's deferred loading and measures them with its length key); no other sideways import is
-allowed. ``cli/`` is at the top: it may import every other room (and the package's
+the pool's deferred loading and measures them with its length key), and ``planned`` may use
+``mixture`` (per-step counts), ``length_index`` (the lengths it plans from) and ``pool`` (the cost
+of a sample, the byte-range reader); no other sideways import is allowed. ``cli/`` is at the top: it may import every other room (and the package's
 ``__version__``), and no room imports it. Every import counts, including lazy ones inside
 functions.
 """
@@ -26,7 +27,7 @@ BASE = {
     "errors", "state_stamp", "yaml_file", "sqlite_file", "sample_fields", "source_tag",
     "packaged_recipes",
 }
-MIDDLE = {"pool", "mixture", "warmup", "length_index"}
+MIDDLE = {"pool", "mixture", "warmup", "length_index", "planned"}
 
 #: The rooms each room may import (besides itself).
 ALLOWED: dict[str, set[str]] = {
@@ -41,6 +42,7 @@ ALLOWED: dict[str, set[str]] = {
     "mixture": BASE,
     "warmup": BASE,
     "length_index": BASE | {"pool"},
+    "planned": BASE | {"mixture", "length_index", "pool"},
     "schedules": BASE | {"mixture", "warmup"},  # deprecated re-export
     "config": BASE | MIDDLE,
     "pipeline": BASE | MIDDLE | {"config"},

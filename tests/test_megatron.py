@@ -464,3 +464,14 @@ def test_lockstep_iterator_with_loader_workers_draws_and_resumes(tmp_path, gloo_
         assert [record_batch(b) for b in it] == drawn[2 * step:], f"resumed at step {step}"
         assert args.train_iters == steps
         close_loader(ld)
+
+
+def test_planned_mode_flags():
+    base = ("--seq-length 2048 --micro-batch-size 4 --global-batch-size 32 "
+            "--length-sort-mode planned --length-sort-placement pre-encode "
+            "--length-sort-pool-holds keys")
+    cfg = ordering_config_from_args(_parse(f"{base} --plan-window-steps 8", 8))
+    assert (cfg.length_sort_mode, cfg.plan_window_steps, cfg.micro_batches_per_step) == (
+        "planned", 8, 1)
+    with pytest.raises(OrderingConfigError, match="length_sort_pool_size = 64.*plan_window_steps"):
+        ordering_config_from_args(_parse(f"{base} --length-sort-pool-size 64", 8))

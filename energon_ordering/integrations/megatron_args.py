@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from energon_ordering.config import PLACEMENTS, POOL_HOLDS, OrderingConfig
+from energon_ordering.config import PLACEMENTS, PLANNED, POOL_HOLDS, OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingError
 from energon_ordering.pool.order import POOL_ORDERS
 from energon_ordering.warmup.schedule import SeqLenWarmup
@@ -30,6 +30,7 @@ FLAGS = (
     "--length-sort-mode",
     "--length-sort-placement",
     "--length-sort-pool-holds",
+    "--plan-window-steps",
     "--data-mixture-schedule",
     "--data-blend-policy",
     "--seq-length-warmup-steps",
@@ -51,9 +52,15 @@ def add_energon_ordering_args(parser: argparse.ArgumentParser) -> argparse.Argum
     g.add_argument("--length-sort-pool-size", type=int, default=None,
                    help="Samples per length pool per loader worker; 0 turns the pool off "
                         "(same flag name as the reference implementation).")
-    g.add_argument("--length-sort-mode", choices=sorted(POOL_ORDERS), default=None,
+    g.add_argument("--length-sort-mode", choices=[*sorted(POOL_ORDERS), PLANNED], default=None,
                    help="sample: permute sorted samples (reference); batch: permute sorted "
-                        "micro-batch chunks (near padding-free).")
+                        "micro-batch chunks (near padding-free); planned: no pool, every rank "
+                        "reads its micro-batches of one plan of the global order (needs "
+                        "--length-sort-placement pre-encode, --length-sort-pool-holds keys and "
+                        "a length index).")
+    g.add_argument("--plan-window-steps", type=int, default=None,
+                   help="With --length-sort-mode planned: optimizer steps per window of the "
+                        "plan (the ranks are balanced within a window).")
     g.add_argument("--length-sort-placement", choices=list(PLACEMENTS), default=None,
                    help="post-encode: pool encoded samples (default); pre-encode: pool the "
                         "samples before decoding (compressed files, or keys only; lengths from "
@@ -189,6 +196,7 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
         base.pop("placement", None)  # the flag overrides the recipe's short spelling
     flag("length_sort_placement", "length_sort_placement")
     flag("length_sort_pool_holds", "length_sort_pool_holds")
+    flag("plan_window_steps", "plan_window_steps")
     flag("data_blend_policy", "blend_policy")
     seed = getattr(args, "ordering_seed", None)
     if seed is None and "seed" not in base:

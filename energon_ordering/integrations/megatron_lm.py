@@ -47,6 +47,7 @@ iterations).
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -69,7 +70,7 @@ from energon_ordering.integrations.megatron_args import (
     micro_batches_per_step,
     ordering_config_from_args,
 )
-from energon_ordering.state_stamp import restore_state_rank
+from energon_ordering.state_stamp import loader_stamp, restore_state_rank, saved_stamp
 from energon_ordering.task_encoder import OrderingTaskEncoder
 from energon_ordering.warmup.token_layout import TokenLayout
 from energon_ordering.errors import show
@@ -428,10 +429,25 @@ def _restore(loader: Any, *, args: Any, dp_rank: int) -> None:
         warnings.warn("--allow-dataloader-restart: no --dataloader-save; RESTARTING THE DATA "
                       "STREAM FROM ZERO.", RuntimeWarning, stacklevel=2)
         return
-    state = _load_state(_find_state_file(save_dir, iteration, dp_rank), args=args, dp_rank=dp_rank)
+    path = _find_state_file(save_dir, iteration, dp_rank)
+    stamp = loader_stamp(loader) or {}
+    planned = stamp.get("length_sort_mode") == "planned"
+    if planned and not path.is_file() and dp_rank != 0:
+        zero = _find_state_file(save_dir, iteration, 0)
+        if zero.is_file():
+            # every rank's state of the planned order holds the same global position
+            logging.getLogger(__name__).warning(
+                "no dataloader state %s for data-parallel rank %d: length_sort_mode = 'planned' "
+                "continues from data-parallel rank 0's %s (elastic resume)", path, dp_rank, zero)
+            path = zero
+    state = _load_state(path, args=args, dp_rank=dp_rank)
     if state is None:
         return
     expected = expected_consumed_micro_batches(args, iteration)
+    saved = saved_stamp(state) or {}
+    if planned and saved.get("micro_batches_per_step") not in (None, stamp.get("micro_batches_per_step")):
+        # an elastic resume: the state counts micro-batches of the shape it was saved at
+        expected = iteration * int(saved["micro_batches_per_step"])
     consumed = consumed_micro_batches(state)
     if consumed != expected:
         how = (f"Megatron's num-microbatches calculator draws {expected} micro-batches in "

@@ -6,7 +6,9 @@
 - ``sources``: a metadataset entry as the plan sees it (name, blend weight, identity);
 - ``stamp``: the state stamp, read off the plan;
 - ``build``: how the task encoder's hooks receive the plan during one build (a context
-  variable holding an immutable :class:`TrainBuild`; see that module for why).
+  variable holding an immutable :class:`TrainBuild`; see that module for why);
+- ``planned_source``: the source stage of ``length_sort_mode = "planned"``: this rank's
+  micro-batches of the plan of the global order, read by byte range.
 
 Print a configuration's pipeline::
 

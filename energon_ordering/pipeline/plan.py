@@ -38,6 +38,7 @@ __all__ = [
     "PACKING",
     "PACK_CAP",
     "PACK_POOL",
+    "PLANNED_SOURCE",
     "PipelinePlan",
     "REPEAT",
     "SCHEDULED_BLEND",
@@ -69,6 +70,10 @@ INPUT_END = "InputEndDataset"  #: reports the end of the batcher's input (a fini
 BATCH = "BatchDataset"  #: Energon's ``build_batch``: ``batch`` then ``encode_batch``.
 EPOCHIZE = "EpochizeDataset"
 STAMP = "PipelineStampDataset"
+PLANNED_SOURCE = "PlannedSourceDataset"  #: the planned global order's reader (replaces LOAD..BLEND).
+
+#: Energon loading settings the planned order replaces: accepted, unused, logged once.
+PLANNED_UNUSED = ("shuffle_buffer_size", "max_samples_per_sequence", "parallel_shard_iters")
 
 #: Energon's ``DatasetBlendMode`` values.
 BlendMode = Literal["none", "dataset_weight", "sample_repetitions"]
@@ -261,7 +266,38 @@ def _packing_buffer_size(cfg: OrderingConfig, args: BuildArgs) -> int | None:
     return cfg.packing_buffer_size
 
 
+def _validate_planned(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> None:
+    """What ``length_sort_mode = "planned"`` cannot be combined with (yet)."""
+    mode = "OrderingConfig.length_sort_mode = 'planned'"
+    if args.batch_size is None:
+        raise OrderingConfigError(
+            f"{mode} plans micro-batches; pass batch_size to get_train_dataset.")
+    if packing is not None:
+        raise OrderingConfigError(
+            f"{mode}: packing (packing_buffer_size = {packing}) is not supported by the planned "
+            "order yet; drop packing_buffer_size or use a pool mode (length_sort_mode = 'batch').")
+    schedule = cfg.mixture_schedule
+    names = [s.name for s in args.sources]
+    if schedule is not None and None not in names and set(schedule.sources) != set(names):
+        raise OrderingConfigError(
+            f"OrderingConfig.mixture_schedule names the sources {list(schedule.sources)}, but "
+            f"the metadataset has {names}; {mode} plans exactly the metadataset's sources: give "
+            "the schedule one weight per metadataset entry (by its `subflavors: {source: ...}`).")
+    if args.own_batch_group_criterion:
+        raise OrderingConfigError(
+            f"{mode} cannot be combined with {args.encoder}.batch_group_criterion; remove the "
+            "override.")
+    if args.blend_mode == "sample_repetitions" or any(
+        s.repetitions not in (None, 1) for s in args.sources
+    ):
+        raise OrderingConfigError(
+            f"{mode}: the metadataset uses `blend_epochized` repetitions; the planned order "
+            "draws by blend weights: use `blend:` with weights.")
+
+
 def _validate(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> None:
+    if cfg.planned:
+        _validate_planned(cfg, args, packing)
     if packing is not None:
         if cfg.length_sort_enabled and cfg.pack_pool_placement == "packs" and (
             cfg.length_sort_placement == "pre-encode"
@@ -316,6 +352,9 @@ def _validate(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> None
 
 def _stages(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> Iterator[Stage]:
     """The stages, in pipeline order (the validation has run)."""
+    if cfg.planned:
+        yield from _planned_stages(cfg, args)
+        return
     pool = cfg.length_sort_enabled
     warmup = cfg.seq_length_warmup
     pool_of_packs = packing is not None and pool and cfg.pack_pool_placement == "packs"
@@ -388,6 +427,48 @@ def _stages(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> Iterat
                 "last, partial batch goes out after every stage below has ended")
     yield Stage(BATCH, "batch -> encode_batch", (("batch_size", bs), ("drop_last", args.batch_drop_last)),
                 energon=True)
+    if args.virtual_epoch_length > 0:
+        yield Stage(EPOCHIZE, "Energon's virtual epoch", (("length", args.virtual_epoch_length),),
+                    energon=True)
+    yield Stage(STAMP, "stamps what the continuation depends on; a restore is checked "
+                "against it before any stage below reads the state")
+
+
+def _planned_stages(cfg: OrderingConfig, args: BuildArgs) -> Iterator[Stage]:
+    """The planned global order: one source stage replaces Energon's loading, blend, repeat
+    and shuffle; Energon's decoding, encode_sample and batching follow as in every mode."""
+    weights = tuple(1.0 if s.weight is None else float(s.weight) for s in args.sources)
+    yield Stage(
+        PLANNED_SOURCE,
+        "reads this rank's micro-batches of the plan of the global order (the same plan on "
+        "every rank, from the length index) by byte range, then Energon's decoding; "
+        "micro-batch b from loader worker b % num_workers",
+        (
+            ("seed", cfg.seed),
+            ("window_steps", cfg.plan_window_steps),
+            ("micro_batches_per_step", cfg.micro_batches_per_step),
+            ("batch_size", args.batch_size),
+            ("weights", weights),
+            ("finite", not args.repeat),
+            ("schedule", cfg.mixture_schedule),
+            ("source_names", tuple(s.name for s in args.sources)
+             if cfg.mixture_schedule is not None else None),
+        ),
+    )
+    yield Stage(ENCODE, "the task encoder's encode_sample (stateless)", energon=True)
+    if cfg.seq_length_warmup is not None:
+        yield Stage(
+            SEQ_WARMUP,
+            "cuts each sample to max_seq_len of the step it is emitted in",
+            (
+                ("warmup", cfg.seq_length_warmup),
+                ("micro_batches_per_step", cfg.micro_batches_per_step),
+                ("overflow", cfg.seq_length_overflow),
+            ),
+        )
+    yield Stage(INPUT_END, "reports the end of the batcher's input to the stamp")
+    yield Stage(BATCH, "batch -> encode_batch", (("batch_size", args.batch_size),
+                                                 ("drop_last", args.batch_drop_last)), energon=True)
     if args.virtual_epoch_length > 0:
         yield Stage(EPOCHIZE, "Energon's virtual epoch", (("length", args.virtual_epoch_length),),
                     energon=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from energon_ordering.planned.window import PLAN_VERSION
 from energon_ordering.pipeline.plan import BLEND, PACKING, REPEAT, SCHEDULED_BLEND, PipelinePlan
 
 __all__ = ["pipeline_stamp"]
@@ -24,6 +25,28 @@ def pipeline_stamp(plan: PipelinePlan, *, length_indexes: list[dict[str, Any]] |
         length_indexes: The identity of each length index the pre-encode pool sorts by
             (collected while the sources were loaded); None or empty: none.
     """
+    stamp = _stamp(plan, length_indexes)
+    if plan.config.planned:
+        # the planned order reads no shard slices and has no shuffle buffer: Energon's loading
+        # settings are unused (their changes are not refused); what decides it is stamped
+        cfg = plan.config
+        n = len(plan.args.sources)
+        stamp.update({
+            "max_samples_per_sequence": [None] * n,
+            "shuffle_over_epochs": [None] * n,
+            "parallel_shard_iters": [None] * n,
+            "shuffle_buffer_size": None,
+            "length_sort_mode": cfg.length_sort_mode,
+            "length_sort_placement": cfg.length_sort_placement,
+            "seed": cfg.seed,
+            "micro_batches_per_step": cfg.micro_batches_per_step,
+            "plan_window_steps": cfg.plan_window_steps,
+            "plan_version": PLAN_VERSION,
+        })
+    return stamp
+
+
+def _stamp(plan: PipelinePlan, length_indexes: list[dict[str, Any]] | None) -> dict[str, Any]:
     cfg, args = plan.config, plan.args
     pool = cfg.length_sort_enabled
     schedule = cfg.mixture_schedule

@@ -35,6 +35,7 @@ sample ``i`` of shard ``s`` has the index ``sum(count of shards before s) + i``.
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import sqlite3
@@ -44,6 +45,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from energon_ordering.errors import LengthIndexError, OrderingConfigError, ShardReadError, show
 from energon_ordering.sqlite_file import connect_readonly, readonly_uri, sqlite_problem
@@ -262,6 +265,35 @@ class ByteRangeReader:
         it lacks the key) of sample ``index``, from the indexes (no shard read)."""
         shard, found, at = self._block_entry(index)
         return self.shards[shard][0], found[0][at], found[1][at]
+
+    def thread_copy(self) -> ByteRangeReader:
+        """A copy with its own sqlite connection, key cache and open files, for another thread
+        (one reader's connection and files are not shared between threads)."""
+        other = copy.copy(self)
+        other._reset_process_state()
+        return other
+
+    def lengths_array(self) -> tuple[np.ndarray, int | None]:
+        """Every sample's length from the length index, in the reader's sample order, in one
+        query (float64; NaN where the length index lacks the key), and the first sample index
+        without a length (None: all have one). Needs ``lengths=``."""
+        if self.lengths is None:
+            raise OrderingConfigError("ByteRangeReader.lengths_array needs a length index "
+                                      "(lengths=).")
+        out = np.full(len(self), np.nan)
+        for pos, (name, count) in enumerate(self.shards):
+            rows = self._query(
+                "SELECT s.sample_index, l.length FROM samples s LEFT JOIN lengths_index.lengths "
+                "l ON l.sample_key = s.sample_key WHERE s.tar_file_id = ? AND s.sample_index < ?",
+                (self._tar_ids[name], count),
+            )
+            if rows:
+                at = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+                val = np.fromiter((np.nan if r[1] is None else r[1] for r in rows),
+                                  dtype=np.float64, count=len(rows))
+                out[self._cumsum[pos] + at] = val
+        missing = np.flatnonzero(np.isnan(out))
+        return out, (int(missing[0]) if len(missing) else None)
 
     def shard_name(self, index: int) -> str:
         """The shard file name of sample ``index``."""

@@ -70,7 +70,9 @@ from energon_ordering.sqlite_file import connect_readonly
 from energon_ordering.pool.byte_range_reader import ByteRangeReader, energon_index_path
 from energon_ordering.pool.deferred_load import INDEXED_LENGTH_FIELD
 
-__all__ = ["FastChoiceRng", "IndexFilledLoader", "index_fill_problem", "index_filled"]
+__all__ = [
+    "FastChoiceRng", "IndexFilledLoader", "index_fill_problem", "index_filled", "loader_byte_reader",
+]
 
 _ENERGON_LOADER = WebdatasetSampleLoaderDataset.__name__
 
@@ -341,14 +343,24 @@ def index_filled(
         raise OrderingConfigError(
             f"index fill: cannot fill from the indexes of {loader}: {problem}."
         )
+    return IndexFilledLoader(loader, loader_byte_reader(loader, lengths, lengths_digest))
+
+
+def loader_byte_reader(
+    loader: WebdatasetSampleLoaderDataset,
+    lengths: Path | None = None,
+    lengths_digest: str | None = None,
+    cache_shards: int | None = None,
+) -> ByteRangeReader:
+    """Byte-range access to the samples of ``loader``'s shards, in its reader's order, with its
+    part and sample filters (``loader`` must pass :func:`index_fill_problem`)."""
     reader = loader.join_readers[0]
-    byte_reader = ByteRangeReader(
+    return ByteRangeReader(
         reader.base_path.local_path(),
         [(shard.name, shard.count) for shard in reader.shard_infos],
         part_filter=reader.part_filter,
         sample_filter=reader.sample_filter,
-        cache_shards=max(4, 2 * loader.parallel_slice_iters),
+        cache_shards=cache_shards or max(4, 2 * loader.parallel_slice_iters),
         lengths=lengths,
         lengths_digest=lengths_digest,
     )
-    return IndexFilledLoader(loader, byte_reader)

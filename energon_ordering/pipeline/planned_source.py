@@ -1,0 +1,551 @@
+"""The planned global order's source: this rank's micro-batches of the plan, read by byte range.
+
+With ``length_sort_mode = "planned"`` (issue 23) no rank walks its own slice of the shards.
+Every rank and loader worker computes the same plan of the global order
+(:func:`energon_ordering.planned.window.plan_window`, from the sources' length indexes, the
+seed and the blend weights) and reads the samples of its own micro-batches from their byte
+ranges in Energon's ``.nv-meta/index.sqlite``
+(:class:`~energon_ordering.pool.byte_range_reader.ByteRangeReader`). Energon's own load
+functions (the factory's ``load_sample``, any cooker) then decode each sample, exactly as the
+pre-encode pool's :class:`~energon_ordering.pool.deferred_load.Materialize` does, and the
+pipeline continues with ``encode_sample``, batching and ``encode_batch`` as in every mode::
+
+    PlannedSourceDataset -> encode_sample -> [SeqLenWarmupDataset] -> BatchDataset -> stamp
+
+Micro-batches of a rank are numbered ``b = step x M + m`` (M micro-batches per optimizer step).
+Energon's loader takes batches from its workers in turn, so loader worker w yields the
+micro-batches ``b = w, w + W, w + 2 W, ...`` (W = ``max(1, num_workers)``), B samples each,
+in the plan's order; the batcher above groups them B at a time.
+
+State (per loader worker): the next micro-batch ``b`` and how many of its samples went out,
+the plan cursor of the window the worker is in (a few dozen bytes: window index, draws per
+source, carry), and a stamp of the mode and :data:`~energon_ordering.planned.window.PLAN_VERSION`.
+A restore recomputes that window's plan from the cursor: nothing else is needed to continue
+exactly. The byte ranges of the current and the next micro-batch are read on a few prefetch
+threads (:data:`PREFETCH_THREADS`), so storage latency overlaps decoding and encoding.
+
+Elastic resume (:meth:`PlannedSourceDataset.restore_elastic`, through
+:func:`energon_ordering.state_stamp.restore_state_rank`): every rank's state holds the same
+global position, so a state restores at another data-parallel size, ``micro_batches_per_step``
+or ``num_workers`` with the same global batch. The rest of the window it was saved in is
+re-planned for the new shape from the same samples and per-step source counts (recorded in
+the state as ``_history``, so later exact restores re-plan it alike); later windows are planned
+for the new shape. Nothing is lost or drawn twice.
+
+Finite epochs (``repeat=False``, :meth:`PlannedSourceDataset.end_step`): the epoch ends before
+the first step at which some source would run out, known from the sizes, weights and global
+batch, so every rank stops after the same step; epoch e draws each source's epoch-e
+permutation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+from megatron.energon.flavors.base_dataset import SavableDataset
+from megatron.energon.flavors.webdataset.sample_loader import RawSampleData
+from megatron.energon.state import FlexState
+from megatron.energon.worker import WorkerConfig
+
+from energon_ordering.errors import (
+    LengthIndexError,
+    OrderingConfigError,
+    StateMismatchError,
+    show,
+)
+from energon_ordering.mixture.step_counts import step_source_counts
+from energon_ordering.planned.balance import balance_window, sample_cost
+from energon_ordering.planned.cursor import PlanCursor, advance
+from energon_ordering.planned.sample_ids import SampleIds
+from energon_ordering.planned.window import PLAN_VERSION, WindowPlan, plan_window
+from energon_ordering.pool.byte_range_reader import ByteRangeReader
+from energon_ordering.state_stamp import check_stamp
+
+__all__ = ["PLANNED_STATE_VERSION", "PlannedSourceDataset", "indexed_lengths"]
+
+logger = logging.getLogger(__name__)
+
+#: Bumped when the saved state of :class:`PlannedSourceDataset` changes its layout.
+PLANNED_STATE_VERSION = 1
+
+#: First element of the restore key of a sample this source yields.
+RESTORE_KIND = "PlannedSource"
+
+#: Threads per loader worker that read the byte ranges of the current and the next micro-batch
+#: ahead of decoding, so that storage latency overlaps the pipeline's compute (0: no prefetch).
+PREFETCH_THREADS = 2
+
+
+def indexed_lengths(reader: ByteRangeReader, dataset: Any) -> np.ndarray:
+    """Every sample's length, in the reader's sample order (Energon's sample index), from the
+    length index joined to Energon's index (one query per shard).
+
+    Raises:
+        LengthIndexError: The length index does not cover every sample of the split.
+        OrderingConfigError: The split excludes samples (``sample_excludes``).
+    """
+    lengths, missing = reader.lengths_array()
+    if missing is not None:
+        shard, key, _ = reader.visit(missing)
+        raise LengthIndexError(
+            f"planned order: sample {show(key)} of {dataset} (shard {shard}) is not in the "
+            f"length index {reader.lengths}; the plan needs every sample's length. Rebuild "
+            f"it with `energon-ordering index {dataset}`."
+        )
+    if reader.sample_filter is not None:
+        for i in range(len(reader)):
+            if not reader.keep(i):
+                raise OrderingConfigError(
+                    f"planned order: the split of {dataset} excludes samples (e.g. "
+                    f"{show(reader.key(i))}); length_sort_mode = 'planned' does not support "
+                    "sample_excludes yet: drop the excludes or use a pool mode."
+                )
+    return lengths
+
+
+class PlannedSourceDataset(SavableDataset[Any]):
+    """This rank's micro-batches of the planned global order (see the module docstring).
+
+    Args:
+        readers: Per source, byte-range access to its training split.
+        loaders: Per source, Energon's load functions (innermost first) that turn a raw sample
+            (``RawSampleData``) into the sample ``encode_sample`` receives.
+        lengths: Per source, every sample's length (:func:`indexed_lengths`).
+        weights: The blend weight of each source (normalised here).
+        seed: The ordering seed (the same on every rank).
+        window_steps: K, ``plan_window_steps``.
+        micro_batches_per_step: M.
+        batch_size: B, samples per micro-batch.
+        finite: One epoch per iteration (``repeat=False``): see :meth:`end_step`. False: the
+            sources repeat, each on its own, and the iteration never ends.
+        schedule: A :class:`~energon_ordering.mixture.schedule.MixtureSchedule` whose weights
+            at each optimizer step replace ``weights`` (each step's counts within one sample
+            of them, cumulative counts tracking their integral); None: ``weights``.
+        source_names: With ``schedule``: each source's name, in the order of ``readers``.
+        worker_config: Energon's worker configuration (rank, world size R, num_workers).
+    """
+
+    _savable_fields = ("_stamp", "_epoch", "_next", "_offset", "_cursor", "_start_step",
+                       "_history")
+
+
+    def __init__(
+        self,
+        readers: Sequence[ByteRangeReader],
+        loaders: Sequence[Sequence[Callable[[Any], Any]]],
+        lengths: Sequence[np.ndarray],
+        *,
+        weights: Sequence[float],
+        seed: int,
+        window_steps: int,
+        micro_batches_per_step: int,
+        batch_size: int,
+        finite: bool = False,
+        schedule: Any = None,
+        source_names: Sequence[str] | None = None,
+        worker_config: WorkerConfig,
+    ):
+        super().__init__(worker_config=worker_config)
+        self.readers = list(readers)
+        self.loaders = [list(fns) for fns in loaders]
+        self.lengths = [np.asarray(x, dtype=np.float64) for x in lengths]
+        self.ids = SampleIds.of([len(x) for x in self.lengths])
+        w = np.asarray(weights, dtype=np.float64)
+        self.weights = w / w.sum()
+        self.seed = int(seed)
+        self.window_steps = int(window_steps)
+        self.micro_batches_per_step = int(micro_batches_per_step)
+        self.batch_size = int(batch_size)
+        self.finite = bool(finite)
+        self.schedule = schedule
+        self._columns = None
+        if schedule is not None:
+            names = list(source_names or ())
+            if sorted(names) != sorted(schedule.sources):
+                raise OrderingConfigError(
+                    f"OrderingConfig.mixture_schedule names the sources "
+                    f"{list(schedule.sources)}, the metadataset {names}; give the schedule "
+                    "exactly one weight per metadataset entry.")
+            self._columns = [list(schedule.sources).index(n) for n in names]
+        self._end_step: int | None = None
+        if self.finite and self.end_step() == 0:
+            raise OrderingConfigError(
+                f"planned order: a finite epoch (repeat=False) of sources of "
+                f"{list(self.ids.sizes)} samples holds no full optimizer step of "
+                f"{self._global_batch()} samples (weights {show(self.weights.tolist())}); use "
+                "more data, a smaller global batch, or repeat=True.")
+        self._plan: WindowPlan | None = None  # not saved: recomputed from the cursor
+        self._steps: list[np.ndarray] | None = None  # the window's steps as read here
+        #: Set by :meth:`restore_elastic` (before iteration): where this loader starts.
+        self.elastic_start: dict[str, Any] | None = None
+        self.prefetch_threads = PREFETCH_THREADS
+        self._executor: ThreadPoolExecutor | None = None  # per process, never pickled
+        self._local: threading.local | None = None
+        self.reset_state_own()
+
+    # -- state -----------------------------------------------------------------------------
+
+    def _expected_stamp(self) -> dict[str, Any]:
+        return {
+            "mode": "planned",
+            "plan_version": PLAN_VERSION,
+            "state_version": PLANNED_STATE_VERSION,
+            "sizes": list(self.ids.sizes),
+            "weights": [float(x) for x in self.weights],
+            "seed": self.seed,
+            "window_steps": self.window_steps,
+            "micro_batches_per_step": self.micro_batches_per_step,
+            "batch_size": self.batch_size,
+            "world_size": int(self.worker_config.world_size),
+            "finite": self.finite,
+            "schedule": None if self.schedule is None else self.schedule.to_dict(),
+        }
+
+    def _step_weights(self, first: int, steps: int) -> np.ndarray:
+        """``[steps, S]`` normalised weights of global optimizer steps ``first ..``: the
+        schedule's (in the sources' order), else the blend weights."""
+        if self.schedule is None:
+            return np.tile(self.weights, (steps, 1))
+        return self.schedule.weights_table(np.arange(first, first + steps))[:, self._columns]
+
+    def _epoch_cursor(self, epoch: int) -> dict[str, Any]:
+        """The plan cursor at the start of finite epoch ``epoch`` (every source at the start of
+        its epoch-``epoch`` permutation); the start of training when repeating."""
+        return _cursor_state(PlanCursor(0, tuple(epoch * n for n in self.ids.sizes),
+                                        (0.0,) * len(self.ids.sizes)))
+
+    def _global_batch(self) -> int:
+        return int(self.worker_config.world_size) * self.micro_batches_per_step * self.batch_size
+
+    def end_step(self) -> int | None:
+        """The optimizer steps of a finite epoch (None: repeating).
+
+        Epoch e draws each source's epoch-e permutation from its start. It ends before the
+        first step at which some source would run out: every rank stops after the same step,
+        every sample is drawn at most once per epoch, and what is left of the sources at the
+        end (less than one step's count of the first source to run out, more of the others)
+        is not drawn in that epoch. A pure function of the sizes, weights and global batch, so
+        an elastic resume (same global batch) keeps it."""
+        if not self.finite:
+            return None
+        if self._end_step is None:
+            sizes = np.asarray(self.ids.sizes, dtype=np.int64)
+            drawn = np.zeros_like(sizes)
+            carry, step, chunk = None, 0, 4096
+            while True:
+                counts, carry = step_source_counts(self._step_weights(step, chunk),
+                                                   self._global_batch(), carry)
+                cum = drawn + np.cumsum(counts, axis=0)
+                over = (cum > sizes).any(axis=1)
+                if over.any():
+                    self._end_step = step + int(np.argmax(over))
+                    break
+                step, drawn = step + chunk, cum[-1]
+        return self._end_step
+
+    def _workers(self) -> int:
+        return max(1, self.worker_config.num_workers)
+
+    def reset_state_own(self) -> None:
+        self._stamp = self._expected_stamp()
+        # the next micro-batch of this worker (rank-local count) and how many of its samples
+        # went out; None: not started (a worker's first micro-batch is its worker index, known
+        # only in the worker)
+        self._next: int | None = None
+        self._offset = 0
+        start = self.elastic_start
+        self._epoch = 0 if start is None else int(start.get("epoch", 0))
+        # the global optimizer step this loader started at, and the data-parallel shapes in
+        # effect before each elastic restore: [{"at_step", "world_size",
+        # "micro_batches_per_step"}] (the window of a restore is re-planned from its step on)
+        self._start_step = 0 if start is None else int(start["step"])
+        self._history = [] if start is None else [dict(h) for h in start["history"]]
+        self._cursor = (self._epoch_cursor(self._epoch) if start is None
+                        else dict(start["cursor"]))
+        self._plan = None
+        self._steps = None
+
+    def save_state(self) -> FlexState:
+        return super().save_state()
+
+    def restore_state(self, state: FlexState) -> None:
+        check_stamp(
+            type(self).__name__, state, self._expected_stamp(),
+            "Resume with the configuration, data and data-parallel size the state was written "
+            "with, or start the data stream fresh.",
+        )
+        super().restore_state(state)
+        self._plan = None
+        self._steps = None
+
+    def restore_elastic(self, saved: Sequence[tuple[Any, int]]) -> None:
+        """Continues a planned state saved at another data-parallel size, micro-batches per
+        step or ``num_workers`` (elastic resume; call before iterating).
+
+        Every rank's state holds the same global position, so any rank's state will do. The
+        window the state was saved in is re-planned from its step on for this loader's shape,
+        from the same samples and with the same per-step source counts; later windows are
+        planned for this shape from the same cursor. Nothing is lost or drawn twice.
+
+        Args:
+            saved: Per loader worker of the saved rank, its saved state of this stage and the
+                micro-batches it emitted after that checkpoint (Energon's ``offset``).
+
+        Raises:
+            StateMismatchError: The global batch or micro-batch size changed, or the state was
+                saved inside an optimizer step.
+        """
+        wc = self.worker_config
+        known = [state for state, _ in saved if state is not None]
+        if not known:  # saved before any worker ran: nothing was read
+            self.elastic_start = None
+            self.reset_state_own()
+            return
+        first = known[0]
+        old = first["_stamp"]
+        R1, M1, B1 = int(old["world_size"]), int(old["micro_batches_per_step"]), int(
+            old["batch_size"])
+        R2, M2, B2 = int(wc.world_size), self.micro_batches_per_step, self.batch_size
+        if B1 != B2 or R1 * M1 != R2 * M2:
+            raise StateMismatchError(
+                f"PlannedSourceDataset: the global batch changes from {R1} ranks x {M1} "
+                f"micro-batches x {B1} samples to {R2} x {M2} x {B2}; an elastic resume keeps "
+                "the global batch and the micro-batch size: set micro_batches_per_step = "
+                f"{R1 * M1 // R2 if (R1 * M1) % R2 == 0 else '(none fits)'} for {R2} ranks.")
+        workers = max(1, len(saved))
+        nexts, cursors = [], []
+        start = int(first.get("_start_step", 0))
+        for w, (state, offset) in enumerate(saved):
+            n = None if state is None else state["_next"]
+            n = start * M1 + w if n is None else int(n)
+            nexts.append(n + int(offset) * workers)
+            if state is not None:
+                cursors.append(state["_cursor"])
+        consumed = min(nexts)
+        step, within = divmod(consumed, M1)
+        if within:
+            raise StateMismatchError(
+                f"PlannedSourceDataset: the state was saved after micro-batch {within} of "
+                f"optimizer step {step} ({M1} per step); an elastic resume starts at an "
+                "optimizer step: save at a step boundary (Megatron-LM and Bridge do).")
+        history = [dict(h) for h in first.get("_history", [])]
+        if (R1, M1) != (R2, M2):
+            history.append({"at_step": step, "world_size": R1, "micro_batches_per_step": M1})
+        cursor = min(cursors, key=lambda c: int(c["window"]))
+        self.elastic_start = {"step": step, "history": history, "cursor": dict(cursor),
+                              "epoch": int(first.get("_epoch", 0))}
+        self.reset_state_own()
+        self._stamp = self._expected_stamp()
+
+    # -- iteration -------------------------------------------------------------------------
+
+    def _window_plan(self, window: int, world_size: int, micro_batches: int) -> WindowPlan:
+        """The plan of ``window`` for ``world_size`` ranks and ``micro_batches`` per step,
+        advancing the saved cursor window by window to it (the cursor does not depend on the
+        shape: only the global batch, which an elastic restore keeps)."""
+        cursor = _cursor_of(self._cursor)
+        if window < cursor.window:
+            raise OrderingConfigError(
+                f"PlannedSourceDataset: micro-batch {self._next} lies in window {window}, before "
+                f"the cursor's window {cursor.window}; the state is inconsistent, start fresh.")
+        end = self.end_step()
+
+        def steps_of(c: PlanCursor) -> int:  # a finite epoch's last window ends with the epoch
+            k = self.window_steps
+            return k if end is None else min(k, end - c.window * k)
+
+        while cursor.window < window:  # earlier windows: their counts only, not their plans
+            k = steps_of(cursor)
+            counts, carry = step_source_counts(
+                self._step_weights(cursor.window * self.window_steps, k), self._global_batch(),
+                cursor.carry)
+            cursor = advance(cursor, counts, carry)
+        k = steps_of(cursor)
+        plan = plan_window(
+            self.lengths,
+            seed=self.seed,
+            cursor=cursor,
+            weights=self._step_weights(cursor.window * self.window_steps, k),
+            window_steps=k,
+            world_size=world_size,
+            micro_batch=self.batch_size,
+            micro_batches_per_step=micro_batches,
+        )
+        self._cursor = _cursor_state(cursor)
+        self._plan = plan
+        return plan
+
+    def _shape_at(self, step: int) -> tuple[int, int]:
+        """(world size, micro-batches per step) in effect at global optimizer ``step``."""
+        for h in sorted(self._history, key=lambda h: int(h["at_step"])):
+            if int(h["at_step"]) > step:
+                return int(h["world_size"]), int(h["micro_batches_per_step"])
+        return int(self.worker_config.world_size), self.micro_batches_per_step
+
+    def _window_steps(self, window: int) -> list[np.ndarray]:
+        """The window's steps as ``[R, M, B]`` global ids each: planned for the shape in effect
+        at the window's start, and re-planned from each elastic restore's step on for the
+        shape after it (the same samples, the same per-step source counts)."""
+        if self._steps is not None and self._plan is not None and self._plan.cursor.window == window:
+            return self._steps
+        K, B = self.window_steps, self.batch_size
+        first = window * K
+        R, M = self._shape_at(first)
+        plan = self._window_plan(window, R, M)
+        steps = list(plan.ids)
+        for h in sorted(self._history, key=lambda h: int(h["at_step"])):
+            t = int(h["at_step"]) - first
+            if 0 < t < len(steps):
+                R2, M2 = self._shape_at(first + t)
+                tail = np.concatenate([x.ravel() for x in steps[t:]])
+                src, within = self.ids.split(tail)
+                lens = np.empty(len(tail))
+                for s, lengths in enumerate(self.lengths):
+                    lens[src == s] = lengths[within[src == s]]
+                cost = sample_cost(lens)
+                pos = balance_window(cost, src, plan.counts[t:], world_size=R2, micro_batch=B,
+                                     micro_batches_per_step=M2)  # [K - t, M2, R2, B]
+                steps[t:] = list(tail[pos].transpose(0, 2, 1, 3))
+        self._steps = steps
+        return steps
+
+    def micro_batch_ids(self, b: int) -> np.ndarray:
+        """Global sample ids of this rank's micro-batch ``b`` (rank-local count)."""
+        M, K = self.micro_batches_per_step, self.window_steps
+        step, m = divmod(int(b), M)
+        window, t = divmod(step, K)
+        return self._window_steps(window)[t][int(self.worker_config.rank), m]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_executor": None, "_local": None}
+
+    def _read(self, gid: int) -> Any:
+        """The raw sample of global id ``gid`` (runs on a prefetch thread: each thread reads
+        through its own copy of the readers, which hold a connection and open files)."""
+        source, index = (int(x[0]) for x in self.ids.split(np.array([gid])))
+        local = self._local
+        if local is None:
+            return self.readers[source].read(index)
+        readers = getattr(local, "readers", None)
+        if readers is None:
+            readers = local.readers = [r.thread_copy() for r in self.readers]
+        return readers[source].read(index)
+
+    def _prefetch(self, gids: np.ndarray) -> list[Future]:
+        """Starts reading ``gids`` on the prefetch threads (started on first use)."""
+        if self._executor is None:
+            self._local = threading.local()
+            self._executor = ThreadPoolExecutor(self.prefetch_threads,
+                                                thread_name_prefix="planned-prefetch")
+        return [self._executor.submit(self._read, int(g)) for g in gids]
+
+    def _load(self, gid: int, raw: Any = None) -> Any:
+        """Sample ``gid`` decoded by Energon's load functions (``raw``: already read)."""
+        (source,), (index,) = self.ids.split(np.array([gid]))
+        source, index = int(source), int(index)
+        key = (RESTORE_KIND, source, index)
+        if raw is None:
+            raw = self.readers[source].read(index)
+        sample: Any = RawSampleData(__restore_key__=key, data=(raw,))
+        for fn in self.loaders[source]:
+            sample = fn(sample)
+        if isinstance(sample, dict):
+            sample["__restore_key__"] = key
+        else:
+            sample.__restore_key__ = key
+        return sample
+
+    def __iter__(self) -> Iterator[Any]:
+        workers = self._workers()
+        if self._next is None:
+            self._next = self._start_step * self.micro_batches_per_step \
+                + self.worker_config.rank_worker_id()
+        end = self.end_step()
+        M, K = self.micro_batches_per_step, self.window_steps
+        ahead: dict[int, list[Future]] = {}  # micro-batch -> its reads, started
+        while True:
+            b, j = self._next, self._offset
+            if end is not None and b // M >= end:
+                # the epoch's end: the next iteration is the next epoch, as Energon's reader
+                # resets itself at the end of a finite epoch
+                self._start_epoch(self._epoch + 1)
+                return
+            ids = self.micro_batch_ids(b)
+            reads: list[Any] = [None] * len(ids)
+            if self.prefetch_threads > 0:
+                reads = ahead.pop(b, None) or ([None] * j + self._prefetch(ids[j:]))
+                nb = b + workers  # this worker's next micro-batch, if its plan is at hand
+                if nb // M // K == b // M // K and (end is None or nb // M < end):
+                    ahead[nb] = self._prefetch(self.micro_batch_ids(nb))
+            for pos in range(j, len(ids)):
+                read = reads[pos]
+                sample = self._load(int(ids[pos]), None if read is None else read.result())
+                # the state after this yield: the next sample of the plan
+                if pos + 1 == len(ids):
+                    self._next, self._offset = b + workers, 0
+                else:
+                    self._offset = pos + 1
+                yield sample
+
+    def _start_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+        self._next = None
+        self._offset = 0
+        self._start_step = 0
+        self._history = []
+        self._cursor = self._epoch_cursor(epoch)
+        self._plan = None
+        self._steps = None
+
+    # -- Energon's SavableDataset interface ------------------------------------------------
+
+    def len_worker(self, worker_idx: int | None = None) -> int:
+        """Samples of one epoch (finite: :meth:`end_step` steps; repeating: one pass over all
+        sources), this worker's share."""
+        total = self.ids.total if not self.finite else self.end_step() * self._global_batch()
+        return max(1, total // (int(self.worker_config.world_size) * self._workers()))
+
+    def worker_has_samples(self) -> bool:
+        return True
+
+    def can_restore_sample(self) -> bool:
+        return True
+
+    def restore_sample(self, restore_key: tuple[Any, ...]) -> Any:
+        if (len(restore_key) != 3 or restore_key[0] != RESTORE_KIND
+                or not 0 <= int(restore_key[1]) < len(self.readers)):
+            raise OrderingConfigError(
+                f"PlannedSourceDataset: restore key {show(restore_key)} is not "
+                f"({show(RESTORE_KIND)}, source, index).")
+        _, source, index = restore_key
+        return self._load(int(self.ids.join(np.array([source]), np.array([index]))[0]))
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "type": type(self).__qualname__,
+            "readers": [str(r) for r in self.readers],
+            "loaders": [[self._function_config(fn) for fn in fns] for fns in self.loaders],
+            **{k: v for k, v in self._expected_stamp().items() if k != "state_version"},
+            "worker_config": self.worker_config.config(),
+        }
+
+    def __str__(self) -> str:
+        return (f"PlannedSourceDataset(sources={list(self.ids.sizes)}, seed={self.seed}, "
+                f"window_steps={self.window_steps}, micro_batches_per_step="
+                f"{self.micro_batches_per_step}, batch_size={self.batch_size})")
+
+
+def _cursor_state(cursor: PlanCursor) -> dict[str, Any]:
+    """A cursor as plain builtins (Megatron-Bridge's restricted unpickler)."""
+    return {"window": int(cursor.window), "drawn": [int(d) for d in cursor.drawn],
+            "carry": [float(c) for c in cursor.carry]}
+
+
+def _cursor_of(state: dict[str, Any]) -> PlanCursor:
+    return PlanCursor(int(state["window"]), tuple(int(d) for d in state["drawn"]),
+                      tuple(float(c) for c in state["carry"]))

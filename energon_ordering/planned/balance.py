@@ -1,0 +1,312 @@
+"""Balancing a window: its drawn samples -> steps x micro-batches x ranks, exact per-step mix.
+
+Input: the costs and sources of the ``K G`` samples drawn for a window of K optimizer steps
+(G = R M B: data-parallel size R, micro-batches per step M, micro-batch size B) and the exact
+source counts each step must hold. Output: for every step, micro-batch and rank, the B samples
+of that rank's micro-batch.
+
+The algorithm (:func:`balance_window`), all deterministic given the inputs:
+
+1. **Sort** the window's samples by cost ``L + L^2/4096`` (ties by their order in the window).
+2. **Bands and slots.** Cut the sorted window into M bands of ``K R B`` samples and each band
+   into K slots of ``R B`` neighbouring samples. A slot is one micro-batch index of one step on
+   all R ranks; each step gets one slot of every band, so a step spans all lengths and every
+   slot is narrow (1/(K M) of the window's cost range).
+3. **Slots to steps.** Band by band, each slot goes to the step it brings closest (L1 over
+   sources, greedy on the closest pairs) to the step's share of the bands so far: step t
+   should hold ``counts[t, s] x (samples of s in bands 0..m) / (samples of s in the window)``
+   of source s after band m (error diffusion across bands).
+   Then two steps exchange their slots of one band while that lowers the total absolute
+   excess (best exchange first): slots stay whole, so this costs no balance at all.
+4. **Exact counts.** A step still off its counts trades samples with another step: a sample of
+   a source it has too many of for one of a source it lacks, nearest costs first, over all
+   steps with opposite excesses (:func:`_trade`, vectorised: in the merged cost order of the
+   candidates, runs of the two kinds are paired outwards from each run boundary, pairs within
+   a relative cost gap of 0.1% first, the gap doubled when none is left; each step trades at
+   most its excess). The two samples of a trade usually sit in the same band, so the slots
+   barely change. Each trade lowers the total absolute excess by at least 2, so the repair
+   ends, with every step exactly at its counts.
+5. **Ranks.** Within a slot, the ``R B`` samples are sorted (descending) and cut into B tuples
+   of R neighbours; tuple by tuple, the largest sample goes to the rank with the smallest
+   running cost (longest-processing-time dealing with B samples per rank). Every rank's
+   micro-batch holds one sample per tuple: costs agree across ranks to within a tuple's spread.
+
+Why a window and not a step: sorting one step's G samples gives slots spanning 1/M of the cost
+range, which either unbalances the ranks (a rank gets B neighbours) or pads (a rank gets one
+sample per tuple across the slot); K steps narrow every slot K times for the same exact
+per-step mix. ``tools/bench_planned.py`` measures both (K = 1 is the per-step sort).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from energon_ordering.pool.pack_order import ATTENTION_CROSSOVER_TOKENS
+
+__all__ = ["balance_window", "sample_cost"]
+
+
+#: Relative cost gap up to which the repair's first rounds trade; doubled whenever a round finds
+#: no pair that near (so trades are taken nearest first).
+TRADE_TOLERANCE = 0.001
+
+
+def sample_cost(lengths: np.ndarray) -> np.ndarray:
+    """Compute cost per sample, ``L + L^2 / 4096`` (tokens; float64)."""
+    L = np.asarray(lengths, dtype=np.float64)
+    return L + L * L / ATTENTION_CROSSOVER_TOKENS
+
+
+def _match(dist: np.ndarray) -> np.ndarray:
+    """Greedy assignment on a square distance matrix ``[item, target]``: repeatedly the closest
+    free pair (ties by item, then target). Returns ``target_of_item``."""
+    k = dist.shape[0]
+    out = np.full(k, -1, dtype=np.int64)
+    used = np.zeros(k, dtype=bool)
+    done = 0
+    for flat in np.argsort(dist.ravel(), kind="stable"):
+        i, t = divmod(int(flat), k)
+        if out[i] < 0 and not used[t]:
+            out[i], used[t] = t, True
+            done += 1
+            if done == k:
+                break
+    return out
+
+
+def _trade(flat: np.ndarray, costs: np.ndarray, sources: np.ndarray, excess: np.ndarray,
+           s: int, s2: int) -> int:
+    """Trades samples of source ``s`` from steps that have too many of s and too few of
+    ``s2`` for samples of s2 from steps with the opposite excess, nearest costs first, as many
+    as the steps' excesses allow. Returns the number of trades (0: no such steps)."""
+    qa = np.minimum(excess[:, s], -excess[:, s2]).clip(min=0)  # steps giving s, taking s2
+    qb = np.minimum(excess[:, s2], -excess[:, s]).clip(min=0)  # steps giving s2, taking s
+    left = int(min(qa.sum(), qb.sum()))
+    if left == 0:
+        return 0
+    ta, pa = np.nonzero((sources[flat] == s) & (qa > 0)[:, None])
+    tb, pb = np.nonzero((sources[flat] == s2) & (qb > 0)[:, None])
+    step = np.concatenate((ta, tb))
+    pos = np.concatenate((pa, pb))
+    kind = np.concatenate((np.zeros(len(ta), dtype=bool), np.ones(len(tb), dtype=bool)))
+    value = costs[flat[step, pos]]
+    order = np.argsort(value, kind="stable")  # ties by candidate order
+    step, pos, kind, value = step[order], pos[order], kind[order], value[order]
+    quota_a, quota_b = qa.copy(), qb.copy()
+    alive = np.ones(len(value), dtype=bool)
+    pairs: list[np.ndarray] = []  # rows (step a, position a, step b, position b)
+    tolerance = TRADE_TOLERANCE
+    parity = 0
+    while left > 0:
+        if alive.sum() * 2 < len(alive):  # compact: rounds cost O(candidates left)
+            step, pos, kind, value, alive = (x[alive] for x in (step, pos, kind, value, alive))
+        live = np.flatnonzero(alive)
+        if len(live) < 2:
+            break
+        # runs of one kind in the merged order; at a boundary between a run of a's and a run of
+        # b's, pair them from the boundary outwards (nearest first), every other boundary per
+        # round so that no run is claimed from both sides
+        kd = kind[live]
+        starts = np.flatnonzero(np.concatenate(([True], kd[1:] != kd[:-1])))
+        ends = np.concatenate((starts[1:], [len(live)]))
+        if len(starts) < 2:
+            break
+        bounds = np.arange(parity, len(starts) - 1, 2)
+        parity ^= 1
+        span = np.minimum(ends[bounds] - starts[bounds], ends[bounds + 1] - starts[bounds + 1])
+        j = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)
+        lo = live[np.repeat(ends[bounds], span) - 1 - j]
+        hi = live[np.repeat(starts[bounds + 1], span) + j]
+        gap = value[hi] - value[lo]
+        ok = gap <= tolerance * np.maximum(value[hi], 1.0)
+        lo, hi, gap = lo[ok], hi[ok], gap[ok]
+        if len(lo) == 0:
+            if parity == 0:
+                tolerance *= 2  # no pair that near at either parity: accept pairs twice as far
+            continue
+        o = np.argsort(gap, kind="stable")
+        lo, hi = lo[o], hi[o]
+        ia = np.where(kind[lo], hi, lo)
+        ib = np.where(kind[lo], lo, hi)
+        # each step gives at most its quota: the pair's rank among its step's pairs, nearest first
+        accept = ((_rank_within(step[ia]) < quota_a[step[ia]])
+                  & (_rank_within(step[ib]) < quota_b[step[ib]]))
+        ia, ib = ia[accept][:left], ib[accept][:left]
+        np.subtract.at(quota_a, step[ia], 1)
+        np.subtract.at(quota_b, step[ib], 1)
+        alive[ia] = alive[ib] = False
+        pairs.append(np.stack((step[ia], pos[ia], step[ib], pos[ib]), axis=1))
+        left -= len(ia)
+        # candidates of steps whose quota is used up leave the pool
+        alive &= np.where(kind, quota_b[step] > 0, quota_a[step] > 0)
+    if not pairs:
+        return 0
+    sa, pa_, sb, pb_ = np.concatenate(pairs).T
+    flat[sa, pa_], flat[sb, pb_] = flat[sb, pb_], flat[sa, pa_]
+    moved_a = np.bincount(sa, minlength=len(qa))
+    moved_b = np.bincount(sb, minlength=len(qa))
+    excess[:, s] += moved_b - moved_a
+    excess[:, s2] += moved_a - moved_b
+    return len(sa)
+
+
+def _rank_within(groups: np.ndarray) -> np.ndarray:
+    """For each element, how many earlier elements have the same group (0, 1, 2, ...)."""
+    order = np.argsort(groups, kind="stable")
+    g = groups[order]
+    first = np.concatenate(([True], g[1:] != g[:-1]))
+    start = np.maximum.accumulate(np.where(first, np.arange(len(g)), 0))
+    rank = np.empty(len(g), dtype=np.int64)
+    rank[order] = np.arange(len(g)) - start
+    return rank
+
+
+def _swap_slots(slots: np.ndarray, bands: np.ndarray, comp: np.ndarray,
+                slot_of_step: np.ndarray, excess: np.ndarray) -> None:
+    """Step 3b: exchanges two steps' slots of one band while that lowers the total absolute
+    excess (best exchange first). Slots stay whole, so no micro-batch changes: only which step
+    it belongs to, and every step keeps one slot per band."""
+    M, K, _ = comp.shape
+    while True:
+        best, best_gain = None, 0
+        for m in range(M):
+            c = comp[m][slot_of_step[m]]  # [K, S]: the band's slot of each step
+            # step t takes t2's slot: excess[t] += delta[t, t2], excess[t2] -= delta[t, t2]
+            delta = c[None, :, :] - c[:, None, :]
+            now = np.abs(excess).sum(axis=1)
+            after = (np.abs(excess[:, None, :] + delta).sum(axis=2)
+                     + np.abs(excess[None, :, :] - delta).sum(axis=2))
+            gain = now[:, None] + now[None, :] - after
+            t, t2 = np.unravel_index(int(np.argmax(gain)), gain.shape)
+            if gain[t, t2] > best_gain:
+                best, best_gain = (m, int(t), int(t2)), int(gain[t, t2])
+        if best is None:
+            return
+        m, t, t2 = best
+        d = comp[m][slot_of_step[m, t2]] - comp[m][slot_of_step[m, t]]
+        excess[t] += d
+        excess[t2] -= d
+        slot_of_step[m, [t, t2]] = slot_of_step[m, [t2, t]]
+        slots[t, m], slots[t2, m] = bands[m, slot_of_step[m, t]], bands[m, slot_of_step[m, t2]]
+
+
+def _repair(slots: np.ndarray, costs: np.ndarray, sources: np.ndarray, counts: np.ndarray) -> None:
+    """Step 4: trades samples between steps (in place on ``slots`` ``[K, M, RB]``) until every
+    step holds exactly ``counts[t, s]`` samples of source s.
+
+    Pairs of sources whose excesses mirror each other are traded in bulk (:func:`_trade`);
+    what is left (excess in a cycle over three or more sources) is traded one pair at a time:
+    a sample of a source step t has too many of, for one of a source it lacks, from a step
+    with the opposite excess in that second source. Every trade lowers the total absolute
+    excess by at least 2."""
+    K, S = counts.shape
+    flat = slots.reshape(K, -1)
+    have = np.stack([np.bincount(sources[flat[t]], minlength=S) for t in range(K)])
+    excess = have - counts
+    while excess.any():
+        progress = sum(_trade(flat, costs, sources, excess, s, s2)
+                       for s in range(S) for s2 in range(S) if s != s2)
+        if progress:
+            continue
+        t, s = np.unravel_index(int(np.argmax(excess)), excess.shape)
+        s2 = int(np.argmin(excess[t]))
+        t2 = int(np.flatnonzero(excess[:, s2] > 0)[0])  # exists: each column sums to 0
+        pa = np.flatnonzero(sources[flat[t]] == s)
+        pb = np.flatnonzero(sources[flat[t2]] == s2)
+        ca, cb = costs[flat[t, pa]], costs[flat[t2, pb]]
+        ob = np.argsort(cb, kind="stable")
+        near = np.clip(np.searchsorted(cb[ob], ca), 1, max(1, len(cb) - 1))
+        left_b, right_b = ob[np.minimum(near - 1, len(cb) - 1)], ob[np.minimum(near, len(cb) - 1)]
+        nearest = np.where(np.abs(cb[right_b] - ca) < np.abs(cb[left_b] - ca), right_b, left_b)
+        i = int(np.argmin(np.abs(cb[nearest] - ca)))  # the nearest pair, O((a + b) log b)
+        j = int(nearest[i])
+        flat[t, pa[i]], flat[t2, pb[j]] = flat[t2, pb[j]], flat[t, pa[i]]
+        excess[t, s] -= 1
+        excess[t, s2] += 1
+        excess[t2, s2] -= 1
+        excess[t2, s] += 1
+
+
+def _deal(slots: np.ndarray, costs: np.ndarray, world_size: int, micro_batch: int,
+          chunk_samples: int = 1 << 16) -> np.ndarray:
+    """Step 5: ``[..., R B]`` slots -> ``[..., R, B]`` micro-batches per rank (slots dealt in
+    chunks of about ``chunk_samples`` samples, to bound the temporaries)."""
+    shape = slots.shape[:-1]
+    R, B = world_size, micro_batch
+    every = slots.reshape(-1, R * B)
+    out = np.empty((every.shape[0], R, B), dtype=np.int64)
+    step = max(1, chunk_samples // (R * B))
+    for lo in range(0, every.shape[0], step):
+        flat = every[lo: lo + step]
+        n = flat.shape[0]
+        desc = np.take_along_axis(flat, np.argsort(-costs[flat], axis=1, kind="stable"), axis=1)
+        tuples = desc.reshape(n, B, R)
+        part = out[lo: lo + step]
+        totals = np.zeros((n, R))
+        rows = np.arange(n)[:, None]
+        for j in range(B):
+            ranks = np.argsort(totals, axis=1, kind="stable")  # cheapest rank first
+            part[rows, ranks, j] = tuples[:, j, :]
+            totals[rows, ranks] += costs[tuples[:, j, :]]
+    return out.reshape(*shape, R, B)
+
+
+def balance_window(
+    costs: np.ndarray,
+    sources: np.ndarray,
+    counts: np.ndarray,
+    *,
+    world_size: int,
+    micro_batch: int,
+    micro_batches_per_step: int,
+) -> np.ndarray:
+    """Splits a window's samples into steps, micro-batches and ranks (see the module docstring).
+
+    Args:
+        costs: Cost of each of the window's ``K G`` samples (:func:`sample_cost`).
+        sources: Source index of each sample.
+        counts: ``[K, S]`` exact samples per step and source (each row sums to G); the window
+            holds ``counts.sum(axis=0)[s]`` samples of source s.
+        world_size: R, data-parallel ranks.
+        micro_batch: B, samples per micro-batch.
+        micro_batches_per_step: M, micro-batches per rank per step.
+
+    Returns:
+        ``[K, M, R, B]`` int64 positions into ``costs``: step, micro-batch, rank, sample.
+    """
+    costs = np.asarray(costs, dtype=np.float64)
+    sources = np.asarray(sources, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    K, S = counts.shape
+    R, B, M = int(world_size), int(micro_batch), int(micro_batches_per_step)
+    RB = R * B
+    if len(costs) != K * M * RB or len(sources) != len(costs):
+        raise ValueError(f"balance_window: {len(costs)} samples for {K} steps of {M * RB}.")
+    if not (counts.sum(axis=1) == M * RB).all():
+        raise ValueError("balance_window: every step's counts must sum to G = R M B.")
+    if not np.array_equal(np.bincount(sources, minlength=S)[:S], counts.sum(axis=0)):
+        raise ValueError("balance_window: the window's sources do not add up to the counts.")
+    order = np.argsort(costs, kind="stable")  # ties by their order in the window
+    bands = order.reshape(M, K, RB)  # band m, slot k
+    comp = np.stack([
+        np.stack([np.bincount(sources[bands[m, k]], minlength=S) for k in range(K)])
+        for m in range(M)
+    ])  # [M, K, S]
+    # step t's share of the bands so far, per source: counts[t, s] x (band samples of s so far)
+    # / (window samples of s); each band's slots go where they bring the steps closest to it
+    total = np.maximum(counts.sum(axis=0), 1).astype(np.float64)
+    seen = np.zeros(S)
+    have = np.zeros((K, S))
+    slots = np.empty((K, M, RB), dtype=np.int64)
+    slot_of_step = np.empty((M, K), dtype=np.int64)
+    for m in range(M):
+        seen += comp[m].sum(axis=0)
+        target = counts * (seen / total)[None, :] - have  # [K, S]
+        dist = np.abs(comp[m][:, None, :] - target[None, :, :]).sum(axis=2)
+        step_of_slot = _match(dist)
+        slots[step_of_slot, m] = bands[m]
+        have[step_of_slot] += comp[m]
+        slot_of_step[m, step_of_slot] = np.arange(K)
+    _swap_slots(slots, bands, comp, slot_of_step, (have - counts).astype(np.int64))
+    _repair(slots, costs, sources, counts)
+    return _deal(slots, costs, R, B)

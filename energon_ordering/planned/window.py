@@ -1,0 +1,146 @@
+"""The plan of one window of steps: a pure function of global information.
+
+:func:`plan_window` takes the sources' lengths, the seed, the cursor at the window's start
+(:class:`~.cursor.PlanCursor`: the window index, draws so far per source, the carry), the
+window's per-step weights, and the shape of a step (data-parallel size R, micro-batches per
+step M, micro-batch size B), and returns, for each of the window's K steps and each rank, the
+global sample ids (:mod:`.sample_ids`) of its M micro-batches, plus the cursor of the next
+window. Nothing depends on the rank, the worker or the process: every rank computes the same
+plan and reads its own row.
+
+How: per-step source counts with a carry (:func:`~energon_ordering.mixture.step_counts.
+step_source_counts`: each step within one sample of ``weight x G``, cumulative counts within
+one sample of the integral); the window draws the next ``sum over steps`` of each source from
+the source's permutation (:func:`~.cursor.draws`); :func:`~.balance.balance_window` splits
+them into steps, micro-batches and ranks with each step's exact counts.
+
+Memory: O(K G) per window (the window's draws), never O(samples of a source) beyond the
+lengths the caller passes in (a later reader looks lengths up by id).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from energon_ordering.errors import OrderingConfigError, show
+from energon_ordering.mixture.step_counts import step_source_counts
+
+from .balance import balance_window, sample_cost
+from .cursor import PlanCursor, advance, check_window_steps, draws
+from .permutation import ROUNDS
+from .sample_ids import SampleIds
+
+__all__ = ["DEFAULT_WINDOW_STEPS", "PLAN_VERSION", "WindowPlan", "plan_window", "window_weights"]
+
+#: Bumped whenever the plan of any window changes for the same inputs (permutation, counts,
+#: balancing); a planned state stamps it.
+PLAN_VERSION = 1
+assert ROUNDS == 6  # part of PLAN_VERSION 1
+
+#: The default ``plan_window_steps``, measured by ``tools/bench_planned.py`` (8, 64, 256 and
+#: 1,024 ranks, micro-batch 4, 8 micro-batches per step, a trimodal mix and a heavy-tailed two-
+#: source mix): the smallest window that meets issue 23's targets (idle <= 1.5x the global sort
+#: of the same samples and <= 0.5%, padding <= 2%, every step within one sample) using at most
+#: 2/3 of each. K = 16 met them with little room (heavy mix: idle 0.42-0.43%, padding 1.77%);
+#: K = 32 halves both (0.24%, 0.94%) for twice the window's memory (about 50-75 MiB of
+#: transient arrays at 1,024 ranks) and the same planning time per step.
+DEFAULT_WINDOW_STEPS = 32
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """The plan of one window.
+
+    Attributes:
+        ids: ``[K, R, M, B]`` global sample ids: step of the window, rank, micro-batch, sample.
+        counts: ``[K, S]`` samples per step and source.
+        cursor: The cursor this window started from.
+        next_cursor: The cursor of the next window.
+    """
+
+    ids: np.ndarray
+    counts: np.ndarray
+    cursor: PlanCursor
+    next_cursor: PlanCursor
+
+    def rank_micro_batches(self, step: int, rank: int) -> np.ndarray:
+        """``[M, B]`` global ids of ``rank``'s micro-batches in the window's ``step``."""
+        return self.ids[step, rank]
+
+
+def window_weights(weights: np.ndarray | Sequence[float], window: int, window_steps: int,
+                   schedule=None) -> np.ndarray:
+    """``[K, S]`` weights of window ``window``'s steps: the schedule's (``weights_table``) if
+    given, else the constant normalised ``weights`` (a metadataset's blend weights)."""
+    k = check_window_steps(window_steps)
+    if schedule is not None:
+        return schedule.weights_table(np.arange(window * k, (window + 1) * k))
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or not (w >= 0).all() or not w.sum() > 0:
+        raise OrderingConfigError(
+            f"planned order: weights = {show(w.tolist())}; give one weight >= 0 per source, "
+            "at least one > 0.")
+    return np.tile(w / w.sum(), (k, 1))
+
+
+def plan_window(
+    lengths: Sequence[np.ndarray],
+    *,
+    seed: int,
+    cursor: PlanCursor,
+    weights: np.ndarray,
+    window_steps: int,
+    world_size: int,
+    micro_batch: int,
+    micro_batches_per_step: int,
+) -> WindowPlan:
+    """Plans window ``cursor.window``.
+
+    Args:
+        lengths: Per source, the length (tokens the model computes on) of every sample, in
+            the source's sample order (its length index).
+        seed: The ordering seed (the same on every rank).
+        cursor: Where the window starts (:meth:`PlanCursor.start` for the first window, then
+            the previous plan's ``next_cursor``).
+        weights: ``[window_steps, S]`` normalised weights of the window's steps
+            (:func:`window_weights`).
+        window_steps: K, ``plan_window_steps`` (>= 1).
+        world_size: R. micro_batch: B. micro_batches_per_step: M.
+
+    Returns:
+        The :class:`WindowPlan`.
+
+    Raises:
+        OrderingConfigError: ``plan_window_steps`` < 1, weights of the wrong shape, a source
+            without samples, or a step shape < 1.
+    """
+    k = check_window_steps(window_steps)
+    for name, v in (("world_size", world_size), ("micro_batch", micro_batch),
+                    ("micro_batches_per_step", micro_batches_per_step)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 1:
+            raise OrderingConfigError(f"planned order: {name} = {show(v)}; give an int >= 1.")
+    ids = SampleIds.of([len(x) for x in lengths])
+    S = len(ids.sizes)
+    w = np.asarray(weights, dtype=np.float64)
+    if w.shape != (k, S):
+        raise OrderingConfigError(
+            f"planned order: weights have shape {w.shape}, expected (plan_window_steps={k}, "
+            f"sources={S}); the schedule must name exactly the plan's sources.")
+    if len(cursor.drawn) != S:
+        raise OrderingConfigError(
+            f"planned order: the cursor has {len(cursor.drawn)} sources, the plan {S}.")
+    R, B, M = int(world_size), int(micro_batch), int(micro_batches_per_step)
+    counts, carry = step_source_counts(w, R * M * B, cursor.carry)
+    per_source = counts.sum(axis=0)
+    index = [draws(seed, s, ids.sizes[s], cursor.drawn[s], int(per_source[s])) for s in range(S)]
+    src = np.concatenate([np.full(len(ix), s, dtype=np.int64) for s, ix in enumerate(index)])
+    cost = sample_cost(np.concatenate([np.asarray(lengths[s])[ix] for s, ix in enumerate(index)]))
+    within = np.concatenate(index)
+    del index
+    pos = balance_window(cost, src, counts, world_size=R, micro_batch=B,
+                         micro_batches_per_step=M)  # [K, M, R, B]
+    flat = ids.join(src, within)[pos].transpose(0, 2, 1, 3)
+    return WindowPlan(np.ascontiguousarray(flat), counts, cursor, advance(cursor, counts, carry))
