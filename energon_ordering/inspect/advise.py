@@ -559,10 +559,15 @@ def _first_batch(path: str | Path, cfg: OrderingConfig, batch_size: int,
     from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
     from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
 
+    from megatron.energon.wrappers.gc_dataset import GC_DEFAULT_EVERY_N_ITER
+
     gc.collect()
     t0 = time.perf_counter()
+    # Energon's default garbage collection, as in training: its first full collect is part of
+    # a training loader's first batch (simulations turn it off, rank_simulation.SIMULATION_GC)
     loader = build_train_loader(path, ordering=cfg, batch_size=batch_size,
-                                task_encoder_factory=factory)
+                                task_encoder_factory=factory,
+                                gc_collect_every_n_steps=GC_DEFAULT_EVERY_N_ITER)
     it = iter(loader)
     next(it)
     seconds = time.perf_counter() - t0
