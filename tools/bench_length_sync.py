@@ -40,7 +40,7 @@ from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
 from energon_ordering.length_index.index import LengthIndex
 from energon_ordering.length_index.build import build_length_index
 from energon_ordering.inspect.pool_memory import find_stage, pool_holdings, resident_bytes
-from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, lengths_by_step, run_ranks
+from energon_ordering.inspect.rank_simulation import TRAINING_GC, build_train_loader, close_loader, lengths_by_step, run_ranks
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
 
@@ -118,7 +118,7 @@ def _rate(loader, n_batches: int) -> float:
 
 def _rate_pool(path: Path, pool: int, n_batches: int) -> float:
     cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode="batch")
-    return _rate(build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH), n_batches)
+    return _rate(build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH, **TRAINING_GC, **TRAINING_GC), n_batches)
 
 
 def bench_overhead(path: Path, pool: int, n_batches: int, repeats: int) -> dict:
@@ -132,7 +132,7 @@ def bench_overhead(path: Path, pool: int, n_batches: int, repeats: int) -> dict:
 
 
 def _state_after(path: Path, cfg: OrderingConfig, n_batches: int):
-    loader = build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH)
+    loader = build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH, **TRAINING_GC, **TRAINING_GC)
     it = iter(loader)
     t0 = time.perf_counter()
     for _ in range(n_batches):
@@ -155,7 +155,7 @@ def bench_checkpoint(path: Path, pools: list[int]) -> list:
         pooled = pool - BATCH
         size, base = len(pickle.dumps(state)), len(pickle.dumps(plain))
         gc.collect()
-        loader = build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH)
+        loader = build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH, **TRAINING_GC, **TRAINING_GC)
         t0 = time.perf_counter()
         loader.restore_state_rank(state)
         next(iter(loader))  # re-creates the pool's samples from their restore keys
@@ -226,7 +226,7 @@ def _lean_cfg(placement: str, pool: int, holds: str = "raw") -> OrderingConfig:
 
 
 def _loader(path: Path, cfg: OrderingConfig):
-    return build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH,
+    return build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH, **TRAINING_GC,
                               task_encoder_factory=IndexedSyntheticTaskEncoder)
 
 

@@ -49,7 +49,7 @@ import click
 
 from energon_ordering import OrderingConfig
 from energon_ordering.inspect.diagnostics import straggler_idle
-from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, record_batch
+from energon_ordering.inspect.rank_simulation import TRAINING_GC, build_train_loader, close_loader, record_batch
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.warmup.pack_cap import pack_target
 from energon_ordering.warmup.schedule import SeqLenWarmup
@@ -70,7 +70,8 @@ def _run(path: Path, cfg: OrderingConfig, steps: int) -> dict:
     """Runs the 8 ranks one after the other for ``steps`` packs each."""
     packs_by_rank = []
     for rank in range(WORLD):
-        loader = build_train_loader(path, ordering=cfg, rank=rank, world_size=WORLD, batch_size=1)
+        loader = build_train_loader(path, ordering=cfg, rank=rank, world_size=WORLD, batch_size=1,
+                                **TRAINING_GC)
         packs_by_rank.append([record_batch(b).lengths for b in itertools.islice(loader, steps)])
         close_loader(loader)
     return dict(
@@ -82,7 +83,8 @@ def _run(path: Path, cfg: OrderingConfig, steps: int) -> dict:
 def _rate(path: Path, cfg: OrderingConfig, rank: int, timed_samples: int) -> tuple[float, float]:
     """(samples/s, first micro-batch in s) of one rank's loader: the clock starts at
     ``iter(loader)`` and stops when ``timed_samples`` samples were emitted."""
-    loader = build_train_loader(path, ordering=cfg, rank=rank, world_size=WORLD, batch_size=1)
+    loader = build_train_loader(path, ordering=cfg, rank=rank, world_size=WORLD, batch_size=1,
+                                **TRAINING_GC)
     t0 = time.perf_counter()
     it = iter(loader)
     n = len(record_batch(next(it)).keys)

@@ -37,7 +37,7 @@ from energon_ordering import OrderingConfig
 from energon_ordering.inspect.advise import fit_first_batch, load_population, predict_order
 from energon_ordering.inspect.inspection import measure
 from energon_ordering.inspect.pool_memory import find_stage, pool_holdings, resident_bytes
-from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, run_ranks
+from energon_ordering.inspect.rank_simulation import TRAINING_GC, build_train_loader, close_loader, run_ranks
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
 from energon_ordering.length_index.build import build_length_index
@@ -100,7 +100,7 @@ def _build_loader(path: Path, setting: str | None, pool: int):
                              length_sort_placement=placement, length_sort_pool_holds=holds,
                              length_sort_pool_ramp=ramp)
         te = _te(fill)
-    return build_train_loader(path, ordering=cfg, batch_size=BATCH, task_encoder_factory=te)
+    return build_train_loader(path, ordering=cfg, batch_size=BATCH, task_encoder_factory=te, **TRAINING_GC)
 
 
 def _real_loader(path: Path, setting: str | None, pool: int) -> dict[str, float]:
@@ -212,7 +212,8 @@ def _walk_below_pool(path: Path, pool: int) -> float:
     cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode="batch", seed=0,
                          length_sort_placement="pre-encode", length_sort_pool_holds="keys",
                          length_sort_pool_ramp=False)
-    loader = build_train_loader(path, ordering=cfg, batch_size=BATCH, task_encoder_factory=_te(True))
+    loader = build_train_loader(path, ordering=cfg, batch_size=BATCH, task_encoder_factory=_te(True),
+                                **TRAINING_GC)
     below = find_stage(loader.dataset, KeyPoolSortDataset).dataset
     below.worker_config.worker_activate(0)
     try:

@@ -555,19 +555,16 @@ def _first_batch(path: str | Path, cfg: OrderingConfig, batch_size: int,
     import gc
 
     from energon_ordering.inspect.pool_memory import find_stage, pool_holdings, resident_bytes
-    from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader
+    from energon_ordering.inspect.rank_simulation import TRAINING_GC, build_train_loader, close_loader
     from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
     from energon_ordering.pool.length_pool_sort import LengthPoolSortDataset
-
-    from megatron.energon.wrappers.gc_dataset import GC_DEFAULT_EVERY_N_ITER
 
     gc.collect()
     t0 = time.perf_counter()
     # Energon's default garbage collection, as in training: its first full collect is part of
     # a training loader's first batch (simulations turn it off, rank_simulation.SIMULATION_GC)
     loader = build_train_loader(path, ordering=cfg, batch_size=batch_size,
-                                task_encoder_factory=factory,
-                                gc_collect_every_n_steps=GC_DEFAULT_EVERY_N_ITER)
+                                task_encoder_factory=factory, **TRAINING_GC)
     it = iter(loader)
     next(it)
     seconds = time.perf_counter() - t0

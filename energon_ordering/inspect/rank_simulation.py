@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+from megatron.energon.wrappers.gc_dataset import GC_DEFAULT_EVERY_N_ITER
 
 from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingTypeError
@@ -24,6 +25,8 @@ from energon_ordering.state_stamp import restore_state_rank
 
 __all__ = [
     "BatchRecord",
+    "SIMULATION_GC",
+    "TRAINING_GC",
     "build_train_loader",
     "close_loader",
     "lengths_by_step",
@@ -99,6 +102,9 @@ def record_batch(batch: Any) -> BatchRecord:
 #: a differently built pipeline is refused by name, as always). Pass
 #: ``gc_collect_every_n_steps`` to :func:`build_train_loader` for Energon's own behaviour.
 SIMULATION_GC: dict[str, Any] = {"gc_collect_every_n_steps": 0}
+#: Energon's default garbage collection, as a training loader has it: for loaders whose time is
+#: measured (first batch, samples/s), pass ``**TRAINING_GC`` to :func:`build_train_loader`.
+TRAINING_GC: dict[str, Any] = {"gc_collect_every_n_steps": GC_DEFAULT_EVERY_N_ITER}
 
 
 def build_train_loader(
