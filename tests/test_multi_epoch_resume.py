@@ -260,9 +260,12 @@ def test_the_epoch_after_a_rotated_restore_is_identical(data):
 
 SLOW_CUTS = [1, 2, 3, 11, BATCHES - 2, BATCHES - 1, BATCHES]
 
-#: A busy loader: a 2-worker loader over the data, repeating, until killed (by PID).
+#: A busy loader: a 2-worker loader over the data, repeating, until killed (by PID), or until
+#: its test process is gone (a killed pytest runs no finalizer; the loader must not outlive it).
 _BUSY_CHILD = r"""
+import os
 import sys
+parent = os.getppid()
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 from energon_ordering import OrderingConfig
 from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
@@ -277,6 +280,8 @@ print("busy", flush=True)
 for i, _ in enumerate(loader):
     if i % 10 == 0:
         loader.save_state_rank()
+        if os.getppid() != parent:
+            break
 """
 
 
