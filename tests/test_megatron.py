@@ -26,6 +26,7 @@ from energon_ordering.warmup.schedule import SeqLenWarmup
 
 sys.path.insert(0, str(Path(__file__).parent))
 import megatron_lm_sources  # noqa: E402
+from gloo_group import gloo_group_of_one  # noqa: E402
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 
@@ -408,11 +409,8 @@ def test_finite_data_stops_all_ranks_at_the_same_step(tmp_path):
 
 @pytest.fixture
 def gloo_world_of_one(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'gloo_init'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with gloo_group_of_one(tmp_path / "gloo_init"):
+        yield
 
 
 @pytest.mark.timeout(120)  # before the fix: save_state_rank() between iter() and next() hung here

@@ -33,6 +33,9 @@ from energon_ordering.integrations.megatron_lm import (
 
 pytest.importorskip("megatron.core")
 
+sys.path.insert(0, str(Path(__file__).parent))
+from gloo_group import gloo_group_of_one  # noqa: E402
+
 
 def _args(data, **kw) -> argparse.Namespace:
     base = dict(
@@ -50,15 +53,12 @@ def _args(data, **kw) -> argparse.Namespace:
 
 @pytest.fixture(scope="module")
 def mpu(tmp_path_factory):
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
-    init = tmp_path_factory.mktemp("mpu") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield parallel_state
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    with gloo_group_of_one(tmp_path_factory.mktemp("mpu") / "init"):
+        parallel_state.initialize_model_parallel(1, 1)
+        yield parallel_state
+        parallel_state.destroy_model_parallel()
 
 
 def test_a_missing_dataloader_type_external_is_refused(small_dataset):
