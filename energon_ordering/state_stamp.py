@@ -39,7 +39,12 @@ from megatron.energon.state import FlexState
 from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.base import BaseWrapperDataset
 
+from energon_ordering import worker_checkpoint
 from energon_ordering.errors import StateMismatchError, show
+
+# Every pipeline OrderingTaskEncoder builds has a stamp (this module), so the fix is in place in
+# the main process before any of its loader workers fork.
+worker_checkpoint.install()
 
 __all__ = [
     "PIPELINE_STAMP_VERSION",

@@ -1,0 +1,67 @@
+"""A loader worker asked for its state before it has begun iterating answers with its restore point.
+
+Energon (7.4.1) answers ``SavableDataLoader.save_state_rank()`` from each loader worker's command
+thread with ``SavableDatasetWrapper.get_checkpoint``: the newest checkpoint at or before the
+worker's next sample, plus the samples to skip after it. The worker stores its first checkpoint
+when its iteration begins, but the command thread starts a moment earlier, and a request that was
+already waiting (a state saved after the first micro-batches, while a slow worker was still
+starting) can be answered in between. The only checkpoint then is the placeholder the wrapper's
+constructor puts there (no state, sample index -1), and the answer is "start afresh and skip one
+sample": the resumed loader loses that worker's first micro-batch, or, for a worker restored from
+an earlier state, restarts it from scratch. A forced interleaving loses a micro-batch in about
+six restores of ten (``tests/test_worker_checkpoint.py``); the soak caught it under CPU load.
+
+A worker that has not begun iterating has emitted nothing since it was created or restored, so
+its exact state is what it would start from: the state it was restored from and the samples it
+was told to skip (None and 0 for a fresh one). That is the answer Energon's own
+``get_checkpoint`` gives when it finds no checkpoint at all ("immediate save after restore"); the
+placeholder keeps that branch from running. :func:`install` makes ``get_checkpoint`` answer so
+while the placeholder is the worker's only checkpoint, and leaves every other answer to Energon.
+It patches the class once, in the main process, before loader workers fork (``OrderingTaskEncoder``
+and :func:`~energon_ordering.state_stamp.restore_state_rank` install it).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from megatron.energon.savable_loader import SavableDatasetCheckpoint, SavableDatasetWrapper
+
+__all__ = ["install", "not_started"]
+
+#: Set on the patched method, so that :func:`install` patches once.
+_MARK = "_energon_ordering_not_started_answer"
+
+
+def not_started(checkpoints: list[Any]) -> bool:
+    """True if a worker's checkpoints are only the constructor's placeholder (no state, sample
+    index below 0): the worker has not begun iterating."""
+    return bool(checkpoints) and all(
+        cp.state is None and cp.sample_index < 0 for cp in checkpoints
+    )
+
+
+def install() -> None:
+    """Patches ``SavableDatasetWrapper.get_checkpoint`` (idempotent; see the module docstring).
+    A no-op for an Energon whose wrapper lacks the attributes the answer reads."""
+    original = SavableDatasetWrapper.get_checkpoint
+    if getattr(original, _MARK, False):
+        return
+    needed = ("_last_checkpoints", "_workers_restore_from", "_workers_skip_samples")
+    probe = SavableDatasetWrapper.__init__.__code__.co_names
+    if not all(name in probe for name in needed):
+        return
+
+    @functools.wraps(original)
+    def get_checkpoint(self: SavableDatasetWrapper, last_sample_indexes: list[int]) -> Any:
+        if not_started(self._last_checkpoints):
+            worker = self._worker_id
+            return SavableDatasetCheckpoint(
+                state=self._workers_restore_from[worker],
+                offset=self._workers_skip_samples[worker],
+            )
+        return original(self, last_sample_indexes)
+
+    setattr(get_checkpoint, _MARK, True)
+    SavableDatasetWrapper.get_checkpoint = get_checkpoint

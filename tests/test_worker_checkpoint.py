@@ -1,0 +1,116 @@
+"""A state saved while a loader worker has not begun iterating resumes exactly
+(energon_ordering/worker_checkpoint.py): Energon's worker answered such a request with its
+constructor's placeholder, and the resumed loader lost that worker's first micro-batch."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from megatron.energon.savable_loader import SavableCheckpoint, SavableDatasetWrapper
+
+from energon_ordering import OrderingConfig, restore_state_rank
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, record_batch
+from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+from energon_ordering.worker_checkpoint import not_started
+
+WORKERS = 3
+LATE = WORKERS - 1  # the worker that begins iterating late
+TRIES = 6
+
+
+def test_only_the_constructor_placeholder_means_not_started():
+    placeholder = SavableCheckpoint(state=None, checkpoint_time=0.0, sample_index=-1)
+    first = SavableCheckpoint(state=object(), checkpoint_time=1.0, sample_index=0)
+    assert not_started([placeholder])
+    assert not not_started([placeholder, first]) and not not_started([first])
+    assert not not_started([])
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("late_worker")
+    make_synthetic_dataset(root, [SourceSpec("web", 96, "short")], shard_size=8)
+    return root / "web"
+
+
+@pytest.fixture
+def late_worker(monkeypatch):
+    """The last loader worker begins its iteration 1 s late (in the forked worker, before
+    Energon's wrapper starts its command thread), so a state saved after the first micro-batch
+    reaches it before it has begun. Energon's code runs unchanged; only its start is delayed."""
+    original = SavableDatasetWrapper.__iter__
+
+    def late_iter(self):
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.id == LATE:
+            time.sleep(1.0)
+        yield from original(self)
+
+    monkeypatch.setattr(SavableDatasetWrapper, "__iter__", late_iter)
+
+
+def _loader(path: Path):
+    return build_train_loader(path, ordering=OrderingConfig(length_sort_pool_size=8, length_sort_mode="batch"),
+                              num_workers=WORKERS, batch_size=4, shuffle_buffer_size=None,
+                              max_samples_per_sequence=8, repeat=False)
+
+
+def _epoch(path: Path) -> list:
+    loader = _loader(path)
+    records = [record_batch(b) for b in loader]
+    close_loader(loader)
+    return records
+
+
+def _save_after(loader, n: int):
+    """The state after ``n`` more micro-batches of ``loader`` (its iterator kept alive)."""
+    it = iter(loader)
+    drawn = [record_batch(next(it)) for _ in range(n)]
+    state = pickle.loads(pickle.dumps(loader.save_state_rank()))
+    del it
+    close_loader(loader)
+    return drawn, state
+
+
+def _resume(path: Path, state, n: int) -> list:
+    loader = _loader(path)
+    restore_state_rank(loader, state)
+    out = [record_batch(b) for b in itertools.islice(loader, n)]
+    close_loader(loader)
+    return out
+
+
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
+def test_a_state_saved_before_a_worker_began_resumes_exactly(data, late_worker):
+    epoch = _epoch(data)
+    late = 0
+    for _ in range(TRIES):
+        drawn, state = _save_after(_loader(data), 1)
+        assert drawn == epoch[:1]
+        late += state.worker_states[LATE].state is None  # answered before the worker began
+        assert _resume(data, state, 6) == epoch[1:7]
+    assert late, "the late worker began before every save: the interleaving was not forced"
+
+
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
+def test_a_restored_worker_saved_before_it_began_keeps_its_restore_point(data, late_worker):
+    """A loader restored mid-epoch and saved again before its late worker began: that worker's
+    entry is the one it was restored from (not "start afresh"), and the state resumes exactly."""
+    epoch = _epoch(data)
+    _, first = _save_after(_loader(data), 7)
+    restored = first.worker_states[LATE]
+    assert restored.state is not None
+    for _ in range(TRIES):
+        loader = _loader(data)
+        restore_state_rank(loader, first)
+        drawn, second = _save_after(loader, 1)
+        assert drawn == epoch[7:8]
+        entry = second.worker_states[LATE]
+        assert entry.state is not None, "the late worker was told to start afresh"
+        assert (entry.state.sample_index, entry.offset) == (restored.state.sample_index, restored.offset)
+        assert _resume(data, second, 6) == epoch[8:14]
