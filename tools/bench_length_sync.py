@@ -118,7 +118,7 @@ def _rate(loader, n_batches: int) -> float:
 
 def _rate_pool(path: Path, pool: int, n_batches: int) -> float:
     cfg = OrderingConfig(length_sort_pool_size=pool, length_sort_mode="batch")
-    return _rate(build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH, **TRAINING_GC, **TRAINING_GC), n_batches)
+    return _rate(build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH, **TRAINING_GC), n_batches)
 
 
 def bench_overhead(path: Path, pool: int, n_batches: int, repeats: int) -> dict:
@@ -132,7 +132,7 @@ def bench_overhead(path: Path, pool: int, n_batches: int, repeats: int) -> dict:
 
 
 def _state_after(path: Path, cfg: OrderingConfig, n_batches: int):
-    loader = build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH, **TRAINING_GC, **TRAINING_GC)
+    loader = build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH, **TRAINING_GC)
     it = iter(loader)
     t0 = time.perf_counter()
     for _ in range(n_batches):
@@ -155,7 +155,7 @@ def bench_checkpoint(path: Path, pools: list[int]) -> list:
         pooled = pool - BATCH
         size, base = len(pickle.dumps(state)), len(pickle.dumps(plain))
         gc.collect()
-        loader = build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH, **TRAINING_GC, **TRAINING_GC)
+        loader = build_train_loader(path, ordering=cfg, num_workers=0, batch_size=BATCH, **TRAINING_GC)
         t0 = time.perf_counter()
         loader.restore_state_rank(state)
         next(iter(loader))  # re-creates the pool's samples from their restore keys
