@@ -40,6 +40,7 @@ from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
 from energon_ordering.length_index.index import LengthIndex
 from energon_ordering.length_index.build import build_length_index
 from energon_ordering.inspect.pool_memory import find_stage, pool_holdings, resident_bytes
+from energon_ordering.inspect.interleaved_timing import time_in_turns
 from energon_ordering.inspect.rank_simulation import TRAINING_GC, build_train_loader, close_loader, lengths_by_step, run_ranks
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
@@ -273,25 +274,7 @@ def _interleaved_rates(path: Path, configs: dict[str, OrderingConfig], turn: int
         "off")``; a ratio > 1 means faster than no pool.
     """
     loaders = {name: _loader(path, cfg) for name, cfg in configs.items()}
-    its = {name: iter(loader) for name, loader in loaders.items()}
-    for it in its.values():
-        for _ in range(turn // BATCH):
-            next(it)
-    wall: dict[str, list[float]] = {name: [] for name in its}
-    cpu: dict[str, list[float]] = {name: [] for name in its}
-    names = list(its)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            gc.collect()
-            t, c = time.perf_counter(), time.process_time()
-            for _ in range(turn // BATCH):
-                next(its[name])
-            wall[name].append(time.perf_counter() - t)
-            cpu[name].append(time.process_time() - c)
-    del its
-    for loader in loaders.values():
-        close_loader(loader)
-    gc.collect()
+    wall, cpu = time_in_turns(loaders, turn // BATCH, rounds)
     rate = {name: statistics.median(turn / t for t in w) for name, w in wall.items()}
     wall_ratio = {name: [o / t for o, t in zip(wall["off"], w)] for name, w in wall.items()}
     cpu_ratio = {name: [o / t for o, t in zip(cpu["off"], c)] for name, c in cpu.items()}

@@ -37,6 +37,7 @@ from energon_ordering import OrderingConfig
 from energon_ordering.inspect.advise import fit_first_batch, load_population, predict_order
 from energon_ordering.inspect.inspection import measure
 from energon_ordering.inspect.pool_memory import find_stage, pool_holdings, resident_bytes
+from energon_ordering.inspect.interleaved_timing import time_in_turns
 from energon_ordering.inspect.rank_simulation import TRAINING_GC, build_train_loader, close_loader, run_ranks
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
@@ -138,25 +139,8 @@ def _interleaved_throughput(path: Path, setting: str, pool: int, rounds: int) ->
     scheduler does to each (Energon's watchdog thread takes the GIL twice per batch, and on an
     oversubscribed machine every hand-over waits for a core)."""
     loaders = {"off": _build_loader(path, None, pool), setting: _build_loader(path, setting, pool)}
-    its = {key: iter(loader) for key, loader in loaders.items()}
     per_turn = pool // BATCH
-    for it in its.values():
-        for _ in range(per_turn):
-            next(it)
-    wall: dict[str, list[float]] = {key: [] for key in its}
-    cpu: dict[str, list[float]] = {key: [] for key in its}
-    for r in range(rounds):
-        for key in (("off", setting) if r % 2 == 0 else (setting, "off")):
-            gc.collect()
-            t, c = time.perf_counter(), time.process_time()
-            for _ in range(per_turn):
-                next(its[key])
-            wall[key].append(time.perf_counter() - t)
-            cpu[key].append(time.process_time() - c)
-    del its
-    for loader in loaders.values():
-        close_loader(loader)
-    gc.collect()
+    wall, cpu = time_in_turns(loaders, per_turn, rounds)
     return {"samples": [per_turn * BATCH] * rounds, "wall_off": wall["off"],
             "wall": wall[setting], "cpu_off": cpu["off"], "cpu": cpu[setting]}
 
