@@ -441,9 +441,24 @@ class OrderingTaskEncoder:
             sources.append((name, ds))
         blend = plan.stage(SCHEDULED_BLEND)
         assert blend is not None
-        dataset: SavableDataset = ScheduledBlendDataset(
-            sources, **blend.kwargs, worker_config=worker_config
+        dataset = ScheduledBlendDataset(sources, **blend.kwargs, worker_config=worker_config)
+        return self._encode_and_batch_train(
+            plan, dataset, worker_config=worker_config, batch_size=batch_size,
+            batch_drop_last=batch_drop_last, packing_buffer_size=packing_buffer_size,
         )
+
+    def _encode_and_batch_train(
+        self,
+        plan: PipelinePlan,
+        dataset: SavableDataset,
+        *,
+        worker_config: WorkerConfig,
+        batch_size: int | None,
+        batch_drop_last: bool,
+        packing_buffer_size: int | None,
+    ) -> SavableDataset:
+        """The tail of Energon's build_train_datasets after the blend, for the pipelines built
+        here: encode_sample, batching (with packing), the virtual epoch, sample logging."""
         dataset = self.build_encode_sample(dataset, worker_config=worker_config)  # type: ignore[attr-defined]
         dataset = self.build_batch(
             dataset,
@@ -517,17 +532,11 @@ class OrderingTaskEncoder:
             finite=kw["finite"], schedule=kw["schedule"], source_names=kw["source_names"],
             worker_config=worker_config,
         )
-        dataset = self.build_encode_sample(dataset, worker_config=worker_config)  # type: ignore[attr-defined]
-        dataset = self.build_batch(
-            dataset, batch_size=batch_size, batch_drop_last=batch_drop_last,
-            worker_config=worker_config,
+        # the planned order refuses packing at plan time (pipeline.plan._validate_planned)
+        return self._encode_and_batch_train(
+            plan, dataset, worker_config=worker_config, batch_size=batch_size,
+            batch_drop_last=batch_drop_last, packing_buffer_size=None,
         )
-        epochize = plan.stage(EPOCHIZE)
-        if epochize is not None:
-            dataset = EpochizeDataset(dataset, **epochize.kwargs, worker_config=worker_config)
-        if worker_config.should_log(level=1):
-            dataset = LogSampleDataset(dataset, mode="train", worker_config=worker_config)
-        return dataset
 
     def build_batch(
         self,
