@@ -413,20 +413,30 @@ def _stages(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> Iterat
     if packing is not None:
         yield from _packing_stages(cfg, args, packing, pool_of_packs)
     elif warmup is not None:
-        yield Stage(
-            SEQ_WARMUP,
-            "cuts each sample to max_seq_len of the step it is emitted in (at batch time: "
-            "the emission step, so a resume cuts alike)",
-            (
-                ("warmup", warmup),
-                ("micro_batches_per_step", cfg.micro_batches_per_step),
-                ("overflow", cfg.seq_length_overflow),
-            ),
-        )
+        yield _warmup_stage(cfg, warmup)
+    yield from _batch_tail(args, bs)
+
+
+def _warmup_stage(cfg: OrderingConfig, warmup: Any) -> Stage:
+    return Stage(
+        SEQ_WARMUP,
+        "cuts each sample to max_seq_len of the step it is emitted in (at batch time: "
+        "the emission step, so a resume cuts alike)",
+        (
+            ("warmup", warmup),
+            ("micro_batches_per_step", cfg.micro_batches_per_step),
+            ("overflow", cfg.seq_length_overflow),
+        ),
+    )
+
+
+def _batch_tail(args: BuildArgs, batch_size: int | None) -> Iterator[Stage]:
+    """Every training pipeline's end: the input-end report, Energon's batching and virtual
+    epoch, the stamp."""
     yield Stage(INPUT_END, "reports the end of the batcher's input to the stamp: a finite epoch's "
                 "last, partial batch goes out after every stage below has ended")
-    yield Stage(BATCH, "batch -> encode_batch", (("batch_size", bs), ("drop_last", args.batch_drop_last)),
-                energon=True)
+    yield Stage(BATCH, "batch -> encode_batch",
+                (("batch_size", batch_size), ("drop_last", args.batch_drop_last)), energon=True)
     if args.virtual_epoch_length > 0:
         yield Stage(EPOCHIZE, "Energon's virtual epoch", (("length", args.virtual_epoch_length),),
                     energon=True)
@@ -457,23 +467,8 @@ def _planned_stages(cfg: OrderingConfig, args: BuildArgs) -> Iterator[Stage]:
     )
     yield Stage(ENCODE, "the task encoder's encode_sample (stateless)", energon=True)
     if cfg.seq_length_warmup is not None:
-        yield Stage(
-            SEQ_WARMUP,
-            "cuts each sample to max_seq_len of the step it is emitted in",
-            (
-                ("warmup", cfg.seq_length_warmup),
-                ("micro_batches_per_step", cfg.micro_batches_per_step),
-                ("overflow", cfg.seq_length_overflow),
-            ),
-        )
-    yield Stage(INPUT_END, "reports the end of the batcher's input to the stamp")
-    yield Stage(BATCH, "batch -> encode_batch", (("batch_size", args.batch_size),
-                                                 ("drop_last", args.batch_drop_last)), energon=True)
-    if args.virtual_epoch_length > 0:
-        yield Stage(EPOCHIZE, "Energon's virtual epoch", (("length", args.virtual_epoch_length),),
-                    energon=True)
-    yield Stage(STAMP, "stamps what the continuation depends on; a restore is checked "
-                "against it before any stage below reads the state")
+        yield _warmup_stage(cfg, cfg.seq_length_warmup)
+    yield from _batch_tail(args, args.batch_size)
 
 
 def _energon_blend(args: BuildArgs, shuffle: bool) -> Iterator[Stage]:
