@@ -108,6 +108,37 @@ def test_sample_without_length_names_the_key_and_the_fix(small_dataset):
         next(iter(loader))
 
 
+class _PlainTokens:
+    """A user's encoded type that is neither an Energon Sample nor a dict: no restore key."""
+
+    def __init__(self, sample):
+        self.__key__, self.total_len = sample.__key__, sample.total_len
+
+
+class PlainTypeEncoder(SyntheticTaskEncoder):
+    @stateless
+    def encode_sample(self, sample):
+        return _PlainTokens(super().encode_sample(sample))
+
+    @stateless
+    def batch(self, samples):
+        return {"__keys__": [s.__key__ for s in samples], "total_len": [s.total_len for s in samples]}
+
+    def encode_batch(self, batch):
+        return batch
+
+
+def test_a_pooled_sample_without_restore_key_is_refused_when_pooled(small_dataset):
+    """Before: the pool saved None for such a sample and the restore failed with a bare
+    TypeError, hours later. Now the first pooled sample names its type and the fix."""
+    cfg = OrderingConfig(length_sort_pool_size=8, length_sort_mode="batch")
+    loader = build_train_loader(small_dataset, ordering=cfg, task_encoder_factory=PlainTypeEncoder)
+    with pytest.raises(NotRestorableError, match=r"LengthPoolSortDataset: sample 'web-\d{8}' "
+                       r"\(_PlainTokens\) has no __restore_key__.*derive_from"):
+        next(iter(loader))
+    close_loader(loader)
+
+
 class LengthFromCaption(NoLengthEncoder):
     def ordering_sample_length(self, sample):
         return len(sample.caption.split())

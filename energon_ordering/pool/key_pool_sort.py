@@ -25,17 +25,17 @@ from typing import Any, Generic, TypeVar
 from megatron.energon.flavors.base_dataset import SavableDataset
 from megatron.energon.state import FlexState
 from megatron.energon.worker import WorkerConfig
-from megatron.energon.wrappers.base import BaseWrapperDataset, get_sample_restore_key
+from megatron.energon.wrappers.base import BaseWrapperDataset
 
-from energon_ordering.errors import NotRestorableError, OrderingTypeError
+from energon_ordering.errors import OrderingTypeError
 from energon_ordering.pool.packed_sample import SamplePacker
 from energon_ordering.pool.settings import (
     PoolSettings,
     check_pool_input,
     check_pool_state,
     checked_length,
+    checked_restore_key,
 )
-from energon_ordering.sample_fields import sample_key
 from energon_ordering.errors import show
 
 __all__ = ["KeyPoolSortDataset"]
@@ -176,13 +176,7 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
 
     def _collect_and_emit(self) -> Iterator[T_sample]:
         for sample in self.dataset:
-            key = get_sample_restore_key(sample)
-            if key is None:
-                raise NotRestorableError(
-                    f"KeyPoolSortDataset: sample {show(sample_key(sample))} "
-                    f"({type(sample).__name__}) has no __restore_key__, so it cannot be "
-                    "re-fetched; pool Energon samples (dataclasses or dicts with a restore key)."
-                )
+            key = checked_restore_key(type(self).__name__, sample)
             self._collect_lengths.append(checked_length(type(self).__name__, self.key_fn, sample))
             self._collect_keys.append(key)
             self._collect_packed.append(self._packer.pack(sample) if self.keep_samples else None)

@@ -16,6 +16,7 @@ from energon_ordering.pool.settings import (
     check_pool_input,
     check_pool_state,
     checked_length,
+    checked_restore_key,
 )
 from energon_ordering.pool.sample_length import default_sample_length
 from energon_ordering.errors import show
@@ -143,7 +144,8 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         # A restored (or interrupted) pool finishes first, exactly where it stopped.
         yield from self._drain()
         if not self._inner_done:
-            for _ in self._collecting.append_iter():
+            for sample in self._collecting.append_iter():
+                checked_restore_key(type(self).__name__, sample)
                 if self._collecting.len_worker() >= self.settings.size_at(self._pool_index):
                     self._seal_pool()
                     yield from self._drain()

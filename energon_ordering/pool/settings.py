@@ -14,7 +14,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from energon_ordering.errors import OrderingConfigError, OrderingTypeError, SampleLengthError
+from megatron.energon.wrappers.base import get_sample_restore_key
+
+from energon_ordering.errors import (
+    NotRestorableError,
+    OrderingConfigError,
+    OrderingTypeError,
+    SampleLengthError,
+)
 from energon_ordering.pool.order import BATCHED_MODES, ORDER_VERSION, POOL_ORDERS, pool_seed
 from energon_ordering.pool.ramp import RAMP_RULE, pool_size_at
 from energon_ordering.pool.restorability import explain_not_restorable
@@ -153,6 +160,21 @@ def check_pool_state(owner: str, state: Any, expected_stamp: dict[str, Any]) -> 
         "Restore with the pool configuration the checkpoint was written with, or start the "
         "data stream fresh.",
     )
+
+
+def checked_restore_key(owner: str, sample: Any) -> Any:
+    """The restore key of a sample entering a pool, raising :class:`NotRestorableError` if it
+    has none: a pool saves restore keys, never samples, and a sample without one would be
+    saved as nothing and fail only at the restore."""
+    key = get_sample_restore_key(sample)
+    if key is None:
+        raise NotRestorableError(
+            f"{owner}: sample {show(sample_key(sample))} ({type(sample).__name__}) has no "
+            "__restore_key__, so a saved state could not re-create it. Pool Energon samples: "
+            "return a Sample dataclass from encode_sample (e.g. MySample.derive_from(sample, "
+            "...)) or a dict that keeps the input's '__restore_key__'."
+        )
+    return key
 
 
 def checked_length(owner: str, key_fn: Callable[[Any], float], sample: Any) -> float:
