@@ -179,7 +179,7 @@ def _check_finite_epoch(data: dict, d: dict, records, final_state: bytes) -> str
 
 @pytest.mark.timeout(900)  # 10 cycles, each building up to 7 real loaders
 @pytest.mark.parametrize("chunk", range(CHUNKS))
-def test_soak_random_cut_and_resume(soak_data, chunk):
+def test_soak_random_cut_and_resume(soak_data, chunk, tmp_path):
     seed = SEED * 1000 + chunk
     print(f"soak seed: SOAK_SEED={SEED} (chunk {chunk}: random.Random({seed}))")
     rng = random.Random(seed)
@@ -214,6 +214,22 @@ def test_soak_random_cut_and_resume(soak_data, chunk):
                    itertools.islice(loader, len(expected) + (1 if to_end else 0))]
             close_loader(loader)
             if got != expected:
-                mismatches.append((d, cut, len(records)))
+                mismatches.append(_mismatch(d, cut, records, states[cut], got, tmp_path))
             done += 1
     assert not mismatches, f"SOAK_SEED={SEED} chunk {chunk}: mismatches {mismatches}"
+
+
+def _mismatch(d: dict, cut: int, records: list, state: bytes, got: list, out) -> dict:
+    """What a failed resume got wrong, with the case pickled for a reproduction (the saved
+    state, the uninterrupted records, the resumed ones)."""
+    expected = records[cut : cut + COMPARE]
+    at = next((i for i, (e, g) in enumerate(zip(expected, got)) if e != g), min(len(expected), len(got)))
+    entries = [(getattr(ws, "offset", None), getattr(getattr(ws, "state", None), "sample_index", None))
+               for ws in pickle.loads(state).worker_states]
+    case = out / f"mismatch_cut{cut}.pkl"
+    case.write_bytes(pickle.dumps({"config": d, "cut": cut, "records": records, "state": state,
+                                   "got": got}))
+    return {"config": d, "cut": cut, "records": len(records),
+            "worker entries (offset, checkpoint sample index)": entries,
+            "first difference": at, "expected": expected[at:at + 1], "got": got[at:at + 1],
+            "case": str(case)}
