@@ -8,7 +8,7 @@ The race it fixes: when ``save_state_rank()`` asks a worker that has yielded its
 not yet run into the end of its stream, Energon (7.4.1) returns an older checkpoint plus a
 number of samples to skip; the restored worker skips to the end and Energon then iterates the
 pipeline again, replaying the worker's whole share (see ``PipelineStampDataset``). Under load
-that is what Megatron saves at the end of a finite run. :class:`EndCheckpointGate` forces that
+that is what Megatron saves at the end of a finite run. :class:`EpochEndGate` forces that
 interleaving deterministically: it holds a worker's end-of-iteration checkpoint (the one
 ``SavableDatasetWrapper.__iter__`` stores after the worker's stream ended, without its command
 lock) until the test has saved. The stress test runs the plain scenario in several contending
@@ -31,12 +31,14 @@ from typing import Any
 
 import pytest
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
-from megatron.energon.wrappers.base import BaseWrapperDataset
 
 from energon_ordering import OrderingConfig, restore_state_rank
 from energon_ordering.inspect.rank_simulation import close_loader, record_batch
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
+
+sys.path.insert(0, str(Path(__file__).parent))
+from end_gate import EpochEndGate  # noqa: E402
 
 POOL = OrderingConfig(length_sort_pool_size=32, length_sort_mode="batch")
 BATCHES = 50  # 400 samples / 2 ranks / micro-batch 4
@@ -49,45 +51,8 @@ def finite_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "web"
 
 
-class EndCheckpointGate(BaseWrapperDataset):
-    """Passes samples through; once its stream has ended in a loader worker, its next
-    ``save_state()`` (Energon's end-of-iteration checkpoint of that worker) waits for
-    ``release``. Not saved: it has no state of its own."""
-
-    _savable_fields = ()
-
-    def __init__(self, dataset: Any, *, release: Any, worker_config: WorkerConfig):
-        super().__init__(dataset, worker_config=worker_config)
-        self.release = release
-        self.reset_state_own()
-
-    def reset_state_own(self) -> None:
-        self._at_end = False
-
-    def len_worker(self, worker_idx: int | None = None) -> int:
-        return self.dataset.len_worker(worker_idx)
-
-    def __iter__(self):
-        self._at_end = False
-        yield from self.dataset
-        self._at_end = True
-
-    def save_state(self):
-        if self._at_end:
-            self._at_end = False
-            assert self.release.wait(60), "EndCheckpointGate was never released"
-        return super().save_state()
-
-    def config(self) -> dict[str, Any]:
-        return {"type": type(self).__qualname__, "dataset": self.dataset.config(),
-                "worker_config": self.worker_config.config()}
-
-    def __str__(self) -> str:
-        return f"EndCheckpointGate(dataset={self.dataset})"
-
-
 def _loader(path: Path, num_workers: int, release: Any = None):
-    """Rank 0 of 2 of the issue's setup, under an :class:`EndCheckpointGate` (open if
+    """Rank 0 of 2 of the issue's setup, under an :class:`EpochEndGate` (open if
     ``release`` is None)."""
     if release is None:
         release = multiprocessing.Event()
@@ -97,7 +62,7 @@ def _loader(path: Path, num_workers: int, release: Any = None):
     wc = WorkerConfig(rank=0, world_size=2, num_workers=num_workers)
     ds = get_train_dataset(path, batch_size=4, worker_config=wc, task_encoder=te,
                            shuffle_buffer_size=None, max_samples_per_sequence=16, repeat=False)
-    loader = get_savable_loader(EndCheckpointGate(ds, release=release, worker_config=wc))
+    loader = get_savable_loader(EpochEndGate(ds, release=release, worker_config=wc))
     loader.pin_memory = False
     return loader
 

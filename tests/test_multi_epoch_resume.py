@@ -35,7 +35,6 @@ from typing import Any
 
 import pytest
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
-from megatron.energon.wrappers.base import BaseWrapperDataset
 
 from energon_ordering import OrderingConfig, restore_state_rank
 from energon_ordering.inspect.rank_simulation import close_loader, record_batch
@@ -46,6 +45,9 @@ from energon_ordering.state_stamp import (
     _saved_pipeline_state,
     begun_epochs,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))
+from end_gate import EpochEndGate  # noqa: E402
 
 SAMPLES = 240  # rank 0 of 2, micro-batch 4: 30 micro-batches per epoch
 BATCHES = 30
@@ -83,46 +85,6 @@ def test_begun_epochs(workers, expected):
 
 
 # --- real loaders ----------------------------------------------------------------------------
-
-class EpochEndGate(BaseWrapperDataset):
-    """Passes samples through; after its stream's ``hold``-th end in a loader worker, its next
-    ``save_state()`` (Energon's end-of-iteration checkpoint of that worker) waits for
-    ``release``. Not saved: it has no state of its own."""
-
-    _savable_fields = ()
-
-    def __init__(self, dataset: Any, *, release: Any, hold: int, worker_config: WorkerConfig):
-        super().__init__(dataset, worker_config=worker_config)
-        self.release = release
-        self.hold = hold
-        self.reset_state_own()
-
-    def reset_state_own(self) -> None:
-        self._ends = 0
-        self._at_end = False
-
-    def len_worker(self, worker_idx: int | None = None) -> int:
-        return self.dataset.len_worker(worker_idx)
-
-    def __iter__(self):
-        self._at_end = False
-        yield from self.dataset
-        self._ends += 1
-        self._at_end = self._ends == self.hold
-
-    def save_state(self):
-        if self._at_end:
-            self._at_end = False
-            assert self.release.wait(60), "EpochEndGate was never released"
-        return super().save_state()
-
-    def config(self) -> dict[str, Any]:
-        return {"type": type(self).__qualname__, "hold": self.hold,
-                "dataset": self.dataset.config(), "worker_config": self.worker_config.config()}
-
-    def __str__(self) -> str:
-        return f"EpochEndGate(hold={self.hold}, dataset={self.dataset})"
-
 
 def _loader(path: Path, num_workers: int, *, pool: bool = True, release: Any = None):
     """Rank 0 of 2, micro-batch 4, ``repeat=False``, under an :class:`EpochEndGate` that holds
