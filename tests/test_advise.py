@@ -3,6 +3,7 @@ the per-step source grouping; the CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from pathlib import Path
@@ -301,3 +302,20 @@ def test_without_a_length_index_lengths_are_the_estimate_inspect_uses(small_data
     assert len(pop.lengths) == 256 and np.all(np.diff(pop.lengths) >= 0)
     # The synthetic encoder's length: 64 image tokens + caption words.
     assert pop.lengths.min() >= 64
+
+
+def test_the_cost_table_says_which_pools_ramp_and_what_their_first_batch_waits_for():
+    from energon_ordering.cli.tables import advice_tables
+    from energon_ordering.inspect.advise import Advice, CostPerSample
+
+    lengths = np.sort(np.random.default_rng(0).lognormal(6, 0.5, 4000))
+    pop = LengthPopulation(lengths, np.zeros(len(lengths), dtype=np.int64), ("web",), "test")
+    preds = [predict_order(pop, mode="batch", pool_size=n, batch_size=4, ranks=(8,),
+                           step_ranks=8, steps=32) for n in (1000, 10_000, 100_000)]
+    cost = CostPerSample("pre-encode", "keys", 0.5, 1e-3, 40.0, (100, 400), 800, 0.9)
+    adv = Advice(pop, 8, 4, preds, [cost], 2**30, None, "test", (8,), 1, 1_000_000, 125_000)
+    text = advice_tables(adv)
+    # a ramped pool's first batch waits for its first pool of 1,000: 0.5 + 1e-3 x 1,000 s
+    assert re.search(r"pre-encode/keys +\S+ MiB, 1\.5 s +\S+ MiB, 1\.5 s +\S+ MiB, 1\.5 s", text), text
+    assert "pools of 10,000 or more ramp up" in text and "first pool only, 1,000 samples" in text
+    assert "ramp up" not in advice_tables(dataclasses.replace(adv, predictions=preds[:1]))

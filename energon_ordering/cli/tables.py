@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from energon_ordering.cli.user_error import user_errors
+from energon_ordering.pool.ramp import RAMP_MIN_POOL, RAMP_RULE, pool_size_at
 
 if TYPE_CHECKING:
     from energon_ordering.config import OrderingConfig
@@ -139,6 +140,12 @@ def advice_tables(adv: Any) -> str:
         text += ["", "memory per loader worker, time to first batch (first batch measured on real "
                  f"in-process loaders at pools {a:,} and {b:,}, fitted as start-up + per sample):",
                  table(["placement", *(f"{n:,}" for n in sizes)], rows)]
+        ramped = [n for n in sizes if pool_size_at(0, n, ramp=n >= RAMP_MIN_POOL) < n]
+        if ramped:
+            text.append(
+                f"  pools of {RAMP_MIN_POOL:,} or more ramp up ({RAMP_RULE}): their first batch "
+                f"waits for the first pool only, {pool_size_at(0, ramped[0], ramp=True):,} "
+                "samples (length_sort_pool_ramp = false: the whole pool)")
         for c in adv.costs:
             if c.note:
                 text.append(f"  {c.placement}/{c.holds}: {c.note}")
