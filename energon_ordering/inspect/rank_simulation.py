@@ -93,14 +93,17 @@ def record_batch(batch: Any) -> BatchRecord:
     )
 
 
-#: Energon's garbage-collection wrapper as an in-process simulated loader (0 workers) sets it:
-#: off (the state then has no GcDataset level: it restores into in-process simulated loaders). Energon's default runs a full ``gc.collect()`` at every iteration start (before
-#: ``gc.freeze()``) and one every 10 batches, to bound memory in a long training loop; in a
-#: process holding torch, Energon and many short-lived loaders each full collection took
-#: 0.1-0.4 s, half the time of a resume test. Neither changes the order or the state. Loaders
-#: with worker processes keep Energon's default: there the collect and ``gc.freeze()`` run in
-#: each forked worker, and the freeze keeps the worker's garbage collector away from the
-#: objects it inherited (without it, workers forked after a torch.distributed run segfaulted).
+#: Energon's garbage collection as a simulated loader sets it: off. Energon's default runs a full
+#: ``gc.collect()`` at every iteration start (in each loader worker, before ``gc.freeze()``) and
+#: one every 10 batches, to bound memory in a long training loop; in a process holding torch,
+#: Energon and many short-lived loaders each full collection took 0.1-0.4 s in process (half the
+#: time of a resume test) and 0.8 s more per 2-worker loader. Neither changes the order or the
+#: samples; the saved state then lacks Energon's ``GcDataset`` level, so it restores into loaders
+#: built the same way (every simulated loader is; a timed one with :data:`TRAINING_GC` keeps its
+#: own states). A process that forks loader workers must not leave fork-unsafe objects (a destroyed
+#: torch.distributed process group) as uncollected garbage, with or without it: the worker's first
+#: collection (Energon's at its start, or Python's own later) would finalise them there
+#: (tests/gloo_group.py).
 SIMULATION_GC: dict[str, Any] = {"gc_collect_every_n_steps": 0}
 #: Energon's default garbage collection, as a training loader has it: for loaders whose time is
 #: measured (first batch, samples/s), pass ``**TRAINING_GC`` to :func:`build_train_loader`.
@@ -135,8 +138,8 @@ def build_train_loader(
         repeat: Repeat the data (False = one finite epoch).
         task_encoder_factory: Returns a fresh task encoder with the OrderingTaskEncoder mixin;
             default :class:`energon_ordering.inspect.synthetic_task.SyntheticTaskEncoder`.
-        **loader_kwargs: Passed to ``get_savable_loader`` (with 0 workers and no garbage
-            collection setting given, Energon's loader is built with :data:`SIMULATION_GC`).
+        **loader_kwargs: Passed to ``get_savable_loader`` (with no garbage collection setting
+            given, Energon's loader is built with :data:`SIMULATION_GC`).
     """
     if task_encoder_factory is None:
         from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
@@ -154,7 +157,7 @@ def build_train_loader(
         max_samples_per_sequence=max_samples_per_sequence,
         repeat=repeat,
     )
-    if num_workers == 0 and not set(SIMULATION_GC) & set(loader_kwargs):
+    if not set(SIMULATION_GC) & set(loader_kwargs):
         loader = get_savable_loader(ds, **SIMULATION_GC, **loader_kwargs)
     else:
         loader = get_savable_loader(ds, **loader_kwargs)
