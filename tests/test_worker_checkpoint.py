@@ -103,14 +103,25 @@ def test_a_restored_worker_saved_before_it_began_keeps_its_restore_point(data, l
     entry is the one it was restored from (not "start afresh"), and the state resumes exactly."""
     epoch = _epoch(data)
     _, first = _save_after(_loader(data), 7)
-    restored = first.worker_states[LATE]
+    # a restored loader rotates its workers: process LATE runs worker (LATE + next) % WORKERS
+    late = (LATE + first.next_worker_id) % WORKERS
+    restored = first.worker_states[late]
     assert restored.state is not None
     for _ in range(TRIES):
         loader = _loader(data)
         restore_state_rank(loader, first)
         drawn, second = _save_after(loader, 1)
         assert drawn == epoch[7:8]
-        entry = second.worker_states[LATE]
+        entry = second.worker_states[late]
         assert entry.state is not None, "the late worker was told to start afresh"
         assert (entry.state.sample_index, entry.offset) == (restored.state.sample_index, restored.offset)
-        assert _resume(data, second, 6) == epoch[8:14]
+        resumed = _resume(data, second, 6)
+        assert resumed == epoch[8:14], (
+            f"first {_entries(first)}, second {_entries(second)}: resumed with "
+            f"{[r.keys for r in resumed[:2]]}, expected {[r.keys for r in epoch[8:10]]}")
+
+
+def _entries(state) -> str:
+    """Each worker's (checkpoint sample index, offset), and the next worker."""
+    return str([(None if ws.state is None else ws.state.sample_index, ws.offset)
+                for ws in state.worker_states]) + f" next {state.next_worker_id}"
