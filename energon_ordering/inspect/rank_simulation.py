@@ -138,8 +138,7 @@ def build_train_loader(
         repeat: Repeat the data (False = one finite epoch).
         task_encoder_factory: Returns a fresh task encoder with the OrderingTaskEncoder mixin;
             default :class:`energon_ordering.inspect.synthetic_task.SyntheticTaskEncoder`.
-        **loader_kwargs: Passed to ``get_savable_loader`` (with no garbage collection setting
-            given, Energon's loader is built with :data:`SIMULATION_GC`).
+        **loader_kwargs: Passed to ``get_savable_loader`` (over :data:`SIMULATION_GC`).
     """
     if task_encoder_factory is None:
         from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
@@ -157,10 +156,7 @@ def build_train_loader(
         max_samples_per_sequence=max_samples_per_sequence,
         repeat=repeat,
     )
-    if not set(SIMULATION_GC) & set(loader_kwargs):
-        loader = get_savable_loader(ds, **SIMULATION_GC, **loader_kwargs)
-    else:
-        loader = get_savable_loader(ds, **loader_kwargs)
+    loader = get_savable_loader(ds, **{**SIMULATION_GC, **loader_kwargs})
     if not _has_accelerator():
         # Energon always asks torch to pin batches; without a GPU there is nothing to pin to
         # and torch warns at every iterator it creates.

@@ -413,17 +413,17 @@ def _stages(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> Iterat
     if packing is not None:
         yield from _packing_stages(cfg, args, packing, pool_of_packs)
     elif warmup is not None:
-        yield _warmup_stage(cfg, warmup)
+        yield _warmup_stage(cfg)
     yield from _batch_tail(args, bs)
 
 
-def _warmup_stage(cfg: OrderingConfig, warmup: Any) -> Stage:
+def _warmup_stage(cfg: OrderingConfig) -> Stage:
     return Stage(
         SEQ_WARMUP,
         "cuts each sample to max_seq_len of the step it is emitted in (at batch time: "
         "the emission step, so a resume cuts alike)",
         (
-            ("warmup", warmup),
+            ("warmup", cfg.seq_length_warmup),
             ("micro_batches_per_step", cfg.micro_batches_per_step),
             ("overflow", cfg.seq_length_overflow),
         ),
@@ -467,7 +467,7 @@ def _planned_stages(cfg: OrderingConfig, args: BuildArgs) -> Iterator[Stage]:
     )
     yield Stage(ENCODE, "the task encoder's encode_sample (stateless)", energon=True)
     if cfg.seq_length_warmup is not None:
-        yield _warmup_stage(cfg, cfg.seq_length_warmup)
+        yield _warmup_stage(cfg)
     yield from _batch_tail(args, args.batch_size)
 
 
