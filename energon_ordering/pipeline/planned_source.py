@@ -58,6 +58,13 @@ from energon_ordering.errors import (
     StateMismatchError,
     show,
 )
+from energon_ordering.length_index.index import dataset_uuid
+from energon_ordering.length_index.lengths_file import (
+    lengths_file_path,
+    reopen,
+    reopened,
+    split_lengths,
+)
 from energon_ordering.mixture.step_counts import step_source_counts
 from energon_ordering.planned.balance import balance_window, sample_cost
 from energon_ordering.planned.cursor import PlanCursor, advance
@@ -82,21 +89,14 @@ PREFETCH_THREADS = 2
 
 
 def indexed_lengths(reader: ByteRangeReader, dataset: Any) -> np.ndarray:
-    """Every sample's length, in the reader's sample order (Energon's sample index), from the
-    length index joined to Energon's index (one query per shard).
+    """Every sample's length, in the reader's sample order (Energon's sample index): the
+    length index joined to Energon's index once per split and data version, then mapped from
+    its flat file (:mod:`energon_ordering.length_index.lengths_file`).
 
     Raises:
         LengthIndexError: The length index does not cover every sample of the split.
         OrderingConfigError: The split excludes samples (``sample_excludes``).
     """
-    lengths, missing = reader.lengths_array()
-    if missing is not None:
-        shard, key, _ = reader.visit(missing)
-        raise LengthIndexError(
-            f"planned order: sample {show(key)} of {dataset} (shard {shard}) is not in the "
-            f"length index {reader.lengths}; the plan needs every sample's length. Rebuild "
-            f"it with `energon-ordering index {dataset}`."
-        )
     if reader.sample_filter is not None:
         for i in range(len(reader)):
             if not reader.keep(i):
@@ -105,7 +105,23 @@ def indexed_lengths(reader: ByteRangeReader, dataset: Any) -> np.ndarray:
                     f"{show(reader.key(i))}); length_sort_mode = 'planned' does not support "
                     "sample_excludes yet: drop the excludes or use a pool mode."
                 )
-    return lengths
+
+    def join() -> np.ndarray:
+        lengths, missing = reader.lengths_array()
+        if missing is not None:
+            shard, key, _ = reader.visit(missing)
+            raise LengthIndexError(
+                f"planned order: sample {show(key)} of {dataset} (shard {shard}) is not in the "
+                f"length index {reader.lengths}; the plan needs every sample's length. Rebuild "
+                f"it with `energon-ordering index {dataset}`."
+            )
+        return lengths
+
+    if reader.lengths_digest is None:  # nothing names the content: no file to trust
+        return join()
+    path = lengths_file_path(reader.lengths, digest=reader.lengths_digest,
+                             dataset_uuid=dataset_uuid(reader.base_path), shards=reader.shards)
+    return split_lengths(path, join)
 
 
 class PlannedSourceDataset(SavableDataset[Any]):
@@ -153,7 +169,9 @@ class PlannedSourceDataset(SavableDataset[Any]):
         super().__init__(worker_config=worker_config)
         self.readers = list(readers)
         self.loaders = [list(fns) for fns in loaders]
-        self.lengths = [np.asarray(x, dtype=np.float64) for x in lengths]
+        # read-only, often memory-mapped (never copied: 8 bytes per sample in every worker)
+        self.lengths = [x if isinstance(x, np.ndarray) else np.asarray(x, dtype=np.float64)
+                        for x in lengths]
         self.ids = SampleIds.of([len(x) for x in self.lengths])
         w = np.asarray(weights, dtype=np.float64)
         self.weights = w / w.sum()
@@ -179,8 +197,11 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 f"{list(self.ids.sizes)} samples holds no full optimizer step of "
                 f"{self._global_batch()} samples (weights {show(self.weights.tolist())}); use "
                 "more data, a smaller global batch, or repeat=True.")
-        self._plan: WindowPlan | None = None  # not saved: recomputed from the cursor
-        self._steps: list[np.ndarray] | None = None  # the window's steps as read here
+        # not saved, recomputed from the cursor: the window whose steps are at hand, and this
+        # rank's [M, B] ids of each of its steps (None before an elastic restore's step, when
+        # this rank was not in the earlier shape); O(K M B), never the other ranks' rows
+        self._steps_window: int | None = None
+        self._steps: list[np.ndarray | None] | None = None
         #: Set by :meth:`restore_elastic` (before iteration): where this loader starts.
         self.elastic_start: dict[str, Any] | None = None
         self.prefetch_threads = PREFETCH_THREADS
@@ -267,7 +288,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self._history = [] if start is None else [dict(h) for h in start["history"]]
         self._cursor = (self._epoch_cursor(self._epoch) if start is None
                         else dict(start["cursor"]))
-        self._plan = None
+        self._steps_window = None
         self._steps = None
 
     def save_state(self) -> FlexState:
@@ -280,7 +301,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
             "with, or start the data stream fresh.",
         )
         super().restore_state(state)
-        self._plan = None
+        self._steps_window = None
         self._steps = None
 
     def restore_elastic(self, saved: Sequence[tuple[Any, int]]) -> None:
@@ -377,7 +398,6 @@ class PlannedSourceDataset(SavableDataset[Any]):
             micro_batches_per_step=micro_batches,
         )
         self._cursor = _cursor_state(cursor)
-        self._plan = plan
         return plan
 
     def _shape_at(self, step: int) -> tuple[int, int]:
@@ -387,11 +407,11 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 return int(h["world_size"]), int(h["micro_batches_per_step"])
         return int(self.worker_config.world_size), self.micro_batches_per_step
 
-    def _window_steps(self, window: int) -> list[np.ndarray]:
-        """The window's steps as ``[R, M, B]`` global ids each: planned for the shape in effect
-        at the window's start, and re-planned from each elastic restore's step on for the
-        shape after it (the same samples, the same per-step source counts)."""
-        if self._steps is not None and self._plan is not None and self._plan.cursor.window == window:
+    def _window_steps(self, window: int) -> list[np.ndarray | None]:
+        """This rank's ``[M, B]`` global ids of each step of the window: planned for the shape
+        in effect at the window's start, and re-planned from each elastic restore's step on for
+        the shape after it (the same samples, the same per-step source counts)."""
+        if self._steps is not None and self._steps_window == window:
             return self._steps
         K, B = self.window_steps, self.batch_size
         first = window * K
@@ -411,18 +431,24 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 pos = balance_window(cost, src, plan.counts[t:], world_size=R2, micro_batch=B,
                                      micro_batches_per_step=M2)  # [K - t, M2, R2, B]
                 steps[t:] = list(tail[pos].transpose(0, 2, 1, 3))
-        self._steps = steps
-        return steps
+        rank = int(self.worker_config.rank)
+        self._steps = [np.ascontiguousarray(x[rank]) if rank < len(x) else None for x in steps]
+        self._steps_window = window
+        return self._steps
 
     def micro_batch_ids(self, b: int) -> np.ndarray:
         """Global sample ids of this rank's micro-batch ``b`` (rank-local count)."""
         M, K = self.micro_batches_per_step, self.window_steps
         step, m = divmod(int(b), M)
         window, t = divmod(step, K)
-        return self._window_steps(window)[t][int(self.worker_config.rank), m]
+        return self._window_steps(window)[t][m]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_executor": None, "_local": None}
+        return {**self.__dict__, "_executor": None, "_local": None,
+                "lengths": [reopen(x) for x in self.lengths]}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, lengths=[reopened(x) for x in state["lengths"]])
 
     def _read(self, gid: int) -> Any:
         """The raw sample of global id ``gid`` (runs on a prefetch thread: each thread reads
@@ -499,7 +525,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self._start_step = 0
         self._history = []
         self._cursor = self._epoch_cursor(epoch)
-        self._plan = None
+        self._steps_window = None
         self._steps = None
 
     # -- Energon's SavableDataset interface ------------------------------------------------
