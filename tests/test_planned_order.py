@@ -3,6 +3,7 @@ ids, cursor arithmetic, balancing and the plan of a window. Pure numpy, no datas
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import tracemalloc
 
@@ -151,6 +152,34 @@ def test_plan_is_identical_in_separate_processes() -> None:
     with ctx.Pool(2) as pool:
         there = pool.map(_plan_in_process, [(lengths, k)] * 2)
     assert there == [here, here]
+
+
+#: sha256 of the plans of ``_pinned_plans()`` under PLAN_VERSION 1. A saved planned state
+#: resumes by re-planning its window, so a change of any plan for the same inputs must bump
+#: PLAN_VERSION (restores of older states are then refused by name) and update this digest.
+PINNED_PLAN_DIGEST = "684a2f33cdfa61fa965ec4a25d47e141ec97b63691df14d87508220df579edd3"
+
+
+def _pinned_plans() -> bytes:
+    rng = np.random.default_rng(3)
+    lengths = [rng.integers(10, 5000, 20011).astype(float),
+               rng.integers(10, 9000, 7001).astype(float)]
+    cursor, out = PlanCursor.start(2), b""
+    for w in range(5):
+        plan = plan_window(lengths, seed=9, cursor=cursor, weights=window_weights([0.6, 0.4], w, 8),
+                           window_steps=8, world_size=16, micro_batch=4, micro_batches_per_step=4)
+        out += plan.ids.tobytes()
+        cursor = plan.next_cursor
+    return out
+
+
+def test_the_plan_is_pinned_to_its_version() -> None:
+    from energon_ordering.planned.window import PLAN_VERSION
+
+    assert PLAN_VERSION == 1, "PLAN_VERSION was bumped: pin the new plans' digest here"
+    assert hashlib.sha256(_pinned_plans()).hexdigest() == PINNED_PLAN_DIGEST, (
+        "the plan of the same inputs changed: bump PLAN_VERSION (planned/window.py) and pin "
+        "the new digest")
 
 
 def test_every_sample_of_a_finite_source_once_per_epoch() -> None:

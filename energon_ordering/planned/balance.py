@@ -308,5 +308,6 @@ def balance_window(
         have[step_of_slot] += comp[m]
         slot_of_step[m, step_of_slot] = np.arange(K)
     _swap_slots(slots, bands, comp, slot_of_step, (have - counts).astype(np.int64))
+    del order, bands  # a loader worker pays the peak: drop the sort before the repair
     _repair(slots, costs, sources, counts)
     return _deal(slots, costs, R, B)

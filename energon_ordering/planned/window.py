@@ -135,12 +135,15 @@ def plan_window(
     R, B, M = int(world_size), int(micro_batch), int(micro_batches_per_step)
     counts, carry = step_source_counts(w, R * M * B, cursor.carry)
     per_source = counts.sum(axis=0)
+    # the window's draws: global id, source and cost of each (arrays of K G; temporaries are
+    # dropped as soon as they are used, since the peak is what a loader worker pays)
     index = [draws(seed, s, ids.sizes[s], cursor.drawn[s], int(per_source[s])) for s in range(S)]
-    src = np.concatenate([np.full(len(ix), s, dtype=np.int64) for s, ix in enumerate(index)])
     cost = sample_cost(np.concatenate([np.asarray(lengths[s])[ix] for s, ix in enumerate(index)]))
-    within = np.concatenate(index)
+    gid = np.concatenate([ix + off for ix, off in zip(index, ids.offsets.tolist())])
     del index
+    src = np.repeat(np.arange(S, dtype=np.int64), per_source)
     pos = balance_window(cost, src, counts, world_size=R, micro_batch=B,
                          micro_batches_per_step=M)  # [K, M, R, B]
-    flat = ids.join(src, within)[pos].transpose(0, 2, 1, 3)
-    return WindowPlan(np.ascontiguousarray(flat), counts, cursor, advance(cursor, counts, carry))
+    del cost, src
+    flat = np.take(gid, pos.transpose(0, 2, 1, 3))  # [K, R, M, B], C-contiguous
+    return WindowPlan(flat, counts, cursor, advance(cursor, counts, carry))
