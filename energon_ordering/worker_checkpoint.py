@@ -17,12 +17,23 @@ was told to skip (None and 0 for a fresh one). That is the answer Energon's own
 ``get_checkpoint`` gives when it finds no checkpoint at all ("immediate save after restore"); the
 placeholder keeps that branch from running. :func:`install` makes ``get_checkpoint`` answer so
 while the placeholder is the worker's only checkpoint, and leaves every other answer to Energon.
+
+The answer holds a deep copy of the restore state, taken under the worker's command lock, never
+the restore state itself. The command thread only hands its answer to a ``multiprocessing.Queue``,
+whose feeder thread pickles it later, and the moment the lock is released the worker begins: the
+dataset's ``restore_state`` keeps the state's own objects as its fields (``SavableDataset`` sets
+them without copying), and restoring and skipping mutate them in place. An answer pickled after
+that held the worker's advanced buffers under the restore point's sample index and skip (entries
+that look right): its resume skipped twice and differed at that worker's first micro-batch
+(``tests/test_worker_checkpoint.py``; after the soak, or under load, the feeder was late often
+enough). Energon's own answers are copies already (``_save_state`` snapshots).
 It patches the class once, in the main process, before loader workers fork (``OrderingTaskEncoder``
 and :func:`~energon_ordering.state_stamp.restore_state_rank` install it).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -57,8 +68,10 @@ def install() -> None:
     def get_checkpoint(self: SavableDatasetWrapper, last_sample_indexes: list[int]) -> Any:
         if not_started(self._last_checkpoints):
             worker = self._worker_id
+            # a snapshot: the worker restores into (and mutates) the state's own objects once the
+            # lock is released, possibly before the result queue's feeder thread pickles this
             return SavableDatasetCheckpoint(
-                state=self._workers_restore_from[worker],
+                state=copy.deepcopy(self._workers_restore_from[worker]),
                 offset=self._workers_skip_samples[worker],
             )
         return original(self, last_sample_indexes)

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from megatron.energon import WorkerConfig, load_dataset
 
+from energon_ordering import OrderingConfig
+from energon_ordering.inspect.rank_simulation import run_ranks
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
 from energon_ordering.length_index.build import build_length_index
@@ -43,7 +45,19 @@ def _files(folder: Path) -> list[Path]:
     return sorted((folder / ".nv-meta").glob("*.split-*.npy"))
 
 
+def test_the_index_build_writes_it_and_a_planned_run_maps_it(web):
+    [written] = _files(web)  # written by build_length_index (`energon-ordering index`)
+    mtime = written.stat().st_mtime_ns
+    run_ranks(web, ordering=OrderingConfig(
+        length_sort_mode="planned", length_sort_placement="pre-encode",
+        length_sort_pool_holds="keys", micro_batches_per_step=2, seed=1, plan_window_steps=2),
+        world_size=2, steps=4, batch_size=4, task_encoder_factory=IndexedSyntheticTaskEncoder)
+    assert _files(web) == [written] and written.stat().st_mtime_ns == mtime
+
+
 def test_built_once_then_mapped_with_the_joins_values(web):
+    for f in _files(web):
+        f.unlink()
     reader = _reader(web)
     joined, missing = reader.lengths_array()
     assert missing is None

@@ -42,7 +42,9 @@ from energon_ordering.pool.deferred_load import split_loader
 from energon_ordering.errors import LengthIndexError, show
 from energon_ordering.length_index.index import (
     IndexSummary,
+    LengthIndex,
     index_name,
+    local_dataset_path,
     task_encoder_label,
     write_length_index,
 )
@@ -312,8 +314,24 @@ def build_length_index(
                 f"length index of {label}: read {summary.samples} samples, but the dataset's "
                 f"split {show(split_part)} has {len(factory)}; is the dataset being prepared again?"
             )
+        _write_lengths_file(factory, index_name(computed_by) if name is None else name,
+                            index_dir)
         built.append(BuiltIndex(label, summary, time.perf_counter() - t0, skipped))
     return built
+
+
+def _write_lengths_file(factory: Any, name: str, index_dir: str | Path | None) -> None:
+    """Writes the split's flat lengths file (:mod:`.lengths_file`) beside the new index, so
+    that the first planned start maps it instead of joining (about 1 us per sample)."""
+    from energon_ordering.length_index.lengths_file import indexed_lengths
+    from energon_ordering.pool.byte_range_reader import ByteRangeReader
+
+    folder = local_dataset_path(factory.path)
+    index = LengthIndex.open(folder, name, index_dir=index_dir)
+    reader = ByteRangeReader(folder, [(s.name, s.count) for s in factory.shards],
+                             lengths=index.path, lengths_digest=index.digest)
+    if reader.sample_filter is None:
+        indexed_lengths(reader, factory.path)
 
 
 def _describe(task_encoder: Any, raw_length_fn: Callable | None) -> str:

@@ -53,18 +53,11 @@ from megatron.energon.state import FlexState
 from megatron.energon.worker import WorkerConfig
 
 from energon_ordering.errors import (
-    LengthIndexError,
     OrderingConfigError,
     StateMismatchError,
     show,
 )
-from energon_ordering.length_index.index import dataset_uuid
-from energon_ordering.length_index.lengths_file import (
-    lengths_file_path,
-    reopen,
-    reopened,
-    split_lengths,
-)
+from energon_ordering.length_index.lengths_file import indexed_lengths, reopen, reopened
 from energon_ordering.mixture.step_counts import step_source_counts
 from energon_ordering.planned.balance import balance_window, sample_cost
 from energon_ordering.planned.cursor import PlanCursor, advance
@@ -86,42 +79,6 @@ RESTORE_KIND = "PlannedSource"
 #: Threads per loader worker that read the byte ranges of the current and the next micro-batch
 #: ahead of decoding, so that storage latency overlaps the pipeline's compute (0: no prefetch).
 PREFETCH_THREADS = 2
-
-
-def indexed_lengths(reader: ByteRangeReader, dataset: Any) -> np.ndarray:
-    """Every sample's length, in the reader's sample order (Energon's sample index): the
-    length index joined to Energon's index once per split and data version, then mapped from
-    its flat file (:mod:`energon_ordering.length_index.lengths_file`).
-
-    Raises:
-        LengthIndexError: The length index does not cover every sample of the split.
-        OrderingConfigError: The split excludes samples (``sample_excludes``).
-    """
-    if reader.sample_filter is not None:
-        for i in range(len(reader)):
-            if not reader.keep(i):
-                raise OrderingConfigError(
-                    f"planned order: the split of {dataset} excludes samples (e.g. "
-                    f"{show(reader.key(i))}); length_sort_mode = 'planned' does not support "
-                    "sample_excludes yet: drop the excludes or use a pool mode."
-                )
-
-    def join() -> np.ndarray:
-        lengths, missing = reader.lengths_array()
-        if missing is not None:
-            shard, key, _ = reader.visit(missing)
-            raise LengthIndexError(
-                f"planned order: sample {show(key)} of {dataset} (shard {shard}) is not in the "
-                f"length index {reader.lengths}; the plan needs every sample's length. Rebuild "
-                f"it with `energon-ordering index {dataset}`."
-            )
-        return lengths
-
-    if reader.lengths_digest is None:  # nothing names the content: no file to trust
-        return join()
-    path = lengths_file_path(reader.lengths, digest=reader.lengths_digest,
-                             dataset_uuid=dataset_uuid(reader.base_path), shards=reader.shards)
-    return split_lengths(path, join)
 
 
 class PlannedSourceDataset(SavableDataset[Any]):

@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""What one loader worker of the planned order costs at 10^7 and 10^8 samples, measured.
+
+Issue 23's targets: at most 64 MiB per loader worker with a 10^8-sample length index, and the
+first batch within 2 s with a 10^7-sample index. The ordering work of a worker is: map the
+split's flat lengths file (:mod:`energon_ordering.length_index.lengths_file`), plan the first
+window and keep its own rank's rows (:class:`~energon_ordering.pipeline.planned_source.
+PlannedSourceDataset`'s own ``micro_batch_ids``), then read and decode the samples (Energon's
+work, the same in every mode, not measured here).
+
+For each index size and data-parallel size, a fresh process (spawned: nothing inherited) runs
+exactly that on a synthetic lengths file of the size (trimodal lengths, float32, as the
+lengths file stores integer lengths) and reports:
+
+- ``first ids s``: from mapping the file to the ids of the worker's first micro-batch (the
+  plan of window 0: the ordering's part of the time to the first batch);
+- ``next window s``: planning the next window (paid once per K steps, ahead of need only in
+  the sense that it is paid when the window's first micro-batch is asked for);
+- ``peak alloc MiB``: the most memory the ordering allocated at once (tracemalloc, which numpy
+  reports its buffers to), over both windows;
+- ``anon MiB``: the process's anonymous memory (``RssAnon``) after both windows, minus before
+  the file was mapped: what stays private to the worker;
+- ``file MiB``: pages of the lengths file the worker touched (``RssFile`` growth): page cache,
+  shared by every worker of the node and reclaimable, not the worker's own memory.
+
+With ``--join-samples N`` it also builds a real prepared dataset of N samples with its length
+index and times the one-off join that writes the lengths file (the first planned start after
+``energon-ordering index``, once per data version) against mapping it afterwards.
+
+Usage:
+    python tools/bench_planned_scale.py                  # 10^7 and 10^8, 8 and 1,024 ranks
+    python tools/bench_planned_scale.py --sizes 1e6 --ranks 8 --join-samples 50000
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+import click
+import numpy as np
+
+from energon_ordering.cli.tables import table
+
+BATCH = 4
+M = 8
+
+
+def _status() -> dict[str, int]:
+    """``/proc/self/status`` memory lines, in bytes."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("RssAnon", "RssFile", "VmHWM"):
+            out[name] = int(value.split()[0]) * 1024
+    return out
+
+
+def _worker(path: str, world_size: int, window_steps: int, queue) -> None:
+    """One loader worker's ordering work (spawned), reported to ``queue``."""
+    from megatron.energon import WorkerConfig
+
+    from energon_ordering.length_index.lengths_file import split_lengths
+    from energon_ordering.pipeline.planned_source import PlannedSourceDataset
+
+    before = _status()
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    lengths = split_lengths(Path(path), lambda: None)  # exists: mapped
+    ds = PlannedSourceDataset(
+        [None], [[]], [lengths], weights=[1.0], seed=0, window_steps=window_steps,
+        micro_batches_per_step=M, batch_size=BATCH,
+        worker_config=WorkerConfig(rank=world_size - 1, world_size=world_size, num_workers=2),
+    )
+    first = ds.micro_batch_ids(1)  # worker 1 of rank R-1
+    t1 = time.perf_counter()
+    ds.micro_batch_ids(window_steps * M + 1)  # the next window
+    t2 = time.perf_counter()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    after = _status()
+    queue.put({
+        "first": t1 - t0, "next": t2 - t1, "peak": peak, "ids": len(first),
+        "anon": after["RssAnon"] - before["RssAnon"],
+        "file": after["RssFile"] - before["RssFile"],
+    })
+
+
+def _join_times(folder: Path, n: int) -> tuple[float, float]:
+    """Seconds of the first ``indexed_lengths`` of a real N-sample dataset (the join, writing
+    the lengths file) and of the second (mapping it)."""
+    from megatron.energon import WorkerConfig, load_dataset
+
+    from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+    from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
+    from energon_ordering.length_index.build import build_length_index
+    from energon_ordering.length_index.index import LengthIndex
+    from energon_ordering.pipeline.planned_source import indexed_lengths
+    from energon_ordering.pool.byte_range_reader import ByteRangeReader
+
+    make_synthetic_dataset(folder, [SourceSpec("web", n, "trimodal")], shard_size=256,
+                           image_size=4)
+    web = folder / "web"
+    build_length_index(web, task_encoder=IndexedSyntheticTaskEncoder())
+    factory = load_dataset(web).get_datasets(
+        training=True, split_part="train",
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0)).datasets[0].dataset
+    index = LengthIndex.open(web)
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        reader = ByteRangeReader(web, [(s.name, s.count) for s in factory.shards],
+                                 lengths=index.path, lengths_digest=index.digest)
+        got = indexed_lengths(reader, web)
+        assert len(got) == n
+        times.append(time.perf_counter() - t0)
+    return times[0], times[1]
+
+
+def _lengths_file(folder: Path, n: int) -> Path:
+    """A synthetic trimodal lengths file of ``n`` samples (written in chunks: O(chunk) memory)."""
+    from energon_ordering.inspect.synthetic import LENGTH_PROFILES, sample_lengths
+
+    path = folder / f"lengths-{n}.npy"
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n,))
+    chunk = 10_000_000
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        out[lo:hi] = sample_lengths(LENGTH_PROFILES["trimodal"], hi - lo, lo // chunk)
+    out.flush()
+    del out
+    return path
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--sizes", default="1e7,1e8", help="Index sizes (samples).")
+@click.option("--ranks", default="8,1024", help="Data-parallel sizes.")
+@click.option("--window-steps", type=int, default=None,
+              help="plan_window_steps (default: the package's).")
+@click.option("--dir", "folder", type=click.Path(file_okay=False), default=None,
+              help="Where the synthetic lengths files go (default: a temporary folder).")
+@click.option("--join-samples", type=int, default=0,
+              help="Also time the one-off join of a real dataset of this many samples (0: no).")
+def main(sizes: str, ranks: str, window_steps: int | None, folder: str | None,
+         join_samples: int) -> None:
+    """One planned loader worker's time to its first micro-batch and its memory, per size."""
+    from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
+
+    k = window_steps or DEFAULT_WINDOW_STEPS
+    ctx = multiprocessing.get_context("spawn")
+    rows = []
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        for n in (int(float(s)) for s in sizes.split(",")):
+            t0 = time.perf_counter()
+            path = _lengths_file(Path(tmp), n)
+            made = time.perf_counter() - t0
+            click.echo(f"{n:,} samples: synthetic lengths file {path.stat().st_size / 2**20:,.0f} "
+                       f"MiB, written in {made:.1f} s")
+            for R in (int(r) for r in ranks.split(",")):
+                queue = ctx.Queue()
+                p = ctx.Process(target=_worker, args=(str(path), R, k, queue))
+                p.start()
+                got = queue.get()
+                p.join()
+                rows.append([f"{n:,}", f"{R:,}", f"{R * M * BATCH * k:,}",
+                             f"{got['first']:.2f}", f"{got['next']:.2f}",
+                             f"{got['peak'] / 2**20:.1f}", f"{got['anon'] / 2**20:.1f}",
+                             f"{got['file'] / 2**20:.0f}"])
+            path.unlink()
+    click.echo(f"\nmicro-batch {BATCH}, {M} micro-batches per step, plan_window_steps {k}; one "
+               "spawned process per row (loader worker 1 of the last rank)")
+    click.echo(table(["samples", "ranks", "samples per window", "first ids s", "next window s",
+                      "peak alloc MiB", "anon MiB", "file MiB"], rows))
+    if join_samples:
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            first, mapped = _join_times(Path(tmp), join_samples)
+        click.echo(f"\nreal dataset of {join_samples:,} samples: the first start joins the length "
+                   f"index to index.sqlite and writes the lengths file in {first:.2f} s "
+                   f"({1e6 * first / join_samples:.1f} us per sample); every later start maps it "
+                   f"in {mapped:.3f} s")
+    click.echo("targets: memory per loader worker <= 64 MiB at 10^8 samples (peak alloc and "
+               "anon: the worker's own; file pages are shared page cache); the ordering's part "
+               "of the first batch <= 2 s at 10^7")
+
+
+if __name__ == "__main__":
+    main()
