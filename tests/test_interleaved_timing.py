@@ -29,7 +29,10 @@ def test_every_loader_gets_one_timed_turn_per_round_in_rotated_order(small_datas
         for name, cfg in (("off", OrderingConfig()),
                           ("pool", OrderingConfig(length_sort_pool_size=8, length_sort_mode="batch")))
     }
-    wall, cpu = time_in_turns(loaders, batches_per_turn=2, rounds=3)
+    wall, cpu = time_in_turns(loaders, batches_per_turn=2, rounds=3,
+                              after_warmup=lambda: log.append("warm-up done"))
+    assert log[4] == "warm-up done"  # after one untimed turn of 2 batches each
+    log.remove("warm-up done")
     assert set(wall) == set(cpu) == {"off", "pool"}
     assert all(len(v) == 3 and all(t > 0 for t in v) for v in wall.values())
     assert all(len(v) == 3 and all(t >= 0 for t in v) for v in cpu.values())

@@ -12,7 +12,7 @@ import pytest
 
 from energon_ordering.errors import OrderingConfigError
 from energon_ordering.mixture.schedule import MixtureSchedule
-from energon_ordering.planned.balance import balance_window, sample_cost
+from energon_ordering.planned.balance import balance_window, radix_keys, sample_cost
 from energon_ordering.planned.cursor import PlanCursor, cursor_at, draws, drawn_mask
 from energon_ordering.planned.permutation import permutation_key, permute, unpermute
 from energon_ordering.planned.sample_ids import SampleIds
@@ -317,3 +317,18 @@ def test_balance_meets_exact_counts_with_disjoint_sources() -> None:
     assert np.array_equal(np.sort(pos.ravel()), np.arange(K * G))
     for t in range(K):
         assert np.array_equal(np.bincount(sources[pos[t].ravel()], minlength=3), counts[t])
+
+
+def test_radix_keys_sort_as_the_costs_do() -> None:
+    assert radix_keys(np.array([0.0, 3.0, 65535.0])).dtype == np.uint16
+    for refused in ([1.5, 2.0], [65536.0], [-1.0, 4.0], []):
+        assert radix_keys(np.array(refused)) is None
+    rng = np.random.default_rng(4)
+    K, R, B, M = 4, 8, 2, 3
+    lengths = rng.integers(0, 300, K * R * B * M).astype(float)  # many ties
+    sources = rng.integers(0, 2, len(lengths))
+    counts = np.stack([np.bincount(sources[t::K], minlength=2) for t in range(K)])
+    kw = dict(world_size=R, micro_batch=B, micro_batches_per_step=M)
+    plain = balance_window(sample_cost(lengths), sources, counts, **kw)
+    keyed = balance_window(sample_cost(lengths), sources, counts, lengths=lengths, **kw)
+    assert np.array_equal(plain, keyed)

@@ -27,9 +27,17 @@ With ``--join-samples N`` it also builds a real prepared dataset of N samples wi
 index and times the one-off join that writes the lengths file (the first planned start after
 ``energon-ordering index``, once per data version) against mapping it afterwards.
 
+With ``--throughput N`` it also times, side by side on a real prepared dataset of N samples,
+one rank's in-process loader (Energon's own order, no pool) against the planned order at each
+data-parallel size, stepped in turns (:func:`~energon_ordering.inspect.interleaved_timing.
+time_in_turns`), and the share of the planned loader's time spent planning (the seconds inside
+``PlannedSourceDataset._window_steps`` over the wall seconds of its timed turns). A rank's
+planning costs O(R) per step (the plan of every rank), its loading O(1): the share grows with R.
+
 Usage:
     python tools/bench_planned_scale.py                  # 10^7 and 10^8, 8 and 1,024 ranks
     python tools/bench_planned_scale.py --sizes 1e6 --ranks 8 --join-samples 50000
+    python tools/bench_planned_scale.py --sizes '' --ranks 8,64,256,1024 --throughput 20000
 """
 
 from __future__ import annotations
@@ -120,6 +128,59 @@ def _join_times(folder: Path, n: int) -> tuple[float, float]:
     return times[0], times[1]
 
 
+def _throughput(folder: Path, n: int, ranks: list[int], rounds: int) -> list[list[str]]:
+    """Rows (ranks, planned / no pool in wall and CPU time, planning share) on a real dataset."""
+    import statistics
+
+    from energon_ordering import OrderingConfig
+    from energon_ordering.inspect.interleaved_timing import time_in_turns
+    from energon_ordering.inspect.rank_simulation import TRAINING_GC, build_train_loader
+    from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+    from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
+    from energon_ordering.length_index.build import build_length_index
+    from energon_ordering.pipeline.planned_source import PlannedSourceDataset
+
+    make_synthetic_dataset(folder, [SourceSpec("web", n, "trimodal")], shard_size=256)
+    web = folder / "web"
+    build_length_index(web, task_encoder=IndexedSyntheticTaskEncoder())
+    planning = [0.0]
+    original = PlannedSourceDataset._window_steps
+
+    def timed(self, window):
+        t = time.perf_counter()
+        try:
+            return original(self, window)
+        finally:
+            planning[0] += time.perf_counter() - t
+
+    PlannedSourceDataset._window_steps = timed
+    rows = []
+    try:
+        for R in ranks:
+            cfg = OrderingConfig(length_sort_mode="planned", length_sort_placement="pre-encode",
+                                 length_sort_pool_holds="keys", micro_batches_per_step=M, seed=0)
+            loaders = {
+                "off": build_train_loader(web, ordering=OrderingConfig(), batch_size=BATCH,
+                                          task_encoder_factory=IndexedSyntheticTaskEncoder,
+                                          **TRAINING_GC),
+                "planned": build_train_loader(web, ordering=cfg, world_size=R, batch_size=BATCH,
+                                              task_encoder_factory=IndexedSyntheticTaskEncoder,
+                                              **TRAINING_GC),
+            }
+            per_turn = 256  # micro-batches: one window of a rank at K = 32, M = 8
+            wall, cpu = time_in_turns(loaders, per_turn, rounds,
+                                      after_warmup=lambda: planning.__setitem__(0, 0.0))
+            ratio = [a / b for a, b in zip(wall["off"], wall["planned"])]
+            cratio = sum(cpu["off"]) / sum(cpu["planned"])
+            rows.append([f"{R:,}", f"{statistics.median(ratio):.3f}",
+                         f"{min(ratio):.2f}-{max(ratio):.2f}", f"{cratio:.3f}",
+                         f"{100 * planning[0] / sum(wall['planned']):.1f}%",
+                         f"{1e3 * sum(wall['planned']) / (rounds * per_turn * BATCH):.2f}"])
+    finally:
+        PlannedSourceDataset._window_steps = original
+    return rows
+
+
 def _lengths_file(folder: Path, n: int) -> Path:
     """A synthetic trimodal lengths file of ``n`` samples (written in chunks: O(chunk) memory)."""
     from energon_ordering.inspect.synthetic import LENGTH_PROFILES, sample_lengths
@@ -144,8 +205,11 @@ def _lengths_file(folder: Path, n: int) -> Path:
               help="Where the synthetic lengths files go (default: a temporary folder).")
 @click.option("--join-samples", type=int, default=0,
               help="Also time the one-off join of a real dataset of this many samples (0: no).")
+@click.option("--throughput", type=int, default=0,
+              help="Also time planned against no pool on a real dataset of this many samples.")
+@click.option("--rounds", type=int, default=6, help="Rounds of turns (--throughput).")
 def main(sizes: str, ranks: str, window_steps: int | None, folder: str | None,
-         join_samples: int) -> None:
+         join_samples: int, throughput: int, rounds: int) -> None:
     """One planned loader worker's time to its first micro-batch and its memory, per size."""
     from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
 
@@ -153,7 +217,7 @@ def main(sizes: str, ranks: str, window_steps: int | None, folder: str | None,
     ctx = multiprocessing.get_context("spawn")
     rows = []
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        for n in (int(float(s)) for s in sizes.split(",")):
+        for n in (int(float(s)) for s in sizes.split(",") if s):
             t0 = time.perf_counter()
             path = _lengths_file(Path(tmp), n)
             made = time.perf_counter() - t0
@@ -170,10 +234,11 @@ def main(sizes: str, ranks: str, window_steps: int | None, folder: str | None,
                              f"{got['peak'] / 2**20:.1f}", f"{got['anon'] / 2**20:.1f}",
                              f"{got['file'] / 2**20:.0f}"])
             path.unlink()
-    click.echo(f"\nmicro-batch {BATCH}, {M} micro-batches per step, plan_window_steps {k}; one "
-               "spawned process per row (loader worker 1 of the last rank)")
-    click.echo(table(["samples", "ranks", "samples per window", "first ids s", "next window s",
-                      "peak alloc MiB", "anon MiB", "file MiB"], rows))
+    if rows:
+        click.echo(f"\nmicro-batch {BATCH}, {M} micro-batches per step, plan_window_steps {k}; "
+                   "one spawned process per row (loader worker 1 of the last rank)")
+        click.echo(table(["samples", "ranks", "samples per window", "first ids s",
+                          "next window s", "peak alloc MiB", "anon MiB", "file MiB"], rows))
     if join_samples:
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             first, mapped = _join_times(Path(tmp), join_samples)
@@ -181,6 +246,14 @@ def main(sizes: str, ranks: str, window_steps: int | None, folder: str | None,
                    f"index to index.sqlite and writes the lengths file in {first:.2f} s "
                    f"({1e6 * first / join_samples:.1f} us per sample); every later start maps it "
                    f"in {mapped:.3f} s")
+    if throughput:
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            got = _throughput(Path(tmp), throughput, [int(r) for r in ranks.split(",")], rounds)
+        click.echo(f"\none rank's in-process loader, {throughput:,} real samples, {rounds} rounds "
+                   "of turns of 256 micro-batches (planned / no pool: above 1 is faster)")
+        click.echo(table(["ranks", "samples/s vs no pool (median)", "per round", "CPU time ratio",
+                          "planning share", "planned ms / sample"], got))
+        click.echo("targets: samples/s >= 0.97 of no pool; planning <= 5% of the loader's time")
     click.echo("targets: memory per loader worker <= 64 MiB at 10^8 samples (peak alloc and "
                "anon: the worker's own; file pages are shared page cache); the ordering's part "
                "of the first batch <= 2 s at 10^7")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from typing import Any
 
 from energon_ordering.inspect.rank_simulation import close_loader
@@ -11,8 +12,9 @@ from energon_ordering.inspect.rank_simulation import close_loader
 __all__ = ["time_in_turns"]
 
 
-def time_in_turns(loaders: dict[str, Any], batches_per_turn: int,
-                  rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def time_in_turns(loaders: dict[str, Any], batches_per_turn: int, rounds: int,
+                  after_warmup: Callable[[], None] | None = None,
+                  ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Wall and CPU seconds of each turn of each loader, the loaders stepped in turn.
 
     Each loader first emits one turn untimed (start-up and first fills are not throughput);
@@ -20,7 +22,9 @@ def time_in_turns(loaders: dict[str, Any], batches_per_turn: int,
     rotated by one each round (for two loaders: AB BA AB ...). Turns of about a second expose
     every loader to the same load from other processes, where whole runs one after the other
     swung 0.30-1.22 on a shared machine. CPU time is this process's (``time.process_time``: for
-    in-process loaders, what other processes cannot inflate). The loaders are closed afterwards.
+    in-process loaders, what other processes cannot inflate). ``after_warmup`` is called once
+    between the untimed turns and the first round (e.g. to reset a counter that the timed turns
+    are compared with). The loaders are closed afterwards.
 
     Returns:
         ``(wall, cpu)``: per loader name, the seconds of each of its ``rounds`` turns.
@@ -29,6 +33,8 @@ def time_in_turns(loaders: dict[str, Any], batches_per_turn: int,
     for it in its.values():
         for _ in range(batches_per_turn):
             next(it)
+    if after_warmup is not None:
+        after_warmup()
     wall: dict[str, list[float]] = {name: [] for name in its}
     cpu: dict[str, list[float]] = {name: [] for name in its}
     names = list(its)

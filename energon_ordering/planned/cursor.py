@@ -107,12 +107,15 @@ def draws(seed: int, source: int, size: int, first: int, count: int) -> np.ndarr
     Draw d is ``permute(d mod size, size, permutation_key(seed, source, d // size))``; a range
     that crosses an epoch end continues in the next epoch's permutation.
     """
-    d = np.arange(int(first), int(first) + int(count), dtype=np.int64)
-    out = np.empty(len(d), dtype=np.int64)
-    epochs = d // size
-    for e in np.unique(epochs):  # a window spans few epochs of a source
-        sel = epochs == e
-        out[sel] = permute(d[sel] - e * size, size, permutation_key(seed, source, int(e)))
+    first, count, size = int(first), int(count), int(size)
+    out = np.empty(count, dtype=np.int64)
+    at = first
+    while at < first + count:  # one contiguous run per source epoch the range crosses
+        epoch, into = divmod(at, size)
+        end = min(first + count, (epoch + 1) * size)
+        out[at - first: end - first] = permute(np.arange(into, into + end - at, dtype=np.int64),
+                                               size, permutation_key(seed, source, epoch))
+        at = end
     return out
 
 

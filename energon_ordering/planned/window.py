@@ -138,12 +138,13 @@ def plan_window(
     # the window's draws: global id, source and cost of each (arrays of K G; temporaries are
     # dropped as soon as they are used, since the peak is what a loader worker pays)
     index = [draws(seed, s, ids.sizes[s], cursor.drawn[s], int(per_source[s])) for s in range(S)]
-    cost = sample_cost(np.concatenate([np.asarray(lengths[s])[ix] for s, ix in enumerate(index)]))
+    drawn = np.concatenate([np.asarray(lengths[s])[ix] for s, ix in enumerate(index)])
+    cost = sample_cost(drawn)
     gid = np.concatenate([ix + off for ix, off in zip(index, ids.offsets.tolist())])
     del index
     src = np.repeat(np.arange(S, dtype=np.int64), per_source)
     pos = balance_window(cost, src, counts, world_size=R, micro_batch=B,
-                         micro_batches_per_step=M)  # [K, M, R, B]
-    del cost, src
+                         micro_batches_per_step=M, lengths=drawn)  # [K, M, R, B]
+    del cost, src, drawn
     flat = np.take(gid, pos.transpose(0, 2, 1, 3))  # [K, R, M, B], C-contiguous
     return WindowPlan(flat, counts, cursor, advance(cursor, counts, carry))
