@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from energon_ordering.config import OrderingConfig
+from energon_ordering.config import PLANNED, OrderingConfig
 from energon_ordering.inspect.diagnostics import (
     detect_sawtooth,
     histogram_dispersion,
@@ -26,6 +27,7 @@ from energon_ordering.inspect.diagnostics import (
 )
 from energon_ordering.errors import OrderingConfigError
 from energon_ordering.mixture.schedule import MixtureSchedule
+from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
 from energon_ordering.inspect.rank_simulation import (
     BatchRecord,
     build_train_loader,
@@ -36,8 +38,12 @@ from energon_ordering.inspect.rank_simulation import (
 
 __all__ = [
     "Measurement",
+    "ElasticMismatch",
+    "ElasticResumeCheck",
     "ResumeCheck",
+    "check_elastic_resume",
     "check_resume",
+    "compare_elastic_steps",
     "measure",
     "shard_length",
     "source_lengths_from_indexes",
@@ -168,6 +174,161 @@ def check_resume(
         if got.keys != full[step].keys:
             return ResumeCheck(cut, steps, step, full[step], got)
     return ResumeCheck(cut, steps, None, None, None)
+
+
+
+#: One optimizer step over all ranks: (sample key, source) of every sample, ranks in order.
+StepSamples = list[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class ElasticMismatch:
+    """Where an elastic resume differs from the uninterrupted run: the optimizer steps compared
+    as one group (one step, or a plan window's part after the cut) and what differs."""
+
+    first_step: int
+    last_step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ElasticResumeCheck:
+    """Outcome of :func:`check_elastic_resume`: ``mismatch`` is None when the streams agree.
+
+    Steps count optimizer steps; ``samples`` is the number of samples compared after the cut.
+    """
+
+    cut_step: int
+    end_step: int
+    world_size: int
+    resume_world_size: int
+    micro_batches_per_step: int
+    resume_micro_batches_per_step: int
+    window_steps: int
+    samples: int
+    mismatch: ElasticMismatch | None
+
+
+def compare_elastic_steps(
+    expected: list[StepSamples],
+    got: list[StepSamples],
+    *,
+    first_step: int,
+    window_steps: int,
+) -> ElasticMismatch | None:
+    """Compares the optimizer steps after an elastic resume with the uninterrupted run's.
+
+    A planned resume at another data-parallel size re-plans the rest of its window for the new
+    shape from the same samples: which step and rank a sample lands on may change, but every
+    plan window (from ``first_step`` on, windows being ``[w * window_steps, (w + 1) *
+    window_steps)``) must hold the same multiset of samples (nothing lost, nothing twice) and
+    every step the same number of samples from each source.
+
+    Args:
+        expected: The uninterrupted run's samples, one entry per optimizer step from
+            ``first_step`` on.
+        got: The resumed run's, the same steps.
+        first_step: The optimizer step of ``expected[0]`` (the cut).
+        window_steps: Optimizer steps per plan window.
+
+    Returns:
+        The first difference, in step order; None if there is none.
+    """
+    last = first_step + len(expected) - 1
+    if len(got) != len(expected):
+        return ElasticMismatch(first_step, last, f"{len(got)} optimizer steps resumed, "
+                                                 f"{len(expected)} expected")
+    start = 0
+    while start < len(expected):
+        window = (first_step + start) // window_steps
+        stop = min(len(expected), (window + 1) * window_steps - first_step)
+        for i in range(start, stop):
+            want, have = (Counter(src for _, src in steps[i]) for steps in (expected, got))
+            if want != have:
+                return ElasticMismatch(
+                    first_step + i, first_step + i,
+                    f"optimizer step {first_step + i}: samples per source "
+                    f"{dict(sorted(want.items()))} expected, got {dict(sorted(have.items()))}")
+        want, have = (Counter(k for step in steps[start:stop] for k, _ in step)
+                      for steps in (expected, got))
+        if want != have:
+            missing, extra = sorted((want - have).elements()), sorted((have - want).elements())
+            return ElasticMismatch(
+                first_step + start, first_step + stop - 1,
+                f"plan window {window} (optimizer steps {first_step + start}-"
+                f"{first_step + stop - 1}): {len(missing)} samples missing {missing[:4]}, "
+                f"{len(extra)} extra or repeated {extra[:4]}")
+        start = stop
+    return None
+
+
+def _step_samples(records: list[list[BatchRecord]], micro_batches: int) -> list[StepSamples]:
+    """``records[rank][micro_batch]`` -> per optimizer step, (key, source) over all ranks."""
+    steps = min(len(rank) for rank in records) // micro_batches
+    return [[(k, s) for rank in records for b in rank[i * micro_batches:(i + 1) * micro_batches]
+             for k, s in zip(b.keys, b.sources or ("-",) * len(b.keys))]
+            for i in range(steps)]
+
+
+def check_elastic_resume(
+    path: str | Path,
+    ordering: OrderingConfig,
+    *,
+    cut_step: int,
+    end_step: int,
+    world_size: int,
+    resume_world_size: int,
+    num_workers: int,
+    batch_size: int,
+    task_encoder_factory: Callable[[], Any] | None = None,
+) -> ElasticResumeCheck:
+    """Runs ``world_size`` ranks uninterrupted to optimizer step ``end_step``, saving each
+    rank's ``save_state_rank()`` before step ``cut_step``; restores ``resume_world_size`` fresh
+    ranks from those states (rank r from the saved rank r, the ranks beyond the saved size
+    from rank 0's, as Megatron-LM reads them) with ``micro_batches_per_step`` scaled to keep the
+    global batch, and compares the steps after the cut with :func:`compare_elastic_steps`.
+
+    Only ``length_sort_mode = 'planned'``. ``end_step`` must end a plan window (within a window
+    the samples are dealt to steps for the shape, so only whole windows are comparable).
+    """
+    if ordering.length_sort_mode != PLANNED:
+        raise OrderingConfigError(
+            f"check_elastic_resume: length_sort_mode = {ordering.length_sort_mode!r}; only a "
+            "'planned' state continues at another data-parallel size: set "
+            "length_sort_mode = 'planned', or use check_resume.")
+    M = ordering.micro_batches_per_step
+    if (world_size * M) % resume_world_size:
+        raise OrderingConfigError(
+            f"check_elastic_resume: {world_size} ranks x {M} micro-batches per step do not split "
+            f"over resume_world_size = {resume_world_size} ranks; it must divide {world_size * M}.")
+    M2 = world_size * M // resume_world_size
+    K = ordering.plan_window_steps or DEFAULT_WINDOW_STEPS
+    if not 0 <= cut_step < end_step or end_step % K:
+        raise OrderingConfigError(
+            f"check_elastic_resume: cut_step = {cut_step}, end_step = {end_step}: need "
+            f"0 <= cut_step < end_step and end_step a multiple of plan_window_steps = {K}.")
+
+    def make(cfg: OrderingConfig, rank: int, size: int) -> Callable[[], Any]:
+        return lambda: build_train_loader(path, ordering=cfg, rank=rank, world_size=size,
+                                          num_workers=num_workers, batch_size=batch_size,
+                                          task_encoder_factory=task_encoder_factory)
+
+    full, states = [], []
+    for rank in range(world_size):
+        records, saved = run_with_cuts(make(ordering, rank, world_size), end_step * M,
+                                       [cut_step * M])
+        full.append(records)
+        states.append(saved[cut_step * M])
+    resumed_cfg = dataclasses.replace(ordering, micro_batches_per_step=M2)
+    resumed = [resume(make(resumed_cfg, rank, resume_world_size),
+                      states[rank if rank < world_size else 0], (end_step - cut_step) * M2)
+               for rank in range(resume_world_size)]
+    expected = _step_samples(full, M)[cut_step:]
+    got = _step_samples(resumed, M2)
+    return ElasticResumeCheck(
+        cut_step, end_step, world_size, resume_world_size, M, M2, K,
+        sum(len(step) for step in expected),
+        compare_elastic_steps(expected, got, first_step=cut_step, window_steps=K))
 
 
 def _loaded(path: str | Path) -> list[Any]:
