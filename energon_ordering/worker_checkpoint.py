@@ -17,6 +17,8 @@ was told to skip (None and 0 for a fresh one). That is the answer Energon's own
 ``get_checkpoint`` gives when it finds no checkpoint at all ("immediate save after restore"); the
 placeholder keeps that branch from running. :func:`install` makes ``get_checkpoint`` answer so
 while the placeholder is the worker's only checkpoint, and leaves every other answer to Energon.
+It patches the class once, in the main process, before loader workers fork (``OrderingTaskEncoder``
+and :func:`~energon_ordering.state_stamp.restore_state_rank` install it).
 
 The answer holds a deep copy of the restore state, taken under the worker's command lock, never
 the restore state itself. The command thread only hands its answer to a ``multiprocessing.Queue``,
@@ -27,8 +29,6 @@ that held the worker's advanced buffers under the restore point's sample index a
 that look right): its resume skipped twice and differed at that worker's first micro-batch
 (``tests/test_worker_checkpoint.py``; after the soak, or under load, the feeder was late often
 enough). Energon's own answers are copies already (``_save_state`` snapshots).
-It patches the class once, in the main process, before loader workers fork (``OrderingTaskEncoder``
-and :func:`~energon_ordering.state_stamp.restore_state_rank` install it).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import threading
 import time
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -78,11 +79,53 @@ def _late_answers() -> None:
     ForkingPickler._late_answers = True
 
 
+class _YieldingFirstLock:
+    """An ``RLock`` whose first ``with`` in the thread that made it waits 0.5 s first, so that
+    the command thread started just before takes it first (see :func:`late_worker`)."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._owner = threading.get_ident()
+        self._waited = False
+
+    def __enter__(self):
+        if not self._waited and threading.get_ident() == self._owner:
+            self._waited = True
+            time.sleep(0.5)
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self._lock.__exit__(*exc)
+
+    def acquire(self, *args, **kwargs):
+        return self._lock.acquire(*args, **kwargs)
+
+    def release(self):
+        self._lock.release()
+
+
+def _command_thread_first() -> None:
+    """In a loader worker: Energon's wrapper makes its command lock with
+    ``savable_loader.threading.RLock()``; there it becomes a :class:`_YieldingFirstLock`, so a
+    save request that waited while the worker was starting is answered before the worker's
+    iteration takes the lock (and stores its first checkpoint)."""
+    import megatron.energon.savable_loader as savable_loader
+
+    class _Threading:
+        RLock = _YieldingFirstLock
+
+        def __getattr__(self, name):
+            return getattr(threading, name)
+
+    savable_loader.threading = _Threading()
+
+
 @pytest.fixture
 def late_worker(monkeypatch):
     """The last loader worker begins its iteration 1 s late (in the forked worker, before
     Energon's wrapper starts its command thread), so a state saved after the first micro-batch
-    reaches it before it has begun; and every worker's answer is pickled late
+    reaches it before it has begun, and its command thread takes the command lock before the
+    iteration does (:func:`_command_thread_first`); and every worker's answer is pickled late
     (:func:`_late_answers`), after the worker has gone on. Energon's code runs unchanged; only
     its start and the pickling are delayed (in the forked workers, never in this process)."""
     original = SavableDatasetWrapper.__iter__
@@ -93,6 +136,7 @@ def late_worker(monkeypatch):
             _late_answers()
         if info is not None and info.id == LATE:
             time.sleep(1.0)
+            _command_thread_first()
         yield from original(self)
 
     monkeypatch.setattr(SavableDatasetWrapper, "__iter__", late_iter)
