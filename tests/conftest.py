@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import gc
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+
+# planned runs share window plans through a node-local folder (/dev/shm by default): the tests
+# keep theirs in a folder of their own (inherited by loader workers and spawned processes)
+os.environ.setdefault("ENERGON_ORDERING_PLAN_DIR", tempfile.mkdtemp(prefix="energon-ordering-plans-"))
 
 
 @pytest.fixture(autouse=True)

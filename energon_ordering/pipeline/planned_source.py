@@ -40,10 +40,12 @@ permutation.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -63,6 +65,7 @@ from energon_ordering.planned.balance import balance_window, sample_cost
 from energon_ordering.planned.cursor import PlanCursor, advance
 from energon_ordering.planned.sample_ids import SampleIds
 from energon_ordering.planned.window import PLAN_VERSION, WindowPlan, plan_window
+from energon_ordering.pipeline.shared_plans import SharedPlans, plan_dir, stream_digest
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
 from energon_ordering.state_stamp import check_stamp
 
@@ -344,18 +347,29 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 cursor.carry)
             cursor = advance(cursor, counts, carry)
         k = steps_of(cursor)
-        plan = plan_window(
-            self.lengths,
-            seed=self.seed,
-            cursor=cursor,
-            weights=self._step_weights(cursor.window * self.window_steps, k),
-            window_steps=k,
-            world_size=world_size,
-            micro_batch=self.batch_size,
-            micro_batches_per_step=micro_batches,
+        weights = self._step_weights(cursor.window * self.window_steps, k)
+        counts, carry = step_source_counts(weights, self._global_batch(), cursor.carry)
+        B = self.batch_size
+        ids = self._shared_plans(world_size, micro_batches).ids(
+            cursor.window,
+            stream_digest(_cursor_state(cursor), hashlib.sha256(weights.tobytes()).hexdigest(), k),
+            (k, world_size, micro_batches, B),
+            lambda: plan_window(self.lengths, seed=self.seed, cursor=cursor, weights=weights,
+                                window_steps=k, world_size=world_size, micro_batch=B,
+                                micro_batches_per_step=micro_batches).ids,
         )
         self._cursor = _cursor_state(cursor)
-        return plan
+        return WindowPlan(ids, counts, cursor, advance(cursor, counts, carry))
+
+    def _shared_plans(self, world_size: int, micro_batches: int) -> SharedPlans:
+        """The node's shared plans of this stream at this shape (none when the lengths are not
+        named by a file: nothing would tell two processes' lengths apart)."""
+        files = [getattr(x, "filename", None) for x in self.lengths]
+        folder = plan_dir() if all(files) else None
+        stream = stream_digest(PLAN_VERSION, [Path(f).name for f in files] if folder else None,
+                               [len(x) for x in self.lengths], self.seed, self.window_steps,
+                               world_size, micro_batches, self.batch_size)
+        return SharedPlans(folder, stream)
 
     def _shape_at(self, step: int) -> tuple[int, int]:
         """(world size, micro-batches per step) in effect at global optimizer ``step``."""
