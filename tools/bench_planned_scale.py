@@ -33,16 +33,21 @@ data-parallel size, stepped in turns (:func:`~energon_ordering.inspect.interleav
 time_in_turns`), and the share of the planned loader's time spent planning (the seconds inside
 ``PlannedSourceDataset._window_steps`` over the wall seconds of its timed turns). A rank's
 planning costs O(R) per step (the plan of every rank), its loading O(1): the share grows with R.
+With ``--node-ranks N`` the process runs N planned ranks that share their plans through
+``ENERGON_ORDERING_PLAN_DIR`` as a node's ranks do (one plans each window, the others map it):
+the planning share is then over the N ranks' time.
 
 Usage:
     python tools/bench_planned_scale.py                  # 10^7 and 10^8, 8 and 1,024 ranks
     python tools/bench_planned_scale.py --sizes 1e6 --ranks 8 --join-samples 50000
     python tools/bench_planned_scale.py --sizes '' --ranks 8,64,256,1024 --throughput 20000
+    python tools/bench_planned_scale.py --sizes '' --ranks 1024 --throughput 20000 --node-ranks 8
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import tempfile
 import time
 import tracemalloc
@@ -128,7 +133,8 @@ def _join_times(folder: Path, n: int) -> tuple[float, float]:
     return times[0], times[1]
 
 
-def _throughput(folder: Path, n: int, ranks: list[int], rounds: int) -> list[list[str]]:
+def _throughput(folder: Path, n: int, ranks: list[int], rounds: int,
+                node_ranks: int) -> list[list[str]]:
     """Rows (ranks, planned / no pool in wall and CPU time, planning share) on a real dataset."""
     import statistics
 
@@ -159,23 +165,29 @@ def _throughput(folder: Path, n: int, ranks: list[int], rounds: int) -> list[lis
         for R in ranks:
             cfg = OrderingConfig(length_sort_mode="planned", length_sort_placement="pre-encode",
                                  length_sort_pool_holds="keys", micro_batches_per_step=M, seed=0)
+            planned = [f"planned r{r}" for r in range(min(node_ranks, R))]
             loaders = {
                 "off": build_train_loader(web, ordering=OrderingConfig(), batch_size=BATCH,
                                           task_encoder_factory=IndexedSyntheticTaskEncoder,
                                           **TRAINING_GC),
-                "planned": build_train_loader(web, ordering=cfg, world_size=R, batch_size=BATCH,
-                                              task_encoder_factory=IndexedSyntheticTaskEncoder,
-                                              **TRAINING_GC),
+                **{name: build_train_loader(web, ordering=cfg, rank=r, world_size=R,
+                                            batch_size=BATCH,
+                                            task_encoder_factory=IndexedSyntheticTaskEncoder,
+                                            **TRAINING_GC)
+                   for r, name in enumerate(planned)},
             }
             per_turn = 256  # micro-batches: one window of a rank at K = 32, M = 8
             wall, cpu = time_in_turns(loaders, per_turn, rounds,
                                       after_warmup=lambda: planning.__setitem__(0, 0.0))
-            ratio = [a / b for a, b in zip(wall["off"], wall["planned"])]
-            cratio = sum(cpu["off"]) / sum(cpu["planned"])
-            rows.append([f"{R:,}", f"{statistics.median(ratio):.3f}",
+            # each round: one turn of no pool against the mean turn of the node's planned ranks
+            mean_wall = [statistics.mean(wall[n][i] for n in planned) for i in range(rounds)]
+            ratio = [a / b for a, b in zip(wall["off"], mean_wall)]
+            cratio = sum(cpu["off"]) * len(planned) / sum(sum(cpu[n]) for n in planned)
+            planned_wall = sum(sum(wall[n]) for n in planned)
+            rows.append([f"{R:,}", f"{len(planned)}", f"{statistics.median(ratio):.3f}",
                          f"{min(ratio):.2f}-{max(ratio):.2f}", f"{cratio:.3f}",
-                         f"{100 * planning[0] / sum(wall['planned']):.1f}%",
-                         f"{1e3 * sum(wall['planned']) / (rounds * per_turn * BATCH):.2f}"])
+                         f"{100 * planning[0] / planned_wall:.1f}%",
+                         f"{1e3 * sum(mean_wall) / (rounds * per_turn * BATCH):.2f}"])
     finally:
         PlannedSourceDataset._window_steps = original
     return rows
@@ -208,8 +220,11 @@ def _lengths_file(folder: Path, n: int) -> Path:
 @click.option("--throughput", type=int, default=0,
               help="Also time planned against no pool on a real dataset of this many samples.")
 @click.option("--rounds", type=int, default=6, help="Rounds of turns (--throughput).")
+@click.option("--node-ranks", type=int, default=1,
+              help="Planned ranks in this process (--throughput), sharing their plans as the "
+                   "ranks of a node do (ENERGON_ORDERING_PLAN_DIR); 1: a rank alone.")
 def main(sizes: str, ranks: str, window_steps: int | None, folder: str | None,
-         join_samples: int, throughput: int, rounds: int) -> None:
+         join_samples: int, throughput: int, rounds: int, node_ranks: int) -> None:
     """One planned loader worker's time to its first micro-batch and its memory, per size."""
     from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
 
@@ -248,10 +263,13 @@ def main(sizes: str, ranks: str, window_steps: int | None, folder: str | None,
                    f"in {mapped:.3f} s")
     if throughput:
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            got = _throughput(Path(tmp), throughput, [int(r) for r in ranks.split(",")], rounds)
-        click.echo(f"\none rank's in-process loader, {throughput:,} real samples, {rounds} rounds "
-                   "of turns of 256 micro-batches (planned / no pool: above 1 is faster)")
-        click.echo(table(["ranks", "samples/s vs no pool (median)", "per round", "CPU time ratio",
+            os.environ.setdefault("ENERGON_ORDERING_PLAN_DIR", str(Path(tmp) / "plans"))
+            got = _throughput(Path(tmp), throughput, [int(r) for r in ranks.split(",")], rounds,
+                              node_ranks)
+        click.echo(f"\nin-process loaders, {throughput:,} real samples, {rounds} rounds of turns of "
+                   "256 micro-batches (planned / no pool: above 1 is faster; planned: the mean "
+                   f"of the node's {node_ranks} rank(s))")
+        click.echo(table(["ranks", "ranks of the node", "samples/s vs no pool (median)", "per round", "CPU time ratio",
                           "planning share", "planned ms / sample"], got))
         click.echo("targets: samples/s >= 0.97 of no pool; planning <= 5% of the loader's time")
     click.echo("targets: memory per loader worker <= 64 MiB at 10^8 samples (peak alloc and "
