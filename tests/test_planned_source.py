@@ -8,6 +8,7 @@ directly with :func:`energon_ordering.planned.window.plan_window`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
 from pathlib import Path
@@ -550,3 +551,56 @@ def test_megatron_restore_reads_dprank0_at_another_data_parallel_size(data, tmp_
     with pytest.raises(DataloaderRestoreError, match="saved after 6 micro-batches"):
         _restore(loader, args=args(4), dp_rank=3)
     close_loader(loader)
+
+
+@pytest.fixture(scope="module")
+def larger(tmp_path_factory) -> Path:
+    """Two indexed sources of 1,100 and 700 samples (weights 0.7 / 0.3): a finite epoch of
+    several steps at 8 ranks."""
+    root = tmp_path_factory.mktemp("planned_larger")
+    meta = make_synthetic_dataset(
+        root,
+        [SourceSpec("web", 1100, "short", weight=0.7), SourceSpec("code", 700, "long", weight=0.3)],
+        shard_size=64,
+    )
+    for name in ("web", "code"):
+        build_length_index(root / name, task_encoder=IndexedSyntheticTaskEncoder())
+    return meta
+
+
+@pytest.mark.slow  # 30 real rank pipelines
+@pytest.mark.parametrize("shapes,cuts", [
+    ([(8, 3), (6, 4), (8, 3)], [3, 7]),  # 8 -> 6 -> 8 ranks, the global batch 96 each time
+    ([(4, 2), (2, 4)], [5]),             # 4 -> 2 ranks
+], ids=["8-6-8-ranks", "4-2-ranks"])
+def test_elastic_resumes_in_a_chain_draw_a_finite_epoch_once(larger, shapes, cuts):
+    """A finite epoch run on R1 ranks, saved at an optimizer step, resumed from rank 0's file
+    on R2 ranks, saved again and resumed on R3: the epoch's samples, each exactly once, and the
+    same as the uninterrupted run's."""
+    def make(world_size, mbps, rank):
+        return build_train_loader(
+            larger, ordering=planned(micro_batches_per_step=mbps, plan_window_steps=4),
+            rank=rank, world_size=world_size, repeat=False, batch_size=B,
+            task_encoder_factory=IndexedSyntheticTaskEncoder)
+
+    whole = [k for r in range(shapes[0][0]) for b in make(*shapes[0], r) for k in record_batch(b).keys]
+    assert len(whole) == len(set(whole)) and len(whole) >= 10 * 96
+    got, state, at = [], None, 0
+    for i, (R, mbps) in enumerate(shapes):
+        stop = cuts[i] if i < len(cuts) else None  # optimizer step to save at; None: the end
+        for rank in range(R):
+            loader = make(R, mbps, rank)
+            if state is not None:
+                restore_state_rank(loader, pickle.loads(state))  # rank 0's file only
+            it = iter(loader)
+            n = None if stop is None else (stop - at) * mbps
+            for b in (itertools.islice(it, n) if n is not None else it):
+                got += record_batch(b).keys
+            if rank == 0 and stop is not None:
+                saved = pickle.dumps(loader.save_state_rank())
+            del it
+            close_loader(loader)
+        if stop is not None:
+            state, at = saved, stop
+    assert len(got) == len(set(got)), "a sample was drawn twice"
+    assert sorted(got) == sorted(whole), "the resumed epoch lost or added samples"
