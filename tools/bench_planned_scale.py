@@ -79,6 +79,7 @@ def _worker(path: str, world_size: int, window_steps: int, queue) -> None:
     from energon_ordering.length_index.lengths_file import split_lengths
     from energon_ordering.pipeline.planned_source import PlannedSourceDataset
 
+    os.environ["ENERGON_ORDERING_PLAN_DIR"] = "off"  # plan here: never map another run's plan
     before = _status()
     tracemalloc.start()
     t0 = time.perf_counter()
