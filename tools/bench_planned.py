@@ -37,7 +37,6 @@ Usage:
 
 from __future__ import annotations
 
-import time
 import tracemalloc
 
 import click
@@ -46,7 +45,9 @@ import numpy as np
 from energon_ordering.cli.tables import table
 from energon_ordering.inspect.advise import (
     LengthPopulation,
+    PlannedRun,
     _padding,
+    planned_run,
     predict_order,
     vector_straggler_idle,
 )
@@ -91,33 +92,16 @@ def population(lengths: list[np.ndarray], weights: list[float], n: int = 400_000
                             "bench_planned")
 
 
-def as_rank_major(lens: np.ndarray) -> np.ndarray:
-    """``[steps, R, M, B]`` -> ``[R, steps x M, B]`` (micro-batch index = step x M + m)."""
-    steps, R, m, b = lens.shape
-    return lens.transpose(1, 0, 2, 3).reshape(R, steps * m, b)
+as_rank_major = PlannedRun.rank_major  # [steps, R, M, B] -> [R, steps x M, B]
 
 
 def run_planned(lengths, weights, R: int, K: int, steps: int):
-    """Plans ``steps`` steps in windows of K; returns lengths ``[steps, R, M, B]``, the worst
-    per-step deviation (samples) and seconds of planning per step."""
-    flat = np.concatenate(lengths)
-    cursor = PlanCursor.start(len(lengths))
-    G = R * M * BATCH
-    w = np.asarray(weights) / sum(weights)
-    out, worst, seconds = [], 0.0, 0.0
-    for window in range(steps // K):
-        t0 = time.perf_counter()
-        plan = plan_window(lengths, seed=0, cursor=cursor, weights=window_weights(w, window, K),
-                           window_steps=K, world_size=R, micro_batch=BATCH,
-                           micro_batches_per_step=M)
-        seconds += time.perf_counter() - t0
-        cursor = plan.next_cursor
-        offsets = np.cumsum([0] + [len(x) for x in lengths[:-1]])
-        src = np.searchsorted(offsets, plan.ids.reshape(K, -1), side="right") - 1
-        counts = np.stack([np.bincount(src[t], minlength=len(lengths)) for t in range(K)])
-        worst = max(worst, float(np.abs(counts - w * G).max()))
-        out.append(flat[plan.ids])
-    return np.concatenate(out).astype(np.float64), worst, seconds / steps
+    """Plans ``steps`` steps in windows of K (``advise.planned_run``); returns lengths
+    ``[steps, R, M, B]``, the worst per-step deviation (samples) and seconds of planning per
+    step."""
+    run = planned_run(lengths, weights, world_size=R, micro_batch=BATCH, micro_batches_per_step=M,
+                      steps=steps, window_steps=K)
+    return run.lengths, run.worst_step_samples, run.plan_seconds_per_step
 
 
 def plan_peak_bytes(lengths, weights, R: int, K: int) -> int:

@@ -1,5 +1,6 @@
-"""``energon-ordering advise``: predicted idle, padding and source mix of pool settings at
-several rank counts, measured costs, and one recommended setting (``advise.png``)."""
+"""``energon-ordering advise``: predicted idle, padding and source mix of pool settings and of
+the planned order at several rank counts, measured costs, and one recommended setting
+(``advise.png``)."""
 
 from __future__ import annotations
 
@@ -46,9 +47,14 @@ def _parse_bytes(text: str) -> float:
 def command(dataset: str, ranks: int, micro_batch: int, num_workers: int, memory_per_worker: str,
             micro_batches_per_step: int, steps: int, seed: int, measure: bool, out: str,
             task_encoder: str | None, tokens_per_media: int) -> None:
-    """Predicted idle, padding and source mix for pool sizes 1k..1M at 8..1,024 ranks; recommends one setting."""
+    """Predicted idle, padding and source mix for pool sizes 1k..1M and the planned order at 8..1,024 ranks; recommends one setting."""
     from energon_ordering.inspect.advise import advise as run_advise
-    from energon_ordering.inspect.advise import plot_advice, source_mix_note
+    from energon_ordering.inspect.advise import (
+        planned_note,
+        planned_requirements,
+        plot_advice,
+        source_mix_note,
+    )
 
     budget = _parse_bytes(memory_per_worker)
     check_dataset(dataset, "DATASET")
@@ -64,12 +70,19 @@ def command(dataset: str, ranks: int, micro_batch: int, num_workers: int, memory
     click.echo(advice_tables(adv))
     if adv.recommended is None:
         click.echo(f"\nrecommended: none ({adv.reason})")
+    elif adv.recommended[2] == "planned":
+        click.echo("\nrecommended: length_sort_mode: planned, length_sort_placement: pre-encode, "
+                   "length_sort_pool_holds: keys (no length_sort_pool_size)"
+                   f"\n  ({adv.reason})\n  {planned_requirements()}")
     else:
         placement, holds, mode, size = adv.recommended
         click.echo(f"\nrecommended: length_sort_pool_size: {size}, length_sort_mode: {mode}, "
                    f"length_sort_placement: {placement}"
                    + (f", length_sort_pool_holds: {holds}" if placement == "pre-encode" else "")
                    + f"\n  ({adv.reason})")
+    no_index = planned_note(adv)
+    if no_index:
+        click.echo(no_index)
     if adv.other_mode:
         click.echo(adv.other_mode)
     note = source_mix_note(adv)

@@ -1,5 +1,7 @@
 """``energon-ordering demo``: end to end on a synthetic multimodal dataset it writes itself:
-blend, pool, warmup, diagnostics, the resume check, ``plan.png`` and ``results.json``."""
+blend, pool, warmup, diagnostics, the resume check, ``plan.png`` and ``results.json``; three runs
+side by side: no pool, the recipe's pool, and the planned global order (from the length indexes
+the demo builds with its own task encoder)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,39 @@ def _check_sources(cfg: OrderingConfig, recipe: str) -> None:
             f"inspect METADATASET --recipe {recipe}` on a dataset that has its sources.")
 
 
+def _index(root: Path, sources: list[str], task_encoder: type) -> None:
+    """The length index of each source folder under ``root`` that has none (the planned run
+    plans from it), built with the demo's task encoder; reused by the next run."""
+    from energon_ordering.length_index.build import build_length_index
+    from energon_ordering.length_index.index import length_index_files
+
+    missing = [root / name for name in sources if not length_index_files(root / name)]
+    if not missing:
+        return
+    click.echo(f"building the length index of {len(missing)} source(s) for the planned run "
+               "(energon-ordering index) ...")
+    with user_errors():
+        for folder in missing:
+            build_length_index(folder, task_encoder=task_encoder())
+
+
+def _planned_note(results: dict, name: str, cfg: OrderingConfig, step_samples: int) -> str:
+    """What the planned run shows beside the pool: its per-step mix, and what its idle depends on."""
+    pool = next((n for n in results if n not in ("pool off", name)), None)
+    plan, m = results[name], cfg.micro_batches_per_step
+    text = (f"The planned run: every step holds each source's scheduled share of the global "
+            f"batch within one sample (dispersion per step {plan.step_histogram_dispersion:.2f}"
+            + (f", {results[pool].step_histogram_dispersion:.2f} with the pool" if pool else "")
+            + f"); ranks are balanced within that exact mix, over {m} micro-batch(es) per rank "
+            f"per step ({step_samples * m} samples per step here).")
+    if pool and plan.straggler_idle > results[pool].straggler_idle:
+        text += (" Steps this small leave little to balance under an exact mix, so the pool "
+                 "idles less here; with more micro-batches per step (micro_batches_per_step) the "
+                 "plan balances far better (`energon-ordering advise --micro-batches-per-step M` "
+                 "predicts both).")
+    return text
+
+
 @click.command("demo", context_settings=CONTEXT)
 @click.option("--out", type=click.Path(file_okay=False), default="energon_ordering_demo",
               help="Folder for the dataset, plots and results.json.")
@@ -53,7 +88,7 @@ def _check_sources(cfg: OrderingConfig, recipe: str) -> None:
 @click.option("--scale", type=click.FloatRange(min=0.01, max=100), default=1.0,
               help="Multiplies the synthetic dataset's size (5,200 samples at 1).")
 def command(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scale: float) -> None:
-    """End to end on a synthetic multimodal dataset: blend, pool, warmup, diagnostics, resume."""
+    """End to end on a synthetic multimodal dataset: blend, pool, planned order, warmup, diagnostics, resume."""
     from energon_ordering.inspect.inspection import source_sizes_from_metadataset
     from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 
@@ -67,8 +102,12 @@ def command(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scal
         click.echo(f"writing a synthetic multimodal dataset to {meta.parent} (energon prepare) ...")
         with user_errors():
             make_synthetic_dataset(meta.parent, specs, shard_size=100)
-    click.echo(f"recipe {recipe}: {ranks} ranks x {steps} micro-batches of {batch_size}\n")
     from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
+
+    planned = cfg.pack_seq_length is None and cfg.packing_buffer_size is None
+    if planned:
+        _index(meta.parent, [s.name for s in specs], SyntheticTaskEncoder)
+    click.echo(f"recipe {recipe}: {ranks} ranks x {steps} micro-batches of {batch_size}\n")
 
     epochs = None
     total = cfg.total_steps or (cfg.mixture_schedule.total_steps if cfg.mixture_schedule else None) or steps
@@ -80,9 +119,14 @@ def command(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scal
                              warn_above=4.0)
     results, extra = run_inspection(str(meta), cfg, ranks=ranks, steps=steps, num_workers=0,
                                     batch_size=batch_size, out=out_dir,
-                                    task_encoder_factory=SyntheticTaskEncoder)
-    click.echo(measure_table(results))
+                                    task_encoder_factory=SyntheticTaskEncoder, planned=planned)
+    click.echo(measure_table(results, extra["planned"]))
     click.echo("\n" + definitions(extra))
+    if not planned:
+        click.echo("\nno planned run: the recipe packs, and the planned order refuses packing "
+                   "(yet).")
+    else:
+        click.echo("\n" + _planned_note(results, extra["planned"][0], cfg, ranks * batch_size))
     if extra["note"]:
         click.echo("\n" + extra["note"])
     if epochs is not None:
@@ -106,7 +150,8 @@ def command(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scal
         indent=2))
     data_mb = sum(f.stat().st_size for f in meta.parent.rglob("*") if f.is_file()) / 1e6
     click.echo(f"\nwrote to {out_dir}/:\n"
-               f"  {extra['png'].name:<14} straggler idle, source mix and longest sample per step\n"
+               f"  {extra['png'].name:<14} straggler idle, source mix and longest sample per step "
+               f"({', '.join(results)})\n"
                f"  {plan_png.name:<14} the recipe's schedule and warmup\n"
                f"  {results_json.name:<14} the table above, per run\n"
                f"  {meta.parent.name + '/':<14} the synthetic dataset ({data_mb:.0f} MB, reused by "

@@ -1,8 +1,10 @@
-"""``energon-ordering inspect``: on a prepared dataset, simulated ranks with the pool off and on,
-and their sync, padding, mix and overlap diagnostics (``inspect.png``)."""
+"""``energon-ordering inspect``: on a prepared dataset, simulated ranks with the pool off and the
+recipe's pool or planned order (and, for the demo, the planned order beside a pool), and their
+sync, padding, mix and overlap diagnostics (``inspect.png``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -35,7 +37,7 @@ def _mix_note(cfg: OrderingConfig, results: dict[str, Any], window: int) -> str 
     """Why the mix is noisy per step with the pool on (None without a pool and a schedule)."""
     if not (cfg.length_sort_enabled and cfg.mixture_schedule is not None and len(results) > 1):
         return None
-    off, on = (results[n].step_histogram_dispersion for n in (list(results)[0], list(results)[-1]))
+    off, on = (results[n].step_histogram_dispersion for n in (list(results)[0], list(results)[1]))
     return (f"Why the mix is noisy with the pool: the blend draws the scheduled mix "
             f"({cfg.blend_policy} policy), then the length pool reorders its output by length, "
             "and sources differ in length; so the mix is exact at the blend but noisy per step "
@@ -43,24 +45,99 @@ def _mix_note(cfg: OrderingConfig, results: dict[str, Any], window: int) -> str 
             f"schedule on average over a pool's worth of steps ({window}).")
 
 
+#: Settings a pool recipe's planned run replaces (the planned order has no pool).
+_POOL_FIELDS = ("length_sort_pool_size", "length_sort_mode", "length_sort_placement",
+                "length_sort_pool_holds", "length_sort_pool_ramp", "plan_window_steps")
+
+
+def pool_off(cfg: OrderingConfig) -> OrderingConfig:
+    """``cfg`` without a length pool or a plan: Energon's own order, the reference run."""
+    from energon_ordering.config import OrderingConfig
+
+    d = {k: v for k, v in cfg.to_dict().items() if k not in _POOL_FIELDS}
+    return OrderingConfig.from_dict({**d, "length_sort_pool_size": 0})
+
+
+def as_planned(cfg: OrderingConfig) -> OrderingConfig:
+    """``cfg`` in the planned global order (the settings it needs; the default window)."""
+    from energon_ordering.config import PLANNED, OrderingConfig
+
+    if cfg.planned:
+        return cfg
+    d = {k: v for k, v in cfg.to_dict().items() if k not in _POOL_FIELDS}
+    return OrderingConfig.from_dict({**d, "length_sort_mode": PLANNED,
+                                     "length_sort_placement": "pre-encode",
+                                     "length_sort_pool_holds": "keys"})
+
+
+def planned_name(cfg: OrderingConfig) -> str:
+    """A planned run's column name: the mode and its window."""
+    return f"planned (K={cfg.plan_window_steps})"
+
+
+def planned_repeats(path: str, cfg: OrderingConfig, records: list[list[Any]], *,
+                    ranks: int, batch_size: int) -> int:
+    """Samples a planned run drew more often than their source's epochs allow (must be 0).
+
+    A planned source's next epoch is a new permutation dealt over all ranks, so once a source
+    wraps its samples return, on any rank: "keys on two ranks" does not apply. Within one epoch
+    each sample is drawn once; the run's windows draw at most ``integral of weight x G + 1``
+    samples of a source (the carry keeps each source within one sample of it), so a sample may
+    appear at most ``ceil(that / source size)`` times.
+    """
+    from collections import Counter
+
+    import numpy as np
+
+    from energon_ordering.inspect.advise import data_sizes
+
+    sizes = data_sizes(path)
+    names = [n for n, _, _ in sizes]
+    k, m = cfg.plan_window_steps, cfg.micro_batches_per_step
+    steps = min(len(r) for r in records) // m
+    planned_steps = -(-steps // k) * k
+    g = ranks * m * batch_size
+    if cfg.mixture_schedule is not None:
+        table = cfg.mixture_schedule.weights_table(np.arange(planned_steps))
+        column = {s: table[:, j] for j, s in enumerate(cfg.mixture_schedule.sources)}
+        drawn = {n: float(column[n].sum()) * g if n in column else 0.0 for n in names}
+    else:
+        w = np.array([1.0 if wt is None else float(wt) for _, _, wt in sizes])
+        w = w / w.sum()
+        drawn = {n: float(wj) * g * planned_steps for n, wj in zip(names, w)}
+    size = {n: c for n, c, _ in sizes}
+    allowed = {n: max(1, -(-int(np.floor(drawn[n] + 1)) // max(1, size[n]))) for n in names}
+    seen = Counter((s, key) for rank in records for b in rank
+                   for key, s in zip(b.keys, b.sources or ("-",) * len(b.keys)))
+    return sum(1 for (s, _), c in seen.items() if c > allowed.get(s, 1))
+
+
 def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, num_workers: int,
                    batch_size: int, out: Path, task_encoder_factory: Any = None,
-                   ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Runs ``ranks`` simulated ranks for ``steps`` micro-batches with the pool off and, if the
-    recipe has one, on; measures each run and writes ``out/inspect.png``.
+                   planned: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Runs ``ranks`` simulated ranks for ``steps`` micro-batches with the pool off and with the
+    recipe's pool or planned order; with ``planned`` also the recipe in the planned order (the
+    dataset needs a length index); measures each run and writes ``out/inspect.png``.
+
+    A planned run's "keys on two ranks" counts the samples drawn more often than their
+    source's epochs allow instead (:func:`planned_repeats`; ``extra["planned"]`` names those
+    runs).
 
     Returns:
-        ``({run name: Measurement}, {"png", "period", "note", "window_steps"})``.
+        ``({run name: Measurement}, {"png", "period", "note", "window_steps", "packed",
+        "planned"})``.
     """
-    from energon_ordering.config import OrderingConfig
     from energon_ordering.inspect.inspection import measure, shard_length
     from energon_ordering.inspect.plots import plot_run
     from energon_ordering.inspect.rank_simulation import run_ranks
 
     with user_errors():
-        configs = {"pool off": OrderingConfig.from_dict({**cfg.to_dict(), "length_sort_pool_size": 0})}
-    if cfg.length_sort_enabled:
-        configs[f"pool {cfg.length_sort_pool_size} ({cfg.length_sort_mode})"] = cfg
+        configs = {"pool off": pool_off(cfg)}
+        if cfg.length_sort_enabled:
+            configs[f"pool {cfg.length_sort_pool_size} ({cfg.length_sort_mode})"] = cfg
+        if cfg.planned or planned:
+            plan_cfg = as_planned(cfg)
+            configs[planned_name(plan_cfg)] = plan_cfg
     preflight(path, list(configs.values())[::-1], batch_size=batch_size, num_workers=num_workers,
               world_size=ranks, task_encoder_factory=task_encoder_factory)
     period = max(1, shard_length(path) // batch_size)
@@ -75,6 +152,9 @@ def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, nu
                 batch_size=batch_size, task_encoder_factory=task_encoder_factory,
                 progress=_progress(f"{name}: {ranks} ranks x {steps} micro-batches"))
             results[name] = measure(records[name], period, mbps, cfg.mixture_schedule)
+            if c.planned:
+                results[name] = dataclasses.replace(results[name], overlapping_keys=planned_repeats(
+                    path, c, records[name], ranks=ranks, batch_size=batch_size))
     out.mkdir(parents=True, exist_ok=True)
     note = _mix_note(cfg, results, window)
     png = plot_run(out / "inspect.png", runs=records, micro_batches_per_step=mbps,
@@ -82,7 +162,7 @@ def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, nu
                    window_steps=window, note=note)
     packed = any(r.docs_per_pack == r.docs_per_pack for r in results.values())
     return results, {"png": png, "period": period, "note": note, "window_steps": window,
-                     "packed": packed}
+                     "packed": packed, "planned": [n for n, c in configs.items() if c.planned]}
 
 
 @click.command("inspect", context_settings=CONTEXT)
@@ -96,13 +176,13 @@ def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, nu
 @with_task_encoder
 def command(metadataset: str, recipe: str, ranks: int, steps: int, num_workers: int,
             batch_size: int, out: str, task_encoder: str | None, tokens_per_media: int) -> None:
-    """On your prepared dataset: sync, padding, mix and overlap diagnostics, pool off vs on."""
+    """On your prepared dataset: sync, padding, mix and overlap diagnostics, pool off vs the recipe's pool or planned order."""
     cfg = load_recipe(recipe)
     factory = resolve_task_encoder(task_encoder, tokens_per_media)
     results, extra = run_inspection(metadataset, cfg, ranks=ranks, steps=steps,
                                     num_workers=num_workers, batch_size=batch_size,
                                     out=Path(out), task_encoder_factory=factory)
-    click.echo(measure_table(results))
+    click.echo(measure_table(results, extra["planned"]))
     click.echo("\n" + definitions(extra))
     if extra["note"]:
         click.echo("\n" + extra["note"])

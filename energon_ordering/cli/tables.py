@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,8 +39,10 @@ def epochs_rows(cfg: OrderingConfig, total_steps: int, global_batch: int, sizes:
     return rows, [str(w.message) for w in caught]
 
 
-def measure_table(results: dict[str, Any]) -> str:
-    """The diagnostics of ``inspect`` and ``demo``, one column per run."""
+def measure_table(results: dict[str, Any], planned: Sequence[str] = ()) -> str:
+    """The diagnostics of ``inspect`` and ``demo``, one column per run; the ``planned`` runs'
+    overlap figure is starred (samples drawn more often than their source's epochs allow,
+    :func:`energon_ordering.cli.inspect.planned_repeats`)."""
     names = list(results)
     rows = [
         ["straggler idle", *(f"{100 * results[n].straggler_idle:.1f}%" for n in names)],
@@ -47,7 +50,8 @@ def measure_table(results: dict[str, Any]) -> str:
         ["tokens per step", *(f"{results[n].tokens_per_step:,.0f}" for n in names)],
         ["source histogram dispersion (1 = iid)", *(f"{results[n].histogram_dispersion:.2f}" for n in names)],
         ["  per optimizer step (1 = iid)", *(f"{results[n].step_histogram_dispersion:.2f}" for n in names)],
-        ["keys on two ranks (must be 0)", *(str(results[n].overlapping_keys) for n in names)],
+        ["keys on two ranks (must be 0)", *(str(results[n].overlapping_keys)
+                                             + ("*" if n in planned else "") for n in names)],
         ["sawtooth at shard period", *("yes" if results[n].sawtooth else "no" for n in names)],
     ]
     if any(results[n].docs_per_pack == results[n].docs_per_pack for n in names):
@@ -71,6 +75,11 @@ def definitions(extra: dict[str, Any]) -> str:
         "(worse: the mix swings from batch to batch).",
         "keys on two ranks: samples drawn by more than one rank; anything but 0 means ranks "
         "train on the same data.",
+        *([f"{name}: length_sort_mode: planned, every rank computes the same plan of the global "
+           "order from the length index (no pool); * its keys on two ranks counts samples drawn "
+           "more often than their source's epochs allow (a source's next epoch is a new "
+           "permutation dealt over all ranks, so its samples return on other ranks)."
+           for name in extra.get("planned", ())]),
         f"sawtooth at shard period: 'yes' if each source's share repeats every shard "
         f"({extra['period']} micro-batches) while batches are clumped by source (shards read in "
         "blocks: a sawtooth in the per-source loss); 'no' is good.",
@@ -118,6 +127,12 @@ def advice_tables(adv: Any) -> str:
         rows.append([name, *(f"{100 * p.idle[r]:.1f}%" for r in counts),
                      f"{100 * p.padding:.1f}%", f"{p.dispersion_batch:.2f}",
                      f"{p.dispersion_step:.2f}", accepted])
+    planned = adv.planned
+    if planned is not None:
+        rows.append([planned.name, *(f"{100 * planned.idle[r]:.1f}%" for r in counts),
+                     f"{100 * planned.padding:.1f}%", f"{planned.dispersion_batch:.2f}",
+                     f"{planned.dispersion_step:.2f}",
+                     "yes (index)" if planned.has_index else "needs a length index"])
     headers = ["order", *(f"idle {r}" + ("*" if r == adv.ranks else "") for r in counts),
                "padding", "disp/mb", "disp/step", "accepted"]
     workers = max(1, adv.num_workers)
@@ -126,6 +141,8 @@ def advice_tables(adv: Any) -> str:
             f"{adv.share:,} samples here ({adv.total_samples:,} samples / ({adv.ranks:,} ranks x "
             f"{workers} worker(s))); a larger pool needs the data size shown (pool x ranks x "
             "workers)."]
+    if planned is not None:
+        text.append(_planned_lines(adv, planned))
     if adv.costs:
         sizes = sorted({p.pool_size for p in adv.predictions if p.pool_size})
         rows = []
@@ -146,6 +163,8 @@ def advice_tables(adv: Any) -> str:
                 f"  pools of {RAMP_MIN_POOL:,} or more ramp up ({RAMP_RULE}): their first batch "
                 f"waits for the first pool only, {pool_size_at(0, ramped[0], ramp=True):,} "
                 "samples (length_sort_pool_ramp = false: the whole pool)")
+        if planned is not None:
+            text.append(_planned_cost(adv, planned))
         for c in adv.costs:
             if c.note:
                 text.append(f"  {c.placement}/{c.holds}: {c.note}")
@@ -160,3 +179,46 @@ def advice_tables(adv: Any) -> str:
                 fit += "; no larger pool fits the data to check the fit at"
             text.append(fit)
     return "\n".join(text)
+
+
+def _worst_pool_step(adv: Any, p: Any) -> float:
+    """A pool's worst per-step deviation of a source's count, in samples (from its worst share
+    deviation in percentage points, times the global batch)."""
+    g = adv.ranks * adv.batch_size * adv.micro_batches_per_step
+    return max((w for _, w in p.step_share_pp.values()), default=0.0) / 100 * g
+
+
+def _planned_lines(adv: Any, planned: Any) -> str:
+    """What the planned row means: the plan itself, computed from the lengths, and its per-step
+    mix in samples beside the pools'."""
+    r = adv.ranks
+    lines = [
+        f"{planned.name}: length_sort_mode: planned, windows of {planned.window_steps} steps; "
+        f"not modelled but planned from the same lengths (plan_window, {planned.steps[r]:,} "
+        f"steps at {r:,} ranks); needs a length index for every dataset."]
+    if planned.step_share_pp:
+        pools = [p for p in adv.predictions if p.step_share_pp]
+        accepted = [p for p in pools if 0 < p.pool_size <= adv.share]
+        shown = [p for p in pools if p.pool_size == 0]
+        shown += [min(accepted, key=lambda p: p.idle[r])] if accepted else []
+        pool_text = ", ".join(
+            f"{'pool off' if p.pool_size == 0 else f'{p.mode} {p.pool_size:,}'}: "
+            f"{_worst_pool_step(adv, p):,.0f}" for p in shown)
+        lines.append(
+            f"  worst step at {r:,} ranks: a source's count {planned.worst_step_samples[r]:.2f} "
+            "samples from weight x global batch (exact: below 1)"
+            + (f"; the pools' ({pool_text} samples)" if pool_text else ""))
+    return "\n".join(lines)
+
+
+def _planned_cost(adv: Any, planned: Any) -> str:
+    """The planned order's cost line under the pools' costs."""
+    per_rank = ", ".join(f"{r:,}: {1e3 * planned.plan_seconds[r]:,.1f}"
+                         for r in sorted(planned.plan_seconds))
+    from energon_ordering.inspect.advise import PLANNED_BYTES_PER_SAMPLE
+
+    lengths = PLANNED_BYTES_PER_SAMPLE * adv.total_samples
+    return (f"  {planned.name}: no pool (no pool memory, no pool to fill before the first "
+            f"batch); every rank plans each window: {per_rank} ms per step at that many ranks "
+            f"(plan_window timed here); a loader worker holds the lengths, "
+            f"{_mib(lengths)} ({adv.total_samples:,} samples x {PLANNED_BYTES_PER_SAMPLE} bytes)")

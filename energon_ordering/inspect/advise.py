@@ -41,6 +41,16 @@ Inputs are bounded before anything is allocated (:func:`check_inputs`): a datase
 one micro-batch per loader worker, blend weights that are all 0, and a simulation that would
 need more memory than ``advise`` allows itself are refused with a typed error.
 
+**The planned order** (``length_sort_mode: planned``) is a pure function of the lengths, so it
+is not modelled but computed: :func:`planned_run` splits the population by source and runs the
+plan itself (:func:`energon_ordering.planned.window.plan_window`, windows of
+:data:`~energon_ordering.planned.window.DEFAULT_WINDOW_STEPS` steps) at each rank count, and
+:func:`predict_planned` measures it with the same definitions, plus the worst per-step
+deviation of a source's count from ``weight x global batch`` (in samples) and the seconds
+``plan_window`` takes per step. It needs a length index for every dataset: ``advise``
+recommends it only then (:func:`recommend`), and says so in one line otherwise
+(:func:`planned_note`).
+
 The model's assumptions: lengths independent of their position in the stream (Energon shuffles
 shard slices and samples), a stream longer than the pool (each worker's pool is filled from its
 own data), no mixture schedule. ``tests/test_advise.py`` checks the 8-rank prediction against
@@ -68,6 +78,8 @@ from energon_ordering.inspect.diagnostics import (
 )
 from energon_ordering.length_index.index import LengthIndex, length_index_files
 from energon_ordering.pool.order import POOL_ORDERS, pool_seed
+from energon_ordering.planned.cursor import PlanCursor
+from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS, plan_window, window_weights
 from energon_ordering.pool.ramp import RAMP_MIN_POOL, pool_size_at
 from energon_ordering.sqlite_file import connect_readonly
 from energon_ordering.errors import show
@@ -79,6 +91,8 @@ __all__ = [
     "CostPerSample",
     "LengthPopulation",
     "OrderPrediction",
+    "PlannedPrediction",
+    "PlannedRun",
     "advise",
     "check_inputs",
     "fit_first_batch",
@@ -89,7 +103,10 @@ __all__ = [
     "order_positions",
     "other_mode_note",
     "plot_advice",
+    "planned_note",
+    "planned_run",
     "predict_order",
+    "predict_planned",
     "recommend",
     "source_mix_note",
     "vector_straggler_idle",
@@ -107,6 +124,15 @@ _MODEL_BYTES_PER_SAMPLE = 96
 #: Idle at the requested ranks below which a pool is good enough; above it, another mode would
 #: do better (the planned global order).
 GOOD_IDLE = 0.01
+#: Samples the planned prediction plans at most per rank count (whole windows, at least one):
+#: bounds its time at 1,024 ranks (a window of 1,024 ranks x 8 x 4 x 32 steps, a million
+#: samples, plans in 0.2-6 s on a busy 2-core machine).
+PLANNED_MAX_SAMPLES = 2**20
+#: The settings ``length_sort_mode: planned`` needs beside it (``OrderingConfig._check_planned``).
+PLANNED_SETTINGS = ("length_sort_mode: planned, length_sort_placement: pre-encode, "
+                    "length_sort_pool_holds: keys")
+#: Bytes a loader worker holds per sample of the dataset in planned mode (its lengths).
+PLANNED_BYTES_PER_SAMPLE = 8
 #: Placements and what the pool holds, as ``(placement, holds)``.
 PLACEMENTS = (("pre-encode", "keys"), ("pre-encode", "raw"), ("post-encode", "encoded"))
 
@@ -475,6 +501,190 @@ def predict_order(
         step_ranks: idle[step_ranks]}, padding, disp_batch, disp_step, share_pp)
 
 
+# ---- 5. the planned order: computed from the lengths, not modelled ------------------------
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """The planned order of some lengths, as every rank computes it.
+
+    Attributes:
+        lengths: ``[steps, R, M, B]`` length of every planned sample: optimizer step, rank,
+            micro-batch of the step, sample.
+        sources: ``[steps, R, M, B]`` source index of each.
+        worst_step_samples: The largest ``|count - weight x G|`` over steps and sources, in
+            samples (G = R x M x B, the global batch): below 1 for the exact plan.
+        plan_seconds_per_step: Seconds :func:`~energon_ordering.planned.window.plan_window`
+            took per optimizer step (one process planning all ranks, as each rank does).
+    """
+
+    lengths: np.ndarray
+    sources: np.ndarray
+    worst_step_samples: float
+    plan_seconds_per_step: float
+
+    @staticmethod
+    def rank_major(a: np.ndarray) -> np.ndarray:
+        """``[steps, R, M, B]`` -> ``[R, steps x M, B]`` (micro-batch index = step x M + m), the
+        layout of :func:`vector_straggler_idle` and :func:`_padding`."""
+        steps, r, m, b = a.shape
+        return a.transpose(1, 0, 2, 3).reshape(r, steps * m, b)
+
+
+def planned_run(
+    lengths: Sequence[np.ndarray],
+    weights: Sequence[float] | np.ndarray,
+    *,
+    world_size: int,
+    micro_batch: int,
+    micro_batches_per_step: int,
+    steps: int,
+    window_steps: int = DEFAULT_WINDOW_STEPS,
+    seed: int = 0,
+) -> PlannedRun:
+    """Plans ``steps`` optimizer steps (whole windows of ``window_steps``: at least one, rounded
+    up) of the sources ``lengths`` (per source, each sample's length) blended by ``weights``,
+    for ``world_size`` ranks of ``micro_batches_per_step`` micro-batches of ``micro_batch``.
+
+    Shared with ``tools/bench_planned.py``.
+    """
+    cursor = PlanCursor.start(len(lengths))
+    g = world_size * micro_batches_per_step * micro_batch
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    flat = np.concatenate([np.asarray(x) for x in lengths])
+    offsets = np.cumsum([0] + [len(x) for x in lengths[:-1]])
+    k = window_steps
+    out_l, out_s, worst, seconds = [], [], 0.0, 0.0
+    windows = max(1, -(-steps // k))
+    for window in range(windows):
+        t0 = time.perf_counter()
+        plan = plan_window(lengths, seed=seed, cursor=cursor, weights=window_weights(w, window, k),
+                           window_steps=k, world_size=world_size, micro_batch=micro_batch,
+                           micro_batches_per_step=micro_batches_per_step)
+        seconds += time.perf_counter() - t0
+        cursor = plan.next_cursor
+        src = np.searchsorted(offsets, plan.ids, side="right") - 1
+        counts = np.stack([np.bincount(src[t].ravel(), minlength=len(lengths)) for t in range(k)])
+        worst = max(worst, float(np.abs(counts - w * g).max()))
+        out_l.append(flat[plan.ids])
+        out_s.append(src)
+    return PlannedRun(np.concatenate(out_l).astype(np.float64), np.concatenate(out_s), worst,
+                      seconds / (windows * k))
+
+
+@dataclass(frozen=True)
+class PlannedPrediction:
+    """The planned order's diagnostics at several rank counts, computed from the population.
+
+    Attributes:
+        window_steps: K, optimizer steps per plan window.
+        idle: ``{ranks: straggler idle fraction}``.
+        padding: Padding waste fraction at the requested rank count.
+        dispersion_batch: Source histogram dispersion per micro-batch (nan: one source).
+        dispersion_step: Dispersion per optimizer step at the requested rank count.
+        step_share_pp: ``{source: (typical, worst)}`` in percentage points, as
+            :attr:`OrderPrediction.step_share_pp`.
+        worst_step_samples: ``{ranks: largest |count - weight x G|}`` over steps and sources,
+            in samples (below 1: the plan is exact per step).
+        plan_seconds: ``{ranks: seconds plan_window takes per optimizer step}`` (measured here).
+        steps: ``{ranks: optimizer steps planned}`` (whole windows, bounded by
+            :data:`PLANNED_MAX_SAMPLES`).
+        has_index: Every dataset has a length index (planned mode needs one).
+    """
+
+    window_steps: int
+    idle: dict[int, float]
+    padding: float
+    dispersion_batch: float
+    dispersion_step: float
+    step_share_pp: dict[str, tuple[float, float]]
+    worst_step_samples: dict[int, float]
+    plan_seconds: dict[int, float]
+    steps: dict[int, int]
+    has_index: bool
+    mode: str = "planned"
+    pool_size: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"planned (K={self.window_steps})"
+
+
+def predict_planned(
+    pop: LengthPopulation,
+    *,
+    batch_size: int,
+    ranks: Sequence[int],
+    step_ranks: int,
+    micro_batches_per_step: int = 1,
+    steps: int = 1000,
+    window_steps: int = DEFAULT_WINDOW_STEPS,
+    seed: int = 0,
+    has_index: bool | None = None,
+) -> PlannedPrediction:
+    """The planned order of ``pop``'s lengths (split by source, blended by each source's share
+    of the population) at each rank count, measured like :func:`predict_order`.
+
+    Args:
+        pop: The length population.
+        batch_size: Micro-batch size, in samples.
+        ranks: Rank counts to plan for.
+        step_ranks: The run's data-parallel size (padding, dispersion and the per-step mix).
+        micro_batches_per_step: Micro-batches per rank per optimizer step (M).
+        steps: Micro-batches per rank, as ``predict_order``'s: ``steps // M`` optimizer steps
+            are planned (whole windows, at most :data:`PLANNED_MAX_SAMPLES` samples per rank
+            count, at least one window).
+        window_steps: K, ``plan_window_steps``.
+        seed: The ordering seed.
+        has_index: Whether every dataset has a length index (default: the population's lengths
+            come from one).
+    """
+    m = micro_batches_per_step
+    present = [j for j in range(len(pop.source_names)) if (pop.sources == j).any()]
+    per_source = [pop.lengths[pop.sources == j] for j in present]
+    weights = np.array([len(x) for x in per_source], dtype=np.float64)
+    idle: dict[int, float] = {}
+    worst: dict[int, float] = {}
+    plan_seconds: dict[int, float] = {}
+    planned_steps: dict[int, int] = {}
+    padding = disp_batch = disp_step = float("nan")
+    share_pp: dict[str, tuple[float, float]] = {}
+    for r in sorted(set(ranks) | {step_ranks}):
+        g = r * m * batch_size
+        windows = max(1, min(-(-max(1, steps // m) // window_steps),
+                             PLANNED_MAX_SAMPLES // (window_steps * g)))
+        run = planned_run(per_source, weights, world_size=r, micro_batch=batch_size,
+                          micro_batches_per_step=m, steps=windows * window_steps,
+                          window_steps=window_steps, seed=seed)
+        lengths = PlannedRun.rank_major(run.lengths)
+        idle[r] = vector_straggler_idle(lengths)
+        worst[r] = run.worst_step_samples
+        plan_seconds[r] = run.plan_seconds_per_step
+        planned_steps[r] = windows * window_steps
+        if r != step_ranks:
+            continue
+        padding = _padding(lengths)
+        if len(pop.source_names) > 1:
+            codes = np.asarray(present)[run.sources]  # population source codes
+            by_rank = np.array(pop.source_names, dtype=object)[PlannedRun.rank_major(codes)]
+            disp_batch = float(np.mean([histogram_dispersion([list(b) for b in rank],
+                                                             pop.source_names)
+                                        for rank in by_rank[: min(r, 64)]]))
+            per_step = codes.reshape(codes.shape[0], -1)  # [steps, G]
+            disp_step = histogram_dispersion([list(x) for x in
+                                              np.array(pop.source_names, dtype=object)[per_step]],
+                                             pop.source_names)
+            target = np.bincount(pop.sources, minlength=len(pop.source_names)) / len(pop.sources)
+            dev = step_share_deviation(per_step, target)
+            share_pp = {name: (float(np.median(dev[:, j])), float(dev[:, j].max()))
+                        for j, name in enumerate(pop.source_names)}
+    return PlannedPrediction(
+        window_steps, {r: idle[r] for r in sorted(idle)}, padding, disp_batch, disp_step,
+        share_pp, worst, plan_seconds, planned_steps,
+        pop.origin == "length index" if has_index is None else has_index)
+
+
 # ---- cost of a pool per worker: measured on real loaders -----------------------------------
 
 
@@ -649,6 +859,8 @@ class Advice:
             package accepts at ``ranks`` x ``num_workers``.
         other_mode: Set when no feasible pool reaches :data:`GOOD_IDLE` at ``ranks``: what
             another mode would gain.
+        planned: The planned order's prediction (None: not predicted).
+        micro_batches_per_step: Micro-batches per rank per optimizer step.
     """
 
     population: LengthPopulation
@@ -664,6 +876,8 @@ class Advice:
     total_samples: int = 0
     share: int = 0
     other_mode: str | None = None
+    planned: PlannedPrediction | None = None
+    micro_batches_per_step: int = 1
 
     def samples_needed(self, pool_size: int) -> int:
         """Samples the dataset needs for a pool of ``pool_size`` at this job's ranks and workers."""
@@ -683,17 +897,53 @@ def recommend(
     memory_budget: float,
     share: int | None = None,
     tolerance: float = 0.002,
+    planned: PlannedPrediction | None = None,
 ) -> tuple[tuple[str, str, str, int] | None, str]:
     """The setting that loses the least compute (idle and padding) at ``ranks`` among the pools
     the package accepts (``pool_size <= share``, a loader worker's share of the data) within the
     memory budget; among those within ``tolerance`` of the best, the smallest pool (fastest
-    start), then the leanest placement."""
+    start), then the leanest placement.
+
+    With ``planned`` and a length index for every dataset (``planned.has_index``), the planned
+    order, ``("pre-encode", "keys", "planned", 0)``, when it loses less than that pool by more
+    than ``tolerance`` (within it, the pool: no index needed, the reading path unchanged), or
+    when no pool fits the share or the budget (it needs no pool memory). Without an index it is
+    never recommended (:func:`planned_note` says so).
+    """
     if not costs:
         return None, "memory and time to first batch were not measured (--no-measure)"
+    rec, reason, lost = _recommend_pool(predictions, costs, ranks=ranks,
+                                        memory_budget=memory_budget, share=share,
+                                        tolerance=tolerance)
+    if planned is None or not planned.has_index:
+        return rec, reason
+    lost_planned = _lost(planned, ranks)
+    if lost is not None and lost_planned >= lost - tolerance:
+        return rec, reason
+    versus = (f"{100 * lost:.1f}% for the best pool setting, {rec[2]} {rec[3]:,} {rec[0]}/"
+              f"{rec[1]}" if lost is not None and rec is not None else f"no pool: {reason}")
+    return ("pre-encode", "keys", "planned", 0), (
+        f"loses {100 * lost_planned:.1f}% of compute to idle + padding at {ranks} ranks "
+        f"({versus}); every step holds each source's weight x global batch within "
+        f"{planned.worst_step_samples[ranks]:.1f} samples; no pool memory; planning takes "
+        f"{1e3 * planned.plan_seconds[ranks]:,.1f} ms per step per rank"
+    )
+
+
+def _recommend_pool(
+    predictions: Sequence[OrderPrediction],
+    costs: Sequence[CostPerSample],
+    *,
+    ranks: int,
+    memory_budget: float,
+    share: int | None,
+    tolerance: float,
+) -> tuple[tuple[str, str, str, int] | None, str, float | None]:
+    """:func:`recommend` among the pools: the setting, why, and the compute it loses."""
     feasible = [p for p in predictions if 0 < p.pool_size and (share is None or p.pool_size <= share)]
     if not feasible:
         return None, (f"no pool fits a loader worker's share of the data ({share:,} samples); "
-                      "add data, or lower --ranks or --num-workers")
+                      "add data, or lower --ranks or --num-workers"), None
     options = []
     for p in feasible:
         for c in costs:
@@ -701,7 +951,7 @@ def recommend(
                 continue
             options.append((_lost(p, ranks), p, c))
     if not options:
-        return None, "no pool fits the memory budget; raise --memory-per-worker"
+        return None, "no pool fits the memory budget; raise --memory-per-worker", None
     best = min(o[0] for o in options)
     near = [o for o in options if o[0] <= best + tolerance]
     lost, p, c = min(near, key=lambda o: (o[1].pool_size, o[2].memory_bytes(o[1].pool_size)))
@@ -710,7 +960,27 @@ def recommend(
         f"loses {100 * lost:.1f}% of compute to idle + padding at {ranks} ranks (best "
         f"{100 * best:.1f}%), the smallest pool within {100 * tolerance:.1f} points of the best "
         f"that fits {memory_budget / 2**20:,.0f} MiB per worker{within}"
-    )
+    ), lost
+
+
+def planned_note(advice: Advice) -> str | None:
+    """One line about the planned order when ``advise`` does not recommend it for want of a
+    length index (planned mode plans from one); None otherwise."""
+    p = advice.planned
+    if p is None or p.has_index:
+        return None
+    r = advice.ranks
+    return (f"planned order: not recommended, it needs a length index for every dataset (the "
+            f"lengths here: {advice.population.origin}); it would lose {100 * _lost(p, r):.1f}% "
+            f"of compute to idle + padding at {r:,} ranks; build the indexes with "
+            "`energon-ordering index DATASET`, then run advise again.")
+
+
+def planned_requirements() -> str:
+    """What a recommended planned order needs beside ``length_sort_mode: planned``."""
+    return ("planned mode needs length_sort_placement: pre-encode, length_sort_pool_holds: keys "
+            "and no packing (it refuses packing today), and a length index for every dataset; "
+            f"plan_window_steps defaults to {DEFAULT_WINDOW_STEPS}.")
 
 
 def other_mode_note(advice: Advice, good: float = GOOD_IDLE) -> str | None:
@@ -728,9 +998,13 @@ def other_mode_note(advice: Advice, good: float = GOOD_IDLE) -> str | None:
     reach = min((p for p in larger if p.idle[r] <= good), key=lambda p: p.pool_size, default=None)
     need = (f"; a {reach.mode} pool of {reach.pool_size:,} would reach {100 * reach.idle[r]:.1f}% "
             f"but needs {advice.samples_needed(reach.pool_size):,} samples" if reach else "")
+    planned = advice.planned
+    other = (f"the planned order (row {planned.name}) leaves {100 * planned.idle[r]:.1f}% "
+             "with no per-worker pool" if planned is not None and r in planned.idle else
+             "a global order planned across all ranks (length_sort_mode: planned) needs no "
+             "per-worker pool")
     return (f"no feasible pool reaches {100 * good:.0f}% idle at {r:,} ranks: {have}{need}. "
-            "Another mode would do better: a global order planned across all ranks (the planned "
-            "mode, in progress) needs no per-worker pool.")
+            f"Another mode would do better: {other}.")
 
 
 def source_mix_note(advice: Advice, limit: float = 1.5) -> str | None:
@@ -740,7 +1014,9 @@ def source_mix_note(advice: Advice, limit: float = 1.5) -> str | None:
     if advice.recommended is None:
         return None
     _, _, mode, size = advice.recommended
-    pick = {(p.mode, p.pool_size): p for p in advice.predictions}
+    pick: dict[tuple[str, int], Any] = {(p.mode, p.pool_size): p for p in advice.predictions}
+    if advice.planned is not None:
+        pick[("planned", 0)] = advice.planned
     rec = pick.get((mode, size))
     if rec is None or not rec.step_share_pp:
         return None
@@ -757,7 +1033,7 @@ def source_mix_note(advice: Advice, limit: float = 1.5) -> str | None:
         "step. pp = how far a source's share of a step lies from its share of the data, in "
         "percentage points: typical = median step, worst = worst step. dispersion = variance of "
         "the per-step counts over that of independent draws (1 = as random, higher = clumped).",
-        f"  {mode} {size:,}: {mix(rec)}",
+        f"  {rec.name if mode == 'planned' else f'{mode} {size:,}'}: {mix(rec)}",
     ]
     if off is not None and off.step_share_pp:
         lines.append(f"  no pool: {mix(off)}")
@@ -786,9 +1062,10 @@ def advise(
     task_encoder_factory: Callable[[], Any] | None = None,
     measure: bool = True,
     progress: Callable[[str], None] | None = None,
+    window_steps: int = DEFAULT_WINDOW_STEPS,
 ) -> Advice:
-    """Predicts every (mode, pool size) and measures every placement; recommends one setting
-    the package accepts.
+    """Predicts every (mode, pool size) and the planned order, measures every placement;
+    recommends one setting the package accepts.
 
     Args:
         path: Prepared dataset or metadataset.
@@ -806,6 +1083,7 @@ def advise(
             measured loaders.
         measure: Measure time to first batch and memory on real loaders.
         progress: Called with a line of text per stage.
+        window_steps: ``plan_window_steps`` of the planned order's prediction.
 
     Raises:
         OrderingConfigError: See :func:`check_inputs` (checked before anything is allocated).
@@ -836,6 +1114,10 @@ def advise(
         for size in sizes_to_predict:
             say(f"{mode} pool {size:,}")
             predictions.append(predict_order(pop, mode=mode, pool_size=size, **common))
+    say(f"planned order (K={window_steps})")
+    planned = predict_planned(pop, batch_size=batch_size, ranks=counts, step_ranks=ranks,
+                              micro_batches_per_step=micro_batches_per_step, steps=steps,
+                              window_steps=window_steps, seed=seed)
     costs = []
     if measure:
         say("measuring time to first batch and memory on real loaders")
@@ -848,17 +1130,19 @@ def advise(
         costs = measure_costs(path, batch_size=batch_size, task_encoder_factory=task_encoder_factory,
                               pool_sizes=fit, check_pool=check)
     recommended, reason = recommend(predictions, costs, ranks=ranks,
-                                    memory_budget=memory_per_worker, share=share)
+                                    memory_budget=memory_per_worker, share=share,
+                                    planned=planned)
     adv = Advice(pop, ranks, batch_size, predictions, costs, memory_per_worker, recommended,
-                 reason, counts, num_workers, total, share)
+                 reason, counts, num_workers, total, share, planned=planned,
+                 micro_batches_per_step=micro_batches_per_step)
     return dataclasses.replace(adv, other_mode=other_mode_note(adv))
 
 
 def plot_advice(path: str | Path, advice: Advice) -> Path:
     """``advise.png``. Left: predicted idle (log axis) against pool size, one colour per rank
-    count (batch solid, sample dashed, stratified dash-dot), the no-pool level at the requested
-    ranks as a labelled reference line, the pools the package accepts shaded and the
-    recommended setting starred. Right: predicted time to first batch and memory per loader
+    count (batch solid, sample dashed, stratified dash-dot), the no-pool level and the planned
+    order's at the requested ranks as labelled reference lines, the pools the package accepts
+    shaded and the recommended setting starred (the planned order's at the right edge). Right: predicted time to first batch and memory per loader
     worker of each placement, with the measured check."""
     import matplotlib
 
@@ -885,11 +1169,21 @@ def plot_advice(path: str | Path, advice: Advice) -> Path:
     if advice.share >= sizes[0]:
         ax.axvspan(sizes[0], min(advice.share, sizes[-1]), color="green", alpha=0.08,
                    label=f"accepted: pool <= {advice.share:,} (a worker's share)")
+    planned = advice.planned
+    if planned is not None and advice.ranks in planned.idle:
+        ax.axhline(max(floor, 100 * planned.idle[advice.ranks]), color="black", lw=1, ls="--",
+                   label=f"{planned.name}, {advice.ranks:,} ranks: "
+                         f"{100 * planned.idle[advice.ranks]:.2f}%"
+                         + ("" if planned.has_index else " (needs a length index)"))
     if advice.recommended is not None:
         _, _, mode, size = advice.recommended
-        rec = next(p for p in advice.predictions if (p.mode, p.pool_size) == (mode, size))
-        ax.plot([size], [max(floor, 100 * rec.idle[advice.ranks])], "*", color="red", ms=14,
-                label=f"recommended: {mode} {size:,}")
+        if mode == "planned" and planned is not None:
+            ax.plot([sizes[-1]], [max(floor, 100 * planned.idle[advice.ranks])], "*",
+                    color="red", ms=14, label=f"recommended: {planned.name} (no pool)")
+        else:
+            rec = next(p for p in advice.predictions if (p.mode, p.pool_size) == (mode, size))
+            ax.plot([size], [max(floor, 100 * rec.idle[advice.ranks])], "*", color="red", ms=14,
+                    label=f"recommended: {mode} {size:,}")
     ax.axhline(100 * GOOD_IDLE, color="grey", lw=0.6)
     ax.set_xscale("log")
     ax.set_yscale("log")

@@ -123,14 +123,14 @@ def run_figure(
     warmup: SeqLenWarmup | None = None,
     window_steps: int = 10,
 ) -> Any:
-    """Per optimizer step: straggler idle of each run; the realised source shares of the first
-    (pool off) and the last run side by side against the schedule, per step and as a centred
-    mean over ``window_steps`` steps; and the longest sample of the last run against the
-    warmup cap."""
+    """Per optimizer step: straggler idle of each run; the realised source shares of every run
+    (up to three; else the first, pool off, and the last) side by side against the schedule,
+    per step and as a centred mean over ``window_steps`` steps; and the longest sample of the
+    last run against the warmup cap."""
     plt = _plt()
     m = micro_batches_per_step
     names = list(runs)
-    shown = [names[0], names[-1]] if len(names) > 1 else names[:1]
+    shown = names if len(names) <= 3 else [names[0], names[-1]]
     fig = plt.figure(figsize=(12, 11))
     grid = fig.add_gridspec(3, len(shown), height_ratios=[1, 1.15, 1])
     ax_idle = fig.add_subplot(grid[0, :])
@@ -157,7 +157,8 @@ def run_figure(
         ax = fig.add_subplot(grid[1, col], sharey=share_axes[0] if share_axes else None)
         share_axes.append(ax)
         records = runs[name]
-        ax.set_title(f"{name}: source share per optimizer step", fontsize=10)
+        ax.set_title(f"{name}: source share per optimizer step" if len(shown) < 3
+                     else f"{name}:\nsource share per step", fontsize=10)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("share of the step's samples")
         if not all_sources:
