@@ -61,7 +61,19 @@ builtins, tensors, numpy arrays and a short list of Energon state classes, and c
   Bridge's ``global_batch_size / (micro_batch_size x data-parallel size)``. The first training
   batch refuses to come out if the check did not run.
 - The state's own checks (each stage's stamp: logic version, settings, rank, world size,
-  workers, dataset identity) run inside ``restore_state``, as with any Energon loader.
+  workers, dataset identity) run inside ``restore_state`` (the provider's load hook, which
+  restores with :func:`energon_ordering.restore_state_rank`), as with any Energon loader.
+- Elastic resume (``length_sort_mode: planned``): Bridge reads
+  ``train_dataloader_dprank{dp:03d}.pt`` for each rank of the new data-parallel size, so when
+  the size shrinks (2 -> 1, 8 -> 6) every rank finds a file saved at the old size and hands it to
+  the hook. A planned state is a position in one global order (every rank's file holds the same
+  one), so the hook logs one line and continues it at the new size with the micro-batches per
+  step derived from Bridge's unchanged global batch; :class:`OrderingResumeCheck` counts the
+  restored micro-batches in the saved shape. Other modes refuse, naming both sizes. When the
+  size grows, Bridge itself refuses before any hook runs: ``maybe_load_dataloader_state``
+  raises ``RuntimeError("Dataloader state directory ... exists but .../train_dataloader_dprank
+  XXX.pt is missing. The data-parallel size likely changed ...")`` on the new ranks, and 0.6.2
+  offers no provider-level way past it (this module does not patch Bridge).
 
 Bridge is imported when this module is imported; ``energon_ordering`` itself never imports it.
 """
@@ -69,6 +81,7 @@ Bridge is imported when this module is imported; ``energon_ordering`` itself nev
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -104,14 +117,18 @@ def _missing_dependency_message(error: ImportError) -> str:
 
 try:
     from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
-    from megatron.bridge.data.energon.base_energon_datamodule import EnergonDataloader, EnergonMultiModalDataModule
+    from megatron.bridge.data.energon.base_energon_datamodule import (
+        EnergonDataloader,
+        EnergonMultiModalDataModule,
+        cyclic_iter,
+    )
     from megatron.bridge.training.callbacks import Callback, CallbackContext
     from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
 except ImportError as e:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(_missing_dependency_message(e), name=getattr(e, "name", None)) from e
 
 from energon_ordering.config import OrderingConfig
-from energon_ordering.errors import OrderingConfigError, OrderingTypeError, show
+from energon_ordering.errors import OrderingConfigError, OrderingTypeError, StateMismatchError, show
 from energon_ordering.integrations.bridge_encoders import (
     BUILTIN_ENCODER_CONFIGS,
     BuiltinEncoderSettings,
@@ -121,7 +138,7 @@ from energon_ordering.integrations.bridge_encoders import (
 from energon_ordering.integrations.bridge_run import RunShape, agree_with_run, missing_split
 from energon_ordering.integrations.megatron_lm import DataloaderRestoreError, consumed_micro_batches
 from energon_ordering.packaged_recipes import resolve_recipe
-from energon_ordering.state_stamp import check_loader_state
+from energon_ordering.state_stamp import loader_stamp, restore_state_rank, saved_stamp
 from energon_ordering.task_encoder import OrderingTaskEncoder
 from energon_ordering.yaml_file import load_yaml
 
@@ -140,6 +157,16 @@ __all__ = [
 ]
 
 
+_log = logging.getLogger(__name__)
+
+
+def _elastic(saved: Mapping[str, Any], here: Mapping[str, Any]) -> bool:
+    """True if a state of stamp ``saved`` restores into a loader of stamp ``here`` at another
+    data-parallel size or micro-batches per step (both known)."""
+    return any(k in saved and k in here and saved[k] != here[k]
+               for k in ("world_size", "micro_batches_per_step"))
+
+
 class OrderingEnergonDataloader(EnergonDataloader):
     """Bridge's ``EnergonDataloader`` that remembers whether it was restored and refuses to yield
     training batches before :class:`OrderingResumeCheck` has looked at it.
@@ -155,10 +182,41 @@ class OrderingEnergonDataloader(EnergonDataloader):
         self.checked = checked
 
     def restore_state(self, state: Any) -> None:
-        """Checks the state against this loader (rank, world size, num_workers, datasets, ordering:
-        a typed StateMismatchError before Energon's own asserts), restores it and remembers it."""
-        check_loader_state(self._dataloader, state)
-        super().restore_state(state)
+        """Bridge's load hook (``maybe_load_dataloader_state`` calls it with the state it read):
+        restores ``state`` with :func:`energon_ordering.restore_state_rank` and remembers it.
+
+        The state is checked against this loader first (rank, data-parallel size, num_workers,
+        datasets, ordering: a typed :class:`StateMismatchError` before Energon's own asserts).
+        A state saved at another data-parallel size is an elastic resume: with
+        ``length_sort_mode: planned`` it continues the same global order at this loader's size
+        and micro-batches per step (one log line says so); every other mode refuses it, naming
+        both sizes.
+        """
+        saved, here = saved_stamp(state) or {}, loader_stamp(self._dataloader) or {}
+        planned = here.get("length_sort_mode") == "planned"
+        if _elastic(saved, here):
+            if not planned and saved.get("world_size") != here.get("world_size"):
+                raise StateMismatchError(
+                    f"Bridge resumed at data-parallel size {here.get('world_size')} from a "
+                    f"dataloader state saved at data-parallel size {saved.get('world_size')} "
+                    f"(by data-parallel rank {saved.get('rank')}), with length_sort_mode = "
+                    f"{show(here.get('length_sort_mode'))}: only length_sort_mode: planned "
+                    "continues the order at another data-parallel size (its state is a position "
+                    "in one global order; a pool's state is one rank's stream). Resume at "
+                    f"{saved.get('world_size')} data-parallel ranks, or start the data stream "
+                    "fresh (dataset.dataloader_load naming a folder that does not exist, with "
+                    "allow_dataloader_restart=True)."
+                )
+            if planned:
+                _log.warning(
+                    "Bridge resumed at data-parallel size %s (rank %s, %s micro-batches per step) "
+                    "from a dataloader state saved at data-parallel size %s (rank %s, %s "
+                    "micro-batches per step): length_sort_mode = 'planned' continues the same "
+                    "global order (elastic resume)", here.get("world_size"), here.get("rank"),
+                    here.get("micro_batches_per_step"), saved.get("world_size"), saved.get("rank"),
+                    saved.get("micro_batches_per_step"))
+        restore_state_rank(self._dataloader, state)
+        self._iter = iter(cyclic_iter(self._dataloader))  # as EnergonDataloader.restore_state
         self.restored_state = state
 
     def __next__(self) -> Any:
@@ -537,10 +595,14 @@ class OrderingResumeCheck(Callback):
             warnings.warn(f"{msg} allow_dataloader_restart: RESTARTING THE DATA STREAM FROM ZERO.",
                           RuntimeWarning, stacklevel=2)
             return
-        consumed, expected = consumed_micro_batches(loader.restored_state), step * per_step
+        saved, counted = saved_stamp(loader.restored_state) or {}, per_step
+        if _elastic(saved, loader_stamp(loader._dataloader) or {}):
+            # an elastic resume (planned): the state counts micro-batches of the shape it was saved at
+            counted = int(saved.get("micro_batches_per_step", per_step))
+        consumed, expected = consumed_micro_batches(loader.restored_state), step * counted
         if consumed != expected:
             raise DataloaderRestoreError(
                 f"The restored dataloader state was saved after {consumed} micro-batches, but step "
-                f"{step} x {per_step} micro-batches per step = {expected}: it belongs to another "
+                f"{step} x {counted} micro-batches per step = {expected}: it belongs to another "
                 "checkpoint or another batch configuration. Use the state saved with this checkpoint."
             )
