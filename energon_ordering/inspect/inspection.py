@@ -25,7 +25,7 @@ from energon_ordering.inspect.diagnostics import (
     sources_by_step,
     straggler_idle,
 )
-from energon_ordering.errors import OrderingConfigError
+from energon_ordering.errors import OrderingConfigError, show
 from energon_ordering.mixture.schedule import MixtureSchedule
 from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
 from energon_ordering.inspect.rank_simulation import (
@@ -293,7 +293,7 @@ def check_elastic_resume(
     """
     if ordering.length_sort_mode != PLANNED:
         raise OrderingConfigError(
-            f"check_elastic_resume: length_sort_mode = {ordering.length_sort_mode!r}; only a "
+            f"check_elastic_resume: length_sort_mode = {show(ordering.length_sort_mode)}; only a "
             "'planned' state continues at another data-parallel size: set "
             "length_sort_mode = 'planned', or use check_resume.")
     M = ordering.micro_batches_per_step
