@@ -125,9 +125,10 @@ _MODEL_BYTES_PER_SAMPLE = 96
 #: do better (the planned global order).
 GOOD_IDLE = 0.01
 #: Samples the planned prediction plans at most per rank count (whole windows, at least one):
-#: bounds its time at 1,024 ranks (a window of 1,024 ranks x 8 x 4 x 32 steps, a million
-#: samples, plans in 0.2-6 s on a busy 2-core machine).
-PLANNED_MAX_SAMPLES = 2**20
+#: bounds its time (with one micro-batch per step, 1,024 ranks plan about 50 us per sample on a
+#: busy 2-core machine, 8 micro-batches per step 4-6 us; measured at 2**20 the prediction took
+#: 90 s at M = 1, at 2**18 about 20 s).
+PLANNED_MAX_SAMPLES = 2**18
 #: The settings ``length_sort_mode: planned`` needs beside it (``OrderingConfig._check_planned``).
 PLANNED_SETTINGS = ("length_sort_mode: planned, length_sort_placement: pre-encode, "
                     "length_sort_pool_holds: keys")
@@ -999,12 +1000,19 @@ def other_mode_note(advice: Advice, good: float = GOOD_IDLE) -> str | None:
     need = (f"; a {reach.mode} pool of {reach.pool_size:,} would reach {100 * reach.idle[r]:.1f}% "
             f"but needs {advice.samples_needed(reach.pool_size):,} samples" if reach else "")
     planned = advice.planned
-    other = (f"the planned order (row {planned.name}) leaves {100 * planned.idle[r]:.1f}% "
-             "with no per-worker pool" if planned is not None and r in planned.idle else
-             "a global order planned across all ranks (length_sort_mode: planned) needs no "
-             "per-worker pool")
+    if planned is None or r not in planned.idle:
+        other = ("Another mode would do better: a global order planned across all ranks "
+                 "(length_sort_mode: planned) needs no per-worker pool.")
+    else:
+        better = best is None or _lost(planned, r) < _lost(best, r)
+        other = (("Another mode would do better: " if better else "Another mode: ")
+                 + f"the planned order (row {planned.name}) leaves {100 * planned.idle[r]:.1f}% "
+                 f"idle and {100 * planned.padding:.1f}% padding with no per-worker pool"
+                 + ("." if better else f", {100 * _lost(planned, r):.1f}% of compute lost "
+                    f"against {100 * _lost(best, r):.1f}% (more micro-batches per step give the "
+                    "plan more to balance)."))
     return (f"no feasible pool reaches {100 * good:.0f}% idle at {r:,} ranks: {have}{need}. "
-            f"Another mode would do better: {other}.")
+            + other)
 
 
 def source_mix_note(advice: Advice, limit: float = 1.5) -> str | None:
