@@ -117,6 +117,10 @@ class OrderingConfig:
             and padding, more planning memory). Default
             :data:`~energon_ordering.planned.window.DEFAULT_WINDOW_STEPS`, measured by
             ``tools/bench_planned.py``. Only in planned mode.
+        allow_global_batch_change: With ``length_sort_mode = "planned"``: let a resume change
+            the global batch (or the micro-batch size) at a plan window boundary; every window
+            from there on draws and balances the new global batch. False: such a state is
+            refused, naming this setting. Only in planned mode.
     """
 
     length_sort_pool_size: int = 0
@@ -139,6 +143,7 @@ class OrderingConfig:
     length_index: str | None = None
     length_index_dir: str | None = None
     plan_window_steps: int | None = None
+    allow_global_batch_change: bool = False
 
     def __post_init__(self) -> None:
         for name in ("length_sort_pool_size", "seed", "micro_batches_per_step", "total_steps"):
@@ -187,7 +192,8 @@ class OrderingConfig:
                 "(pack_pool_placement = 'packs') does not ramp; set length_sort_pool_ramp to "
                 "null or false, or pack_pool_placement = 'samples'."
             )
-        for name in ("schedule_lag_compensation", "allow_schedule_change"):
+        for name in ("schedule_lag_compensation", "allow_schedule_change",
+                     "allow_global_batch_change"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise OrderingTypeError(
@@ -299,6 +305,13 @@ class OrderingConfig:
             raise OrderingConfigError(
                 f"OrderingConfig.length_sort_mode = {show(self.length_sort_mode)} is unknown; use "
                 f"one of {sorted([*POOL_ORDERS, PLANNED])}."
+            )
+        elif self.allow_global_batch_change:
+            raise OrderingConfigError(
+                "OrderingConfig.allow_global_batch_change = true applies to length_sort_mode = "
+                f"'planned' only (length_sort_mode is {show(self.length_sort_mode)}): a pool's "
+                "state depends on the rank's shard and batch; drop it or set length_sort_mode = "
+                "'planned'."
             )
         elif self.plan_window_steps is not None:
             raise OrderingConfigError(

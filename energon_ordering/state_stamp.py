@@ -599,7 +599,8 @@ def restore_state_rank(loader: Any, state: Any) -> None:
 
 
 #: Stamp fields in which a planned state may differ from the loader (an elastic resume).
-ELASTIC_FIELDS = frozenset({"rank", "world_size", "num_workers", "micro_batches_per_step"})
+ELASTIC_FIELDS = frozenset({"rank", "world_size", "num_workers", "micro_batches_per_step",
+                            "batch_size"})
 
 
 def _restore_elastic(loader: Any, state: Any) -> bool:

@@ -530,6 +530,7 @@ class OrderingTaskEncoder:
             weights=kw["weights"], seed=kw["seed"], window_steps=kw["window_steps"],
             micro_batches_per_step=kw["micro_batches_per_step"], batch_size=kw["batch_size"],
             finite=kw["finite"], schedule=kw["schedule"], source_names=kw["source_names"],
+            allow_global_batch_change=kw["allow_global_batch_change"],
             worker_config=worker_config,
         )
         # the planned order refuses packing at plan time (pipeline.plan._validate_planned)

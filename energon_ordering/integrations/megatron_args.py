@@ -31,6 +31,7 @@ FLAGS = (
     "--length-sort-placement",
     "--length-sort-pool-holds",
     "--plan-window-steps",
+    "--allow-global-batch-change",
     "--data-mixture-schedule",
     "--data-blend-policy",
     "--seq-length-warmup-steps",
@@ -61,6 +62,9 @@ def add_energon_ordering_args(parser: argparse.ArgumentParser) -> argparse.Argum
     g.add_argument("--plan-window-steps", type=int, default=None,
                    help="With --length-sort-mode planned: optimizer steps per window of the "
                         "plan (the ranks are balanced within a window).")
+    g.add_argument("--allow-global-batch-change", action="store_true", default=None,
+                   help="With --length-sort-mode planned: a resume may change the global batch "
+                        "size (at a plan window boundary; the order continues with the new one).")
     g.add_argument("--length-sort-placement", choices=list(PLACEMENTS), default=None,
                    help="post-encode: pool encoded samples (default); pre-encode: pool the "
                         "samples before decoding (compressed files, or keys only; lengths from "
@@ -197,6 +201,7 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
     flag("length_sort_placement", "length_sort_placement")
     flag("length_sort_pool_holds", "length_sort_pool_holds")
     flag("plan_window_steps", "plan_window_steps")
+    flag("allow_global_batch_change", "allow_global_batch_change")
     flag("data_blend_policy", "blend_policy")
     seed = getattr(args, "ordering_seed", None)
     if seed is None and "seed" not in base:

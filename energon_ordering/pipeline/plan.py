@@ -463,6 +463,7 @@ def _planned_stages(cfg: OrderingConfig, args: BuildArgs) -> Iterator[Stage]:
             ("schedule", cfg.mixture_schedule),
             ("source_names", tuple(s.name for s in args.sources)
              if cfg.mixture_schedule is not None else None),
+            ("allow_global_batch_change", cfg.allow_global_batch_change),
         ),
     )
     yield Stage(ENCODE, "the task encoder's encode_sample (stateless)", energon=True)

@@ -103,6 +103,8 @@ class PlannedSourceDataset(SavableDataset[Any]):
             at each optimizer step replace ``weights`` (each step's counts within one sample
             of them, cumulative counts tracking their integral); None: ``weights``.
         source_names: With ``schedule``: each source's name, in the order of ``readers``.
+        allow_global_batch_change: Let :meth:`restore_elastic` continue a state saved with
+            another global batch (or micro-batch size), from a plan window boundary on.
         worker_config: Energon's worker configuration (rank, world size R, num_workers).
     """
 
@@ -124,6 +126,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         finite: bool = False,
         schedule: Any = None,
         source_names: Sequence[str] | None = None,
+        allow_global_batch_change: bool = False,
         worker_config: WorkerConfig,
     ):
         super().__init__(worker_config=worker_config)
@@ -140,6 +143,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self.micro_batches_per_step = int(micro_batches_per_step)
         self.batch_size = int(batch_size)
         self.finite = bool(finite)
+        self.allow_global_batch_change = bool(allow_global_batch_change)
         self.schedule = schedule
         self._columns = None
         if schedule is not None:
@@ -151,6 +155,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
                     "exactly one weight per metadataset entry.")
             self._columns = [list(schedule.sources).index(n) for n in names]
         self._end_step: int | None = None
+        self._history: list[dict[str, Any]] = []  # set by reset_state_own / restore_state
         if self.finite and self.end_step() == 0:
             raise OrderingConfigError(
                 f"planned order: a finite epoch (repeat=False) of sources of "
@@ -210,17 +215,21 @@ class PlannedSourceDataset(SavableDataset[Any]):
         first step at which some source would run out: every rank stops after the same step,
         every sample is drawn at most once per epoch, and what is left of the sources at the
         end (less than one step's count of the first source to run out, more of the others)
-        is not drawn in that epoch. A pure function of the sizes, weights and global batch, so
-        an elastic resume (same global batch) keeps it."""
+        is not drawn in that epoch. A pure function of the sizes, weights and the global batch
+        of each step (an elastic resume with the same global batch keeps it; one with
+        ``allow_global_batch_change`` moves it)."""
         if not self.finite:
             return None
         if self._end_step is None:
             sizes = np.asarray(self.ids.sizes, dtype=np.int64)
             drawn = np.zeros_like(sizes)
-            carry, step, chunk = None, 0, 4096
+            changes = sorted(int(h["at_step"]) for h in self._history)
+            carry, step = None, 0
             while True:
+                # a chunk of steps with one global batch (it changes only at a restore's step)
+                chunk = min([4096] + [c - step for c in changes if c > step])
                 counts, carry = step_source_counts(self._step_weights(step, chunk),
-                                                   self._global_batch(), carry)
+                                                   self._global_batch_at(step), carry)
                 cum = drawn + np.cumsum(counts, axis=0)
                 over = (cum > sizes).any(axis=1)
                 if over.any():
@@ -250,6 +259,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
                         else dict(start["cursor"]))
         self._steps_window = None
         self._steps = None
+        self._end_step = None  # depends on the history
 
     def save_state(self) -> FlexState:
         return super().save_state()
@@ -263,6 +273,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         super().restore_state(state)
         self._steps_window = None
         self._steps = None
+        self._end_step = None  # depends on the restored history
 
     def restore_elastic(self, saved: Sequence[tuple[Any, int]]) -> None:
         """Continues a planned state saved at another data-parallel size, micro-batches per
@@ -273,13 +284,20 @@ class PlannedSourceDataset(SavableDataset[Any]):
         from the same samples and with the same per-step source counts; later windows are
         planned for this shape from the same cursor. Nothing is lost or drawn twice.
 
+        With ``allow_global_batch_change`` the global batch (and the micro-batch size) may
+        change too, at a plan window boundary: every window from there on draws and balances
+        the new global batch, per-step source counts continue their carry (cumulative counts
+        keep tracking the integral of weight x global batch), and a finite epoch ends where the
+        new batch runs a source out.
+
         Args:
             saved: Per loader worker of the saved rank, its saved state of this stage and the
                 micro-batches it emitted after that checkpoint (Energon's ``offset``).
 
         Raises:
-            StateMismatchError: The global batch or micro-batch size changed, or the state was
-                saved inside an optimizer step.
+            StateMismatchError: The global batch or micro-batch size changed (without
+                ``allow_global_batch_change``, or inside a plan window), or the state was saved
+                inside an optimizer step.
         """
         wc = self.worker_config
         known = [state for state, _ in saved if state is not None]
@@ -292,12 +310,16 @@ class PlannedSourceDataset(SavableDataset[Any]):
         R1, M1, B1 = int(old["world_size"]), int(old["micro_batches_per_step"]), int(
             old["batch_size"])
         R2, M2, B2 = int(wc.world_size), self.micro_batches_per_step, self.batch_size
-        if B1 != B2 or R1 * M1 != R2 * M2:
+        batch_change = R1 * M1 * B1 != R2 * M2 * B2
+        if (B1 != B2 or batch_change) and not self.allow_global_batch_change:
+            fits = R1 * M1 * B1 % (R2 * B2) == 0
             raise StateMismatchError(
                 f"PlannedSourceDataset: the global batch changes from {R1} ranks x {M1} "
                 f"micro-batches x {B1} samples to {R2} x {M2} x {B2}; an elastic resume keeps "
                 "the global batch and the micro-batch size: set micro_batches_per_step = "
-                f"{R1 * M1 // R2 if (R1 * M1) % R2 == 0 else '(none fits)'} for {R2} ranks.")
+                f"{R1 * M1 * B1 // (R2 * B2) if fits else '(none fits)'} for {R2} ranks of "
+                f"{B2}, or set allow_global_batch_change = True (OrderingConfig, a recipe or "
+                "--allow-global-batch-change) to continue the global order with the new one.")
         workers = max(1, len(saved))
         nexts, cursors = [], []
         start = int(first.get("_start_step", 0))
@@ -314,9 +336,20 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 f"PlannedSourceDataset: the state was saved after micro-batch {within} of "
                 f"optimizer step {step} ({M1} per step); an elastic resume starts at an "
                 "optimizer step: save at a step boundary (Megatron-LM and Bridge do).")
+        K = self.window_steps
+        if (B1 != B2 or batch_change) and step % K:
+            window = step // K
+            raise StateMismatchError(
+                f"PlannedSourceDataset: the global batch changes from {R1 * M1 * B1} to "
+                f"{R2 * M2 * B2} samples at optimizer step {step}, inside plan window {window} "
+                f"(steps {window * K}-{window * K + K - 1}); a window's samples are drawn for one "
+                f"global batch, so the change continues at a window boundary: resume from a "
+                f"checkpoint at a multiple of plan_window_steps = {K} (e.g. a save interval "
+                "that is a multiple of it), or keep the global batch.")
         history = [dict(h) for h in first.get("_history", [])]
-        if (R1, M1) != (R2, M2):
-            history.append({"at_step": step, "world_size": R1, "micro_batches_per_step": M1})
+        if (R1, M1, B1) != (R2, M2, B2):
+            history.append({"at_step": step, "world_size": R1, "micro_batches_per_step": M1,
+                            "batch_size": B1})
         cursor = min(cursors, key=lambda c: int(c["window"]))
         self.elastic_start = {"step": step, "history": history, "cursor": dict(cursor),
                               "epoch": int(first.get("_epoch", 0))}
@@ -342,14 +375,15 @@ class PlannedSourceDataset(SavableDataset[Any]):
 
         while cursor.window < window:  # earlier windows: their counts only, not their plans
             k = steps_of(cursor)
+            first = cursor.window * self.window_steps
             counts, carry = step_source_counts(
-                self._step_weights(cursor.window * self.window_steps, k), self._global_batch(),
-                cursor.carry)
+                self._step_weights(first, k), self._global_batch_at(first), cursor.carry)
             cursor = advance(cursor, counts, carry)
         k = steps_of(cursor)
-        weights = self._step_weights(cursor.window * self.window_steps, k)
-        counts, carry = step_source_counts(weights, self._global_batch(), cursor.carry)
-        B = self.batch_size
+        first = cursor.window * self.window_steps
+        weights = self._step_weights(first, k)
+        B = self._shape_at(first)[2]
+        counts, carry = step_source_counts(weights, world_size * micro_batches * B, cursor.carry)
         ids = self._shared_plans(world_size, micro_batches).ids(
             cursor.window,
             stream_digest(_cursor_state(cursor), hashlib.sha256(weights.tobytes()).hexdigest(), k),
@@ -371,12 +405,19 @@ class PlannedSourceDataset(SavableDataset[Any]):
                                world_size, micro_batches, self.batch_size)
         return SharedPlans(folder, stream)
 
-    def _shape_at(self, step: int) -> tuple[int, int]:
-        """(world size, micro-batches per step) in effect at global optimizer ``step``."""
+    def _shape_at(self, step: int) -> tuple[int, int, int]:
+        """(world size, micro-batches per step, micro-batch size) in effect at global optimizer
+        ``step``."""
         for h in sorted(self._history, key=lambda h: int(h["at_step"])):
             if int(h["at_step"]) > step:
-                return int(h["world_size"]), int(h["micro_batches_per_step"])
-        return int(self.worker_config.world_size), self.micro_batches_per_step
+                return (int(h["world_size"]), int(h["micro_batches_per_step"]),
+                        int(h.get("batch_size", self.batch_size)))
+        return int(self.worker_config.world_size), self.micro_batches_per_step, self.batch_size
+
+    def _global_batch_at(self, step: int) -> int:
+        """The global batch (samples per optimizer step) in effect at ``step``."""
+        R, M, B = self._shape_at(step)
+        return R * M * B
 
     def _window_steps(self, window: int) -> list[np.ndarray | None]:
         """This rank's ``[M, B]`` global ids of each step of the window: planned for the shape
@@ -384,15 +425,15 @@ class PlannedSourceDataset(SavableDataset[Any]):
         the shape after it (the same samples, the same per-step source counts)."""
         if self._steps is not None and self._steps_window == window:
             return self._steps
-        K, B = self.window_steps, self.batch_size
+        K = self.window_steps
         first = window * K
-        R, M = self._shape_at(first)
+        R, M, B = self._shape_at(first)
         plan = self._window_plan(window, R, M)
         steps = list(plan.ids)
         for h in sorted(self._history, key=lambda h: int(h["at_step"])):
             t = int(h["at_step"]) - first
             if 0 < t < len(steps):
-                R2, M2 = self._shape_at(first + t)
+                R2, M2, _ = self._shape_at(first + t)
                 tail = np.concatenate([x.ravel() for x in steps[t:]])
                 src, within = self.ids.split(tail)
                 lens = np.empty(len(tail))
