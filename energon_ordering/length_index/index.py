@@ -128,7 +128,7 @@ def _remove_stale_tmp(folder: Path) -> None:
     PID that looks gone from here, but holds its lock). Files of other hosts are left alone."""
     for tmp in folder.glob(f"{INDEX_FILE.removesuffix('.sqlite')}*.tmp-*"):
         host, _, pid = tmp.name.rsplit(".tmp-", 1)[-1].rpartition("-")
-        if host != _host() or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+        if host != _host() or not pid.isdigit() or int(pid) == os.getpid() or process_alive(int(pid)):
             continue
         try:
             fd = os.open(tmp, os.O_RDWR)
@@ -157,7 +157,8 @@ def _locked_new_file(path: Path) -> int:
     return fd
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """True if process ``pid`` of this host runs (or is another user's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -33,7 +33,8 @@ from energon_ordering.errors import LengthIndexError, OrderingConfigError, show
 from energon_ordering.length_index.index import dataset_uuid
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
 
-__all__ = ["indexed_lengths", "lengths_file_path", "reopen", "reopened", "split_lengths"]
+__all__ = ["indexed_lengths", "lengths_file_path", "reopen", "reopened", "save_atomically",
+           "split_lengths"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,19 @@ def split_lengths(path: Path, compute: Callable[[], np.ndarray]) -> np.ndarray:
     if path.is_file():
         return np.load(path, mmap_mode="r")
     values = _narrowest(np.asarray(compute(), dtype=np.float64))
+    error = save_atomically(path, values)
+    if error is not None:
+        logger.info("planned order: cannot write %s (%s); the lengths stay in this process's "
+                    "memory (%d bytes)", path, error, values.nbytes)
+        values.setflags(write=False)
+        return values
+    return np.load(path, mmap_mode="r")
+
+
+def save_atomically(path: Path, values: np.ndarray) -> OSError | None:
+    """Writes ``values`` to ``path`` as ``.npy`` under a temporary name, then renames it (a
+    reader never sees half a file). Returns the error that stopped it (nothing left behind),
+    or None."""
     tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -77,11 +91,8 @@ def split_lengths(path: Path, compute: Callable[[], np.ndarray]) -> np.ndarray:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
-        logger.info("planned order: cannot write %s (%s); the lengths stay in this process's "
-                    "memory (%d bytes)", path, e, values.nbytes)
-        values.setflags(write=False)
-        return values
-    return np.load(path, mmap_mode="r")
+        return e
+    return None
 
 
 def reopen(array: Any) -> Any:

@@ -32,6 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from energon_ordering.length_index.index import process_alive
+from energon_ordering.length_index.lengths_file import save_atomically
+
 __all__ = ["SharedPlans", "plan_dir", "stream_digest"]
 
 logger = logging.getLogger(__name__)
@@ -56,16 +59,6 @@ def plan_dir() -> Path | None:
 def stream_digest(*parts: Any) -> str:
     """A digest of JSON-able ``parts`` (what a plan depends on)."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SharedPlans:
@@ -155,17 +148,9 @@ class SharedPlans:
         return ids
 
     def _write(self, path: Path, ids: np.ndarray) -> None:
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                np.save(f, ids)
-            os.replace(tmp, path)
-        except OSError as e:
-            self._off(str(e))
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
+        error = save_atomically(path, ids)
+        if error is not None:
+            self._off(str(error))
 
     @staticmethod
     def _stale(lock: Path) -> bool:
@@ -174,7 +159,7 @@ class SharedPlans:
             host, pid = lock.read_text().split()
         except (OSError, ValueError):
             return False  # gone, or being written: look again
-        if host != socket.gethostname() or _alive(int(pid)):
+        if host != socket.gethostname() or process_alive(int(pid)):
             return False
         try:
             lock.unlink()
