@@ -54,7 +54,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("meg
 TAGS = megatron_lm_sources.tag_params()
 
 
-def _argv(out: Path, data: Path, phase: str, num_workers: int, load_step: int | None) -> list[str]:
+#: The planned order's flags (with a length index built by the provider's task encoder).
+PLANNED_FLAGS = ("--length-sort-mode planned --length-sort-placement pre-encode "
+                 "--length-sort-pool-holds keys --plan-window-steps 2")
+POOL_FLAGS = "--length-sort-pool-size 32 --length-sort-mode batch"
+
+
+def _argv(out: Path, data: Path, phase: str, num_workers: int, load_step: int | None,
+          world: int = WORLD, ordering: str = POOL_FLAGS) -> list[str]:
     # --clip-grad 0: megatron-core's clip_grad_by_total_norm_fp32 asserts CUDA gradients
     # (``param.grad.type() == 'torch.cuda.FloatTensor'``); the fusion flags off: CUDA kernels.
     argv = (
@@ -67,7 +74,7 @@ def _argv(out: Path, data: Path, phase: str, num_workers: int, load_step: int | 
         "--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm "
         f"--save {out / phase} --save-interval {CUT} --ckpt-format torch --eval-iters 0 --eval-interval 1000 "
         f"--log-interval 1 --seed 1234 --data-path {data} --dataloader-type external --num-workers {num_workers} "
-        f"--dataloader-save {out / 'first'} --length-sort-pool-size 32 --length-sort-mode batch"
+        f"--dataloader-save {out / 'first'} {ordering}"
     ).split()
     if load_step is not None:
         argv += ["--load", str(out / "first"), "--ckpt-step", str(load_step)]
@@ -75,8 +82,8 @@ def _argv(out: Path, data: Path, phase: str, num_workers: int, load_step: int | 
 
 
 def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: int,
-            load_step: int | None) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
+            load_step: int | None, world: int = WORLD, planned: bool = False) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     megatron_lm_sources.use_megatron_lm(tag)
     import megatron_cpu_device_shim
 
@@ -92,7 +99,10 @@ def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: i
         from megatron.training import get_args, pretrain
         from megatron.training.arguments import core_transformer_config_from_args
 
-        from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
+        from energon_ordering.inspect.synthetic_task import (
+            IndexedSyntheticTaskEncoder,
+            SyntheticTaskEncoder,
+        )
         from energon_ordering.integrations.megatron_lm import (
             add_energon_ordering_args,
             train_valid_test_dataloaders_provider,
@@ -127,11 +137,13 @@ def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: i
 
             return output, loss_func
 
-        provider = functools.partial(train_valid_test_dataloaders_provider, task_encoder=SyntheticTaskEncoder(),
+        encoder = IndexedSyntheticTaskEncoder() if planned else SyntheticTaskEncoder()
+        provider = functools.partial(train_valid_test_dataloaders_provider, task_encoder=encoder,
                                      repeat=False, image_decode=None)
         provider.is_distributed = True
-        sys.argv = ["pretrain_gpt.py", *_argv(Path(out), Path(data), phase, num_workers, load_step)]
-        store = dist.FileStore(str(Path(out) / f"store_{phase}"), WORLD)
+        sys.argv = ["pretrain_gpt.py", *_argv(Path(out), Path(data), phase, num_workers, load_step,
+                                              world, PLANNED_FLAGS if planned else POOL_FLAGS)]
+        store = dist.FileStore(str(Path(out) / f"store_{phase}"), world)
         from megatron.training import arguments
 
         if hasattr(arguments, "parse_and_validate_args"):  # core_v0.19.0: args first, then a config
@@ -153,9 +165,9 @@ def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: i
 
 
 def _spawn(out: Path, data: Path, tag: str, phase: str, num_workers: int,
-           load_step: int | None = None) -> list[dict]:
-    args = (tag, phase, str(data), str(out), num_workers, load_step)
-    return megatron_lm_sources.spawn_ranks(_worker, args, out, phase, WORLD, "Megatron's training loop")
+           load_step: int | None = None, world: int = WORLD, planned: bool = False) -> list[dict]:
+    args = (tag, phase, str(data), str(out), num_workers, load_step, world, planned)
+    return megatron_lm_sources.spawn_ranks(_worker, args, out, phase, world, "Megatron's training loop")
 
 
 @pytest.mark.timeout(1500)
@@ -209,3 +221,43 @@ def test_finite_data_ends_megatrons_real_training_loop_on_every_rank_at_once(tmp
         assert b["drawn"] == a["drawn"][MBPS * CUT:], f"rank {a['rank']} resumed differently"
     keys = [{k for batch in r["drawn"] for k in batch} for r in first]
     assert not keys[0] & keys[1]  # the two data-parallel ranks read disjoint samples
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("tag", TAGS)
+def test_a_planned_run_on_two_ranks_resumes_on_one_from_megatrons_checkpoint(tmp_path, tag):
+    """Issue 23: the planned order under Megatron-LM's real loop on 2 gloo ranks (finite data,
+    --num-workers 2), Megatron's own save_checkpoint at iteration 2; then ``pretrain`` on ONE
+    rank with the same --global-batch-size (so 4 micro-batches per iteration), Megatron's own
+    load_checkpoint of iteration 2. The one rank has dprank 0's file (Megatron names it for its
+    DP rank), continues the global order, and with the first run's first two iterations it draws
+    every sample of the epoch once, ending at the same iteration as the 2-rank run."""
+    from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+    from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
+    from energon_ordering.length_index.build import build_length_index
+
+    make_synthetic_dataset(tmp_path / "data", [SourceSpec("web", 96, "short")], shard_size=12)
+    data = tmp_path / "data" / "web"
+    build_length_index(data, task_encoder=IndexedSyntheticTaskEncoder())
+    first = _spawn(tmp_path, data, tag, "first", 2, planned=True)
+    steps = first[0]["train_iters"]
+    assert steps > CUT and all(r["train_iters"] == steps for r in first)
+    assert all(len(r["drawn"]) == MBPS * steps for r in first)
+    epoch = sorted(k for r in first for batch in r["drawn"] for k in batch)
+    assert len(epoch) == len(set(epoch)) == MBS * WORLD * MBPS * steps
+
+    resumed = _spawn(tmp_path, data, tag, "resume_one", 2, load_step=CUT, world=1, planned=True)
+    [one] = resumed
+    assert one["returned"] and one["loaded_iteration"] == CUT and one["train_iters"] == steps
+    assert len(one["drawn"]) == WORLD * MBPS * (steps - CUT)  # 4 micro-batches per iteration
+    before = [k for r in first for batch in r["drawn"][: MBPS * CUT] for k in batch]
+    after = [k for batch in one["drawn"] for k in batch]
+    assert sorted(before + after) == epoch, "the resume at one rank lost or repeated samples"
+    # every plan window after the cut holds the samples of the uninterrupted 2-rank run
+    for window in range(CUT // 2, steps // 2):
+        two = sorted(k for r in first
+                     for batch in r["drawn"][MBPS * 2 * window: MBPS * 2 * (window + 1)]
+                     for k in batch)
+        lo = 2 * WORLD * MBPS * (window - CUT // 2)
+        mine = sorted(k for batch in one["drawn"][lo: lo + 2 * WORLD * MBPS] for k in batch)
+        assert mine == two, f"plan window {window}"
