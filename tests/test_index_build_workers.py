@@ -141,7 +141,7 @@ def test_a_build_never_removes_another_live_builds_temporary_file(web, tmp_path,
             time.sleep(0.05)
         [tmp] = [p for p in web.glob(".nv-meta/*.shared.sqlite.tmp-*")
                  if not p.name.endswith("-journal")]  # sqlite's rollback journal of it
-        monkeypatch.setattr(length_index, "_alive", lambda pid: False)
+        monkeypatch.setattr(length_index, "process_alive", lambda pid: False)
         write_length_index(web, [("web-00000000", 5.0)], computed_by="this build", name="shared")
         assert tmp.exists()
         assert tmp.name.endswith(f".tmp-{length_index._host()}-{other.pid}")
@@ -159,7 +159,7 @@ def test_stale_temporary_files_are_removed_only_when_certainly_dead(web, monkeyp
     elsewhere = folder / "energon_ordering_lengths.stale.sqlite.tmp-another-host-999999"
     for f in (dead, elsewhere):
         f.write_bytes(b"")
-    monkeypatch.setattr(length_index, "_alive", lambda pid: False)
+    monkeypatch.setattr(length_index, "process_alive", lambda pid: False)
     write_length_index(web, [("web-00000000", 1.0)], computed_by="test", name="stale")
     assert not dead.exists()  # this host, PID gone, not locked: a killed build's leftover
     assert elsewhere.exists()  # another host's: its PID means nothing here
