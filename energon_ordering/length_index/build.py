@@ -330,8 +330,7 @@ def _write_lengths_file(factory: Any, name: str, index_dir: str | Path | None) -
     index = LengthIndex.open(folder, name, index_dir=index_dir)
     reader = ByteRangeReader(folder, [(s.name, s.count) for s in factory.shards],
                              lengths=index.path, lengths_digest=index.digest)
-    if reader.sample_filter is None:
-        indexed_lengths(reader, factory.path)
+    indexed_lengths(reader, factory.path)
 
 
 def _describe(task_encoder: Any, raw_length_fn: Callable | None) -> str:

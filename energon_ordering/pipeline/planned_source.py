@@ -358,10 +358,11 @@ class PlannedSourceDataset(SavableDataset[Any]):
 
     # -- iteration -------------------------------------------------------------------------
 
-    def _window_plan(self, window: int, world_size: int, micro_batches: int) -> WindowPlan:
-        """The plan of ``window`` for ``world_size`` ranks and ``micro_batches`` per step,
-        advancing the saved cursor window by window to it (the cursor does not depend on the
-        shape: only the global batch, which an elastic restore keeps)."""
+    def _window_plan(self, window: int, world_size: int, micro_batches: int,
+                     batch_size: int) -> WindowPlan:
+        """The plan of ``window`` for ``world_size`` ranks, ``micro_batches`` per step and
+        micro-batches of ``batch_size``, advancing the saved cursor window by window to it
+        (earlier windows' counts with the global batch each had)."""
         cursor = _cursor_of(self._cursor)
         if window < cursor.window:
             raise OrderingConfigError(
@@ -382,9 +383,9 @@ class PlannedSourceDataset(SavableDataset[Any]):
         k = steps_of(cursor)
         first = cursor.window * self.window_steps
         weights = self._step_weights(first, k)
-        B = self._shape_at(first)[2]
+        B = batch_size
         counts, carry = step_source_counts(weights, world_size * micro_batches * B, cursor.carry)
-        ids = self._shared_plans(world_size, micro_batches).ids(
+        ids = self._shared_plans(world_size, micro_batches, B).ids(
             cursor.window,
             stream_digest(_cursor_state(cursor), hashlib.sha256(weights.tobytes()).hexdigest(), k),
             (k, world_size, micro_batches, B),
@@ -395,14 +396,14 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self._cursor = _cursor_state(cursor)
         return WindowPlan(ids, counts, cursor, advance(cursor, counts, carry))
 
-    def _shared_plans(self, world_size: int, micro_batches: int) -> SharedPlans:
+    def _shared_plans(self, world_size: int, micro_batches: int, batch_size: int) -> SharedPlans:
         """The node's shared plans of this stream at this shape (none when the lengths are not
         named by a file: nothing would tell two processes' lengths apart)."""
         files = [getattr(x, "filename", None) for x in self.lengths]
         folder = plan_dir() if all(files) else None
         stream = stream_digest(PLAN_VERSION, [Path(f).name for f in files] if folder else None,
                                [len(x) for x in self.lengths], self.seed, self.window_steps,
-                               world_size, micro_batches, self.batch_size)
+                               world_size, micro_batches, batch_size)
         return SharedPlans(folder, stream)
 
     def _shape_at(self, step: int) -> tuple[int, int, int]:
@@ -428,7 +429,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         K = self.window_steps
         first = window * K
         R, M, B = self._shape_at(first)
-        plan = self._window_plan(window, R, M)
+        plan = self._window_plan(window, R, M, B)
         steps = list(plan.ids)
         for h in sorted(self._history, key=lambda h: int(h["at_step"])):
             t = int(h["at_step"]) - first

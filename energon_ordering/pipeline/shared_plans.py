@@ -45,6 +45,10 @@ PLAN_DIR_ENV = "ENERGON_ORDERING_PLAN_DIR"
 #: Windows kept per stream (the newest written and the two before it).
 KEEP_WINDOWS = 3
 
+#: Folders whose failure to share was logged (once per process: a stream makes one
+#: :class:`SharedPlans` per window).
+_LOGGED: set[str] = set()
+
 
 def plan_dir() -> Path | None:
     """The node-local folder of shared plans (see the module docstring); None: no sharing."""
@@ -75,16 +79,12 @@ class SharedPlans:
         self.folder = None if folder is None else Path(folder)
         self.stream = stream
         self.wait_s = float(wait_s)
-        self._warned = False
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_warned": False}
 
     def _off(self, why: str) -> None:
-        if not self._warned:
+        if str(self.folder) not in _LOGGED:
             logger.info("planned order: plans are not shared through %s (%s); each process "
                         "plans its windows itself", self.folder, why)
-            self._warned = True
+            _LOGGED.add(str(self.folder))
 
     def ids(self, window: int, inputs: str, shape: tuple[int, ...],
             plan: Callable[[], np.ndarray]) -> np.ndarray:
