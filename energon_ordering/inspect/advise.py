@@ -437,6 +437,27 @@ def _draw(
     return pop.lengths[idx], pop.sources[idx]
 
 
+def _source_mix(pop: LengthPopulation, sources: np.ndarray, micro_batches_per_step: int,
+                ) -> tuple[float, float, dict[str, tuple[float, float]]]:
+    """The source mix of an order: ``sources`` ``[R, micro-batches, B]`` (rank-major source
+    codes of ``pop``) -> dispersion per micro-batch (over at most 64 ranks), dispersion per
+    optimizer step, and each source's per-step share deviation ``{name: (typical, worst)}`` in
+    percentage points against its share of ``pop``."""
+    r, _, batch_size = sources.shape
+    names = np.array(pop.source_names, dtype=object)[sources]
+    disp_batch = float(np.mean([histogram_dispersion([list(b) for b in rank], pop.source_names)
+                                for rank in names[: min(r, 64)]]))
+    groups = sources_by_step([[list(b) for b in rank] for rank in names], micro_batches_per_step)
+    disp_step = histogram_dispersion(groups, pop.source_names)
+    n_steps = sources.shape[1] // micro_batches_per_step
+    per_step = sources[:, : n_steps * micro_batches_per_step].reshape(
+        r, n_steps, micro_batches_per_step * batch_size).transpose(1, 0, 2).reshape(n_steps, -1)
+    target = np.bincount(pop.sources, minlength=len(pop.source_names)) / len(pop.sources)
+    dev = step_share_deviation(per_step, target)
+    return disp_batch, disp_step, {name: (float(np.median(dev[:, j])), float(dev[:, j].max()))
+                                   for j, name in enumerate(pop.source_names)}
+
+
 def predict_order(
     pop: LengthPopulation,
     *,
@@ -484,20 +505,7 @@ def predict_order(
         if r == step_ranks:
             padding = _padding(lengths)
             if len(pop.source_names) > 1:
-                names = np.array(pop.source_names, dtype=object)[sources]
-                per_rank = [[list(b) for b in rank] for rank in names[: min(r, 64)]]
-                disp_batch = float(np.mean([histogram_dispersion(rb, pop.source_names)
-                                            for rb in per_rank]))
-                groups = sources_by_step([[list(b) for b in rank] for rank in names],
-                                         micro_batches_per_step)
-                disp_step = histogram_dispersion(groups, pop.source_names)
-                n_steps = steps // micro_batches_per_step
-                per_step = sources[:, : n_steps * micro_batches_per_step].reshape(
-                    r, n_steps, micro_batches_per_step * batch_size).transpose(1, 0, 2).reshape(n_steps, -1)
-                target = np.bincount(pop.sources, minlength=len(pop.source_names)) / len(pop.sources)
-                dev = step_share_deviation(per_step, target)
-                share_pp = {name: (float(np.median(dev[:, j])), float(dev[:, j].max()))
-                            for j, name in enumerate(pop.source_names)}
+                disp_batch, disp_step, share_pp = _source_mix(pop, sources, micro_batches_per_step)
     return OrderPrediction(mode, pool_size, {r: idle[r] for r in ranks if r in idle} | {
         step_ranks: idle[step_ranks]}, padding, disp_batch, disp_step, share_pp)
 
@@ -668,18 +676,7 @@ def predict_planned(
         padding = _padding(lengths)
         if len(pop.source_names) > 1:
             codes = np.asarray(present)[run.sources]  # population source codes
-            by_rank = np.array(pop.source_names, dtype=object)[PlannedRun.rank_major(codes)]
-            disp_batch = float(np.mean([histogram_dispersion([list(b) for b in rank],
-                                                             pop.source_names)
-                                        for rank in by_rank[: min(r, 64)]]))
-            per_step = codes.reshape(codes.shape[0], -1)  # [steps, G]
-            disp_step = histogram_dispersion([list(x) for x in
-                                              np.array(pop.source_names, dtype=object)[per_step]],
-                                             pop.source_names)
-            target = np.bincount(pop.sources, minlength=len(pop.source_names)) / len(pop.sources)
-            dev = step_share_deviation(per_step, target)
-            share_pp = {name: (float(np.median(dev[:, j])), float(dev[:, j].max()))
-                        for j, name in enumerate(pop.source_names)}
+            disp_batch, disp_step, share_pp = _source_mix(pop, PlannedRun.rank_major(codes), m)
     return PlannedPrediction(
         window_steps, {r: idle[r] for r in sorted(idle)}, padding, disp_batch, disp_step,
         share_pp, worst, plan_seconds, planned_steps,
