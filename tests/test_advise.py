@@ -27,8 +27,11 @@ from energon_ordering.inspect.inspection import measure
 from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, run_ranks
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
-from energon_ordering.length_index.build import build_length_index
 from energon_ordering.pool.order import POOL_ORDERS, pool_seed
+import sys
+
+sys.path.insert(0, str(Path(__file__).parent))
+from indexed_data import indexed_synthetic  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +39,9 @@ def two_sources(tmp_path_factory):
     """web (short, ~200 tokens) and code (uniform, 500), 6,400 each, with length indexes: 1,600
     samples per rank at 8 ranks, so 400 micro-batches of 4 stay within one epoch."""
     root = tmp_path_factory.mktemp("advise")
-    meta = make_synthetic_dataset(
+    return indexed_synthetic(
         root, [SourceSpec("web", 6400, "short"), SourceSpec("code", 6400, "uniform")],
-        shard_size=64)
-    for name in ("web", "code"):
-        build_length_index(root / name, task_encoder=IndexedSyntheticTaskEncoder(), workers=2)
-    return meta
+        shard_size=64, workers=2)
 
 
 # ---- the model, pure ---------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,9 +25,10 @@ from energon_ordering.inspect.advise import (
     predict_planned,
     recommend,
 )
-from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
-from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
-from energon_ordering.length_index.build import build_length_index
+from energon_ordering.inspect.synthetic import SourceSpec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from indexed_data import indexed_synthetic  # noqa: E402
 
 B, M, R = 4, 8, 64
 
@@ -141,11 +144,9 @@ def test_the_tables_show_the_planned_row_its_mix_and_its_cost(heavy_pop, predict
 
 @pytest.mark.slow  # advise end to end: lengths from the index, costs on real loaders
 def test_advise_cli_recommends_planned_with_its_settings(tmp_path):
-    meta = make_synthetic_dataset(
+    meta = indexed_synthetic(
         tmp_path, [SourceSpec("web", 1600, "short"), SourceSpec("code", 1600, "trimodal")],
         shard_size=64)
-    for name in ("web", "code"):
-        build_length_index(tmp_path / name, task_encoder=IndexedSyntheticTaskEncoder())
     res = CliRunner().invoke(main, [
         "advise", str(meta), "--ranks", "64", "--micro-batch", "4", "--micro-batches-per-step",
         "8", "--steps", "256", "--out", str(tmp_path),

@@ -50,12 +50,14 @@ import megatron_lm_sources  # noqa: E402
 from energon_ordering import StateMismatchError  # noqa: E402
 from energon_ordering.inspect.inspection import compare_elastic_steps  # noqa: E402
 from energon_ordering.inspect.rank_simulation import close_loader, record_batch  # noqa: E402
-from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset  # noqa: E402
+from energon_ordering.inspect.synthetic import SourceSpec  # noqa: E402
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder, SyntheticTaskEncoder  # noqa: E402
 from energon_ordering.integrations.bridge import OrderingDatasetProvider, OrderingResumeCheck  # noqa: E402
-from energon_ordering.length_index.build import build_length_index  # noqa: E402
 from gloo_group import gloo_group_of_one  # noqa: E402
 from test_bridge import MICRO_BATCH, _build, _container  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from indexed_data import indexed_synthetic  # noqa: E402
 
 GLOBAL_BATCH = 16   # samples per optimizer step: 2 ranks x 2 micro-batches x 4, then 1 x 4 x 4
 WINDOW = 2          # plan window (optimizer steps)
@@ -133,15 +135,10 @@ def _bridge_rank(rank: int, world: int, init_file: str, data: str, out: str) -> 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """Two indexed sources (web: short, code: long; weights 0.7 / 0.3), their metadataset."""
-    root = tmp_path_factory.mktemp("bridge_elastic")
-    meta = make_synthetic_dataset(
-        root,
+    return indexed_synthetic(
+        tmp_path_factory.mktemp("bridge_elastic"),
         [SourceSpec("web", 160, "short", weight=0.7), SourceSpec("code", 96, "long", weight=0.3)],
-        shard_size=32,
-    )
-    for name in ("web", "code"):
-        build_length_index(root / name, task_encoder=IndexedSyntheticTaskEncoder())
-    return meta
+        shard_size=32)
 
 
 @pytest.fixture(scope="module")

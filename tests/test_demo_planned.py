@@ -4,6 +4,8 @@ the demo (a third run beside no pool and the pool)."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -12,24 +14,21 @@ from click.testing import CliRunner
 from energon_ordering.cli import main
 from energon_ordering.cli.inspect import planned_repeats
 from energon_ordering.inspect.rank_simulation import BatchRecord
-from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
-from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
-from energon_ordering.length_index.build import build_length_index
+from energon_ordering.inspect.synthetic import SourceSpec
 from energon_ordering import OrderingConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from indexed_data import indexed_synthetic  # noqa: E402
 
 TE = "energon_ordering.inspect.synthetic_task:IndexedSyntheticTaskEncoder"
 
 
 @pytest.fixture(scope="module")
 def indexed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("planned_inspect")
-    meta = make_synthetic_dataset(
-        root, [SourceSpec("web", 96, "short", weight=0.75), SourceSpec("code", 32, "long",
-                                                                        weight=0.25)],
+    return indexed_synthetic(
+        tmp_path_factory.mktemp("planned_inspect"),
+        [SourceSpec("web", 96, "short", weight=0.75), SourceSpec("code", 32, "long", weight=0.25)],
         shard_size=32)
-    for name in ("web", "code"):
-        build_length_index(root / name, task_encoder=IndexedSyntheticTaskEncoder())
-    return meta
 
 
 def test_inspect_runs_a_planned_recipe_and_names_its_mode(indexed, tmp_path):

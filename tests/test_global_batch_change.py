@@ -12,19 +12,21 @@ import itertools
 import pickle
 from pathlib import Path
 
-import numpy as np
 import pytest
 from megatron.energon import WorkerConfig, load_dataset
 
 from energon_ordering import OrderingConfig
 from energon_ordering.errors import OrderingConfigError, StateMismatchError
 from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, record_batch
-from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+from energon_ordering.inspect.synthetic import SourceSpec
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
-from energon_ordering.length_index.build import build_length_index
 from energon_ordering.planned.cursor import draws
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
 from energon_ordering.state_stamp import restore_state_rank
+import sys
+
+sys.path.insert(0, str(Path(__file__).parent))
+from indexed_data import indexed_synthetic  # noqa: E402
 
 K = 2  # plan_window_steps
 SEED = 7
@@ -33,13 +35,10 @@ SOURCES = {"web": 400, "code": 240}
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("batch_change")
-    meta = make_synthetic_dataset(
-        root, [SourceSpec("web", SOURCES["web"], "short", weight=0.6),
-               SourceSpec("code", SOURCES["code"], "long", weight=0.4)], shard_size=40)
-    for name in SOURCES:
-        build_length_index(root / name, task_encoder=IndexedSyntheticTaskEncoder())
-    return meta
+    return indexed_synthetic(
+        tmp_path_factory.mktemp("batch_change"),
+        [SourceSpec("web", SOURCES["web"], "short", weight=0.6),
+         SourceSpec("code", SOURCES["code"], "long", weight=0.4)], shard_size=40)
 
 
 def _cfg(mbps: int, allow: bool = True) -> OrderingConfig:

@@ -3,6 +3,9 @@ sequence of today's (payload-reading) key pool, exact resume; byte-range reads e
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 from megatron.energon import WorkerConfig
 from megatron.energon.flavors.webdataset.itar_reader import ITarReader
@@ -12,13 +15,15 @@ from energon_ordering import OrderingConfig
 from energon_ordering.errors import LengthIndexError, OrderingConfigError
 from energon_ordering.inspect.pool_memory import find_stage
 from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, resume, run_with_cuts
-from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+from energon_ordering.inspect.synthetic import SourceSpec
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
-from energon_ordering.length_index.build import build_length_index
 from energon_ordering.length_index.index import LengthIndex
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
 from energon_ordering.pool.index_fill import IndexFilledLoader, index_fill_problem, index_filled
 from energon_ordering.pool.key_pool_sort import KeyPoolSortDataset
+
+sys.path.insert(0, str(Path(__file__).parent))
+from indexed_data import indexed_synthetic  # noqa: E402
 
 TOTAL = 40
 
@@ -34,15 +39,11 @@ def PayloadFillTaskEncoder() -> IndexedSyntheticTaskEncoder:
 def indexed(tmp_path_factory):
     """Three indexed sources of different lengths and a metadataset blending them."""
     root = tmp_path_factory.mktemp("index_fill")
-    meta = make_synthetic_dataset(
+    return indexed_synthetic(
         root,
         [SourceSpec("web", 300, "short"), SourceSpec("code", 300, "long"),
          SourceSpec("mix", 320, "trimodal")],
-        shard_size=32,
-    )
-    for name in ("web", "code", "mix"):
-        build_length_index(root / name, task_encoder=IndexedSyntheticTaskEncoder())
-    return meta
+        shard_size=32)
 
 
 def _cfg(mode="batch", pool=64, holds="keys", **kw):

@@ -28,15 +28,18 @@ from energon_ordering.inspect.rank_simulation import (
     run_saving_every_step,
     run_with_cuts,
 )
-from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+from energon_ordering.inspect.synthetic import SourceSpec
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
-from energon_ordering.length_index.build import build_length_index
 from energon_ordering.length_index.index import LengthIndex
 from energon_ordering.pipeline.planned_source import PlannedSourceDataset
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.window import plan_window, window_weights
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
 from energon_ordering.state_stamp import restore_state_rank
+import sys
+
+sys.path.insert(0, str(Path(__file__).parent))
+from indexed_data import indexed_synthetic  # noqa: E402
 
 B, M, K = 4, 2, 2
 
@@ -50,15 +53,10 @@ def planned(**kw) -> OrderingConfig:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """Two indexed sources (web: short, code: long; weights 0.7 / 0.3) and their metadataset."""
-    root = tmp_path_factory.mktemp("planned")
-    meta = make_synthetic_dataset(
-        root,
+    return indexed_synthetic(
+        tmp_path_factory.mktemp("planned"),
         [SourceSpec("web", 160, "short", weight=0.7), SourceSpec("code", 96, "long", weight=0.3)],
-        shard_size=32,
-    )
-    for name in ("web", "code"):
-        build_length_index(root / name, task_encoder=IndexedSyntheticTaskEncoder())
-    return meta
+        shard_size=32)
 
 
 def _readers(path: Path) -> list[ByteRangeReader]:
@@ -557,15 +555,10 @@ def test_megatron_restore_reads_dprank0_at_another_data_parallel_size(data, tmp_
 def larger(tmp_path_factory) -> Path:
     """Two indexed sources of 1,100 and 700 samples (weights 0.7 / 0.3): a finite epoch of
     several steps at 8 ranks."""
-    root = tmp_path_factory.mktemp("planned_larger")
-    meta = make_synthetic_dataset(
-        root,
+    return indexed_synthetic(
+        tmp_path_factory.mktemp("planned_larger"),
         [SourceSpec("web", 1100, "short", weight=0.7), SourceSpec("code", 700, "long", weight=0.3)],
-        shard_size=64,
-    )
-    for name in ("web", "code"):
-        build_length_index(root / name, task_encoder=IndexedSyntheticTaskEncoder())
-    return meta
+        shard_size=64)
 
 
 @pytest.mark.slow  # 30 real rank pipelines
