@@ -53,7 +53,6 @@ def elastic_shape(cfg: OrderingConfig, ranks: int, resume_ranks: int, cut: int,
     optimizer steps an elastic check cuts at and runs to; a one-line :class:`UserError` for a
     recipe or shape that cannot resume elastically."""
     from energon_ordering.config import PLANNED
-    from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
 
     if cfg.length_sort_mode != PLANNED:
         raise UserError(
@@ -75,7 +74,7 @@ def elastic_shape(cfg: OrderingConfig, ranks: int, resume_ranks: int, cut: int,
         raise UserError(
             f"--cut {cut} lies inside optimizer step {cut // M} (micro_batches_per_step {M}), "
             f"and an elastic resume starts at a step boundary; use --cut {lower} or {upper}.")
-    K = cfg.plan_window_steps or DEFAULT_WINDOW_STEPS
+    K = cfg.plan_window_steps  # set in planned mode (OrderingConfig fills the default)
     window = K * M  # micro-batches per rank in one plan window
     if steps is None:
         steps = (cut // window + 2) * window

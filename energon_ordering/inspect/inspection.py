@@ -27,7 +27,6 @@ from energon_ordering.inspect.diagnostics import (
 )
 from energon_ordering.errors import OrderingConfigError, show
 from energon_ordering.mixture.schedule import MixtureSchedule
-from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
 from energon_ordering.inspect.rank_simulation import (
     BatchRecord,
     build_train_loader,
@@ -302,7 +301,7 @@ def check_elastic_resume(
             f"check_elastic_resume: {world_size} ranks x {M} micro-batches per step do not split "
             f"over resume_world_size = {resume_world_size} ranks; it must divide {world_size * M}.")
     M2 = world_size * M // resume_world_size
-    K = ordering.plan_window_steps or DEFAULT_WINDOW_STEPS
+    K = ordering.plan_window_steps  # set in planned mode (OrderingConfig fills the default)
     if not 0 <= cut_step < end_step or end_step % K:
         raise OrderingConfigError(
             f"check_elastic_resume: cut_step = {cut_step}, end_step = {end_step}: need "
