@@ -284,6 +284,7 @@ class OrderingConfig:
             self.pack_pool_placement == "packs"
             and self.length_sort_placement == "pre-encode"
             and self.packing_buffer_size is not None
+            and self.length_sort_mode != PLANNED
         ):
             raise OrderingConfigError(
                 "OrderingConfig.pack_pool_placement = 'packs' pools packs after packing, so it "

@@ -31,6 +31,7 @@ from energon_ordering.pipeline.plan import (
     LENGTH_POOL,
     PACK_CAP,
     PACK_POOL,
+    PLANNED_PACK,
     PLANNED_SOURCE,
     PLANNED_UNUSED,
     REPEAT,
@@ -41,6 +42,7 @@ from energon_ordering.pipeline.plan import (
     PipelinePlan,
     plan_pipeline,
 )
+from energon_ordering.pipeline.planned_packs import PlannedPackDataset, PlannedPackSourceDataset
 from energon_ordering.pipeline.planned_source import PlannedSourceDataset, indexed_lengths
 from energon_ordering.pipeline.sources import describe_source
 from energon_ordering.pipeline.stamp import pipeline_stamp
@@ -456,10 +458,13 @@ class OrderingTaskEncoder:
         batch_size: int | None,
         batch_drop_last: bool,
         packing_buffer_size: int | None,
+        encoded: bool = False,
     ) -> SavableDataset:
         """The tail of Energon's build_train_datasets after the blend, for the pipelines built
-        here: encode_sample, batching (with packing), the virtual epoch, sample logging."""
-        dataset = self.build_encode_sample(dataset, worker_config=worker_config)  # type: ignore[attr-defined]
+        here: encode_sample (unless ``encoded``), batching (with packing), the virtual epoch,
+        sample logging."""
+        if not encoded:
+            dataset = self.build_encode_sample(dataset, worker_config=worker_config)  # type: ignore[attr-defined]
         dataset = self.build_batch(
             dataset,
             batch_size=batch_size,
@@ -524,19 +529,32 @@ class OrderingTaskEncoder:
             lengths.append(indexed_lengths(reader, getattr(d.dataset, "path", d.dataset)))
         source = plan.stage(PLANNED_SOURCE)
         assert source is not None
-        kw = source.kwargs
-        dataset: SavableDataset = PlannedSourceDataset(
-            readers, loaders, lengths,
-            weights=kw["weights"], seed=kw["seed"], window_steps=kw["window_steps"],
-            micro_batches_per_step=kw["micro_batches_per_step"], batch_size=kw["batch_size"],
-            finite=kw["finite"], schedule=kw["schedule"], source_names=kw["source_names"],
-            allow_global_batch_change=kw["allow_global_batch_change"],
-            worker_config=worker_config,
-        )
-        # the planned order refuses packing at plan time (pipeline.plan._validate_planned)
+        kw = dict(source.kwargs)
+        packs = plan.stage(PLANNED_PACK)
+        cls = PlannedSourceDataset
+        if packs is not None:
+            cls = PlannedPackSourceDataset
+            logger.info(
+                "length_sort_mode = 'planned' with packing: the plan builds every pack "
+                "(packing_buffer_size = %s and %s unused); %s packs each",
+                packing_buffer_size, plan.args.packer[0], plan.args.packer[1])
+        dataset: SavableDataset = cls(readers, loaders, lengths, **kw, worker_config=worker_config)
+        if packs is None:
+            return self._encode_and_batch_train(
+                plan, dataset, worker_config=worker_config, batch_size=batch_size,
+                batch_drop_last=batch_drop_last, packing_buffer_size=None,
+            )
+        dataset = self.build_encode_sample(dataset, worker_config=worker_config)  # type: ignore[attr-defined]
+        with self._ordering_default_packers():
+            final_packer = self.pack_selected_samples  # type: ignore[attr-defined]
+        dataset = PlannedPackDataset(
+            dataset, final_packer=final_packer, layout=self.ordering_token_layout,
+            sample_encoder=(self.postencode_sample  # type: ignore[attr-defined]
+                            if self._ordering_own("postencode_sample") else None),
+            **packs.kwargs, worker_config=worker_config)
         return self._encode_and_batch_train(
             plan, dataset, worker_config=worker_config, batch_size=batch_size,
-            batch_drop_last=batch_drop_last, packing_buffer_size=None,
+            batch_drop_last=batch_drop_last, packing_buffer_size=None, encoded=True,
         )
 
     def build_batch(
@@ -555,6 +573,13 @@ class OrderingTaskEncoder:
                 packing_buffer_size=packing_buffer_size, **kwargs
             )
         plan = build.plan
+        if plan.has(PLANNED_PACK):  # the plan's packs, packed already (PlannedPackDataset)
+            dataset = InputEndDataset(dataset, worker_config=worker_config)
+            with self._ordering_postencode_done():
+                return super().build_batch(  # type: ignore[misc]
+                    dataset, batch_size=batch_size, worker_config=worker_config,
+                    packing_buffer_size=None, **kwargs
+                )
         pool = plan.stage(LENGTH_POOL)
         if pool is not None:
             _check_pool_share(pool.kwargs["pool_size"], dataset, worker_config)

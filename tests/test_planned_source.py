@@ -414,8 +414,13 @@ def test_the_plan_of_a_planned_pipeline():
     assert names == ["PlannedSourceDataset", "encode_sample", "InputEndDataset", "BatchDataset",
                      "PipelineStampDataset"]
     assert plan.stage("PlannedSourceDataset").kwargs["window_steps"] == K
-    with pytest.raises(OrderingConfigError, match="packing .* not supported by the planned"):
-        plan_pipeline(planned(pack_seq_length=64), BuildArgs(batch_size=B, packing_buffer_size=8))
+    packed = plan_pipeline(planned(pack_seq_length=64),
+                           BuildArgs(batch_size=B, packing_buffer_size=8))
+    assert [s.name for s in packed] == [
+        "PlannedSourceDataset", "encode_sample", "PlannedPackDataset", "InputEndDataset",
+        "BatchDataset", "PipelineStampDataset"]
+    with pytest.raises(OrderingConfigError, match="pack_seq_length"):
+        plan_pipeline(planned(), BuildArgs(batch_size=B, packing_buffer_size=8))
 
 
 # -- a step schedule ---------------------------------------------------------------------------

@@ -122,6 +122,7 @@ def build_train_loader(
     max_samples_per_sequence: int | None = 16,
     repeat: bool = True,
     task_encoder_factory: Callable[[], Any] | None = None,
+    packing_buffer_size: int | None = None,
     **loader_kwargs: Any,
 ):
     """Builds rank ``rank``'s training loader the way a training process would.
@@ -138,6 +139,8 @@ def build_train_loader(
         repeat: Repeat the data (False = one finite epoch).
         task_encoder_factory: Returns a fresh task encoder with the OrderingTaskEncoder mixin;
             default :class:`energon_ordering.inspect.synthetic_task.SyntheticTaskEncoder`.
+        packing_buffer_size: ``get_train_dataset``'s (sequence packing; None: as the ordering
+            configuration says).
         **loader_kwargs: Passed to ``get_savable_loader`` (over :data:`SIMULATION_GC`).
     """
     if task_encoder_factory is None:
@@ -155,6 +158,7 @@ def build_train_loader(
         shuffle_buffer_size=shuffle_buffer_size,
         max_samples_per_sequence=max_samples_per_sequence,
         repeat=repeat,
+        **({} if packing_buffer_size is None else {"packing_buffer_size": packing_buffer_size}),
     )
     loader = get_savable_loader(ds, **{**SIMULATION_GC, **loader_kwargs})
     if not _has_accelerator():

@@ -38,6 +38,7 @@ __all__ = [
     "PACKING",
     "PACK_CAP",
     "PACK_POOL",
+    "PLANNED_PACK",
     "PLANNED_SOURCE",
     "PipelinePlan",
     "REPEAT",
@@ -73,6 +74,7 @@ STAMP = "PipelineStampDataset"
 PLANNED_SOURCE = "PlannedSourceDataset"  #: the planned global order's reader (replaces LOAD..BLEND).
 
 #: Energon loading settings the planned order replaces: accepted, unused, logged once.
+PLANNED_PACK = "PlannedPackDataset"  #: the planned order's packs (replaces Energon's packing).
 PLANNED_UNUSED = ("shuffle_buffer_size", "max_samples_per_sequence", "parallel_shard_iters")
 
 #: Energon's ``DatasetBlendMode`` values.
@@ -272,10 +274,14 @@ def _validate_planned(cfg: OrderingConfig, args: BuildArgs, packing: int | None)
     if args.batch_size is None:
         raise OrderingConfigError(
             f"{mode} plans micro-batches; pass batch_size to get_train_dataset.")
-    if packing is not None:
+    if packing is not None and cfg.pack_seq_length is None and cfg.seq_length_warmup is None:
         raise OrderingConfigError(
-            f"{mode}: packing (packing_buffer_size = {packing}) is not supported by the planned "
-            "order yet; drop packing_buffer_size or use a pool mode (length_sort_mode = 'batch').")
+            f"{mode} with packing (packing_buffer_size = {packing}) plans every pack to its "
+            "step's cap: set OrderingConfig.pack_seq_length (Megatron: --packing-seq-length).")
+    if packing is not None and cfg.allow_global_batch_change:
+        raise OrderingConfigError(
+            f"OrderingConfig.allow_global_batch_change = true: {mode} with packing plans each "
+            "step's packs for one global batch; drop allow_global_batch_change or packing.")
     schedule = cfg.mixture_schedule
     names = [s.name for s in args.sources]
     if schedule is not None and None not in names and set(schedule.sources) != set(names):
@@ -353,7 +359,7 @@ def _validate(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> None
 def _stages(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> Iterator[Stage]:
     """The stages, in pipeline order (the validation has run)."""
     if cfg.planned:
-        yield from _planned_stages(cfg, args)
+        yield from _planned_stages(cfg, args, packing)
         return
     pool = cfg.length_sort_enabled
     warmup = cfg.seq_length_warmup
@@ -444,16 +450,24 @@ def _batch_tail(args: BuildArgs, batch_size: int | None) -> Iterator[Stage]:
                 "against it before any stage below reads the state")
 
 
-def _planned_stages(cfg: OrderingConfig, args: BuildArgs) -> Iterator[Stage]:
+def _planned_stages(cfg: OrderingConfig, args: BuildArgs,
+                    packing: int | None) -> Iterator[Stage]:
     """The planned global order: one source stage replaces Energon's loading, blend, repeat
-    and shuffle; Energon's decoding, encode_sample and batching follow as in every mode."""
+    and shuffle; Energon's decoding, encode_sample and batching follow as in every mode. With
+    packing the plan's packs replace Energon's packer (the encoder's pack_selected_samples
+    packs each)."""
     weights = tuple(1.0 if s.weight is None else float(s.weight) for s in args.sources)
+    packed = packing is not None
     yield Stage(
         PLANNED_SOURCE,
         "reads this rank's micro-batches of the plan of the global order (the same plan on "
         "every rank, from the length index) by byte range, then Energon's decoding; "
-        "micro-batch b from loader worker b % num_workers",
+        "micro-batch b from loader worker b % num_workers"
+        + ("; with packing, B packs per micro-batch, each built to its step's cap and the "
+           "ranks balanced by attention cost" if packed else ""),
         (
+            *((("pack_seq_length", cfg.pack_seq_length),
+               ("warmup", cfg.seq_length_warmup)) if packed else ()),
             ("seed", cfg.seed),
             ("window_steps", cfg.plan_window_steps),
             ("micro_batches_per_step", cfg.micro_batches_per_step),
@@ -467,7 +481,16 @@ def _planned_stages(cfg: OrderingConfig, args: BuildArgs) -> Iterator[Stage]:
         ),
     )
     yield Stage(ENCODE, "the task encoder's encode_sample (stateless)", energon=True)
-    if cfg.seq_length_warmup is not None:
+    if packed:
+        yield Stage(
+            PLANNED_PACK,
+            "groups the encoded samples into the plan's packs, cuts a sample to its pack's cap, "
+            f"and packs each with {args.packer[1]} (the plan replaces {args.packer[0]} and "
+            "Energon's packing buffer)",
+            (("overflow", cfg.seq_length_overflow),
+             ("micro_batches_per_step", cfg.micro_batches_per_step)),
+        )
+    elif cfg.seq_length_warmup is not None:
         yield _warmup_stage(cfg)
     yield from _batch_tail(args, args.batch_size)
 

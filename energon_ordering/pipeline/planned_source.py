@@ -483,11 +483,12 @@ class PlannedSourceDataset(SavableDataset[Any]):
                                                 thread_name_prefix="planned-prefetch")
         return [self._executor.submit(self._read, int(g)) for g in gids]
 
-    def _load(self, gid: int, raw: Any = None) -> Any:
-        """Sample ``gid`` decoded by Energon's load functions (``raw``: already read)."""
+    def _load(self, gid: int, raw: Any = None, tag: tuple[int, ...] = ()) -> Any:
+        """Sample ``gid`` decoded by Energon's load functions (``raw``: already read); ``tag``
+        extends its restore key (:meth:`_sample_tag`)."""
         (source,), (index,) = self.ids.split(np.array([gid]))
         source, index = int(source), int(index)
-        key = (RESTORE_KIND, source, index)
+        key = (RESTORE_KIND, source, index, *tag)
         if raw is None:
             raw = self.readers[source].read(index)
         sample: Any = RawSampleData(__restore_key__=key, data=(raw,))
@@ -504,12 +505,11 @@ class PlannedSourceDataset(SavableDataset[Any]):
         if self._next is None:
             self._next = self._start_step * self.micro_batches_per_step \
                 + self.worker_config.rank_worker_id()
-        end = self.end_step()
         M, K = self.micro_batches_per_step, self.window_steps
         ahead: dict[int, list[Future]] = {}  # micro-batch -> its reads, started
         while True:
             b, j = self._next, self._offset
-            if end is not None and b // M >= end:
+            if self._epoch_over(b):
                 # the epoch's end: the next iteration is the next epoch, as Energon's reader
                 # resets itself at the end of a finite epoch
                 self._start_epoch(self._epoch + 1)
@@ -519,17 +519,28 @@ class PlannedSourceDataset(SavableDataset[Any]):
             if self.prefetch_threads > 0:
                 reads = ahead.pop(b, None) or ([None] * j + self._prefetch(ids[j:]))
                 nb = b + workers  # this worker's next micro-batch, if its plan is at hand
-                if nb // M // K == b // M // K and (end is None or nb // M < end):
+                if nb // M // K == b // M // K and not self._epoch_over(nb):
                     ahead[nb] = self._prefetch(self.micro_batch_ids(nb))
             for pos in range(j, len(ids)):
                 read = reads[pos]
-                sample = self._load(int(ids[pos]), None if read is None else read.result())
+                sample = self._load(int(ids[pos]), None if read is None else read.result(),
+                                    self._sample_tag(b, pos))
                 # the state after this yield: the next sample of the plan
                 if pos + 1 == len(ids):
                     self._next, self._offset = b + workers, 0
                 else:
                     self._offset = pos + 1
                 yield sample
+
+    def _epoch_over(self, b: int) -> bool:
+        """True if micro-batch ``b`` lies beyond the end of a finite epoch."""
+        end = self.end_step()
+        return end is not None and b // self.micro_batches_per_step >= end
+
+    def _sample_tag(self, b: int, pos: int) -> tuple[int, ...]:
+        """What the restore key of micro-batch ``b``'s ``pos``-th sample carries besides
+        (kind, source, index): nothing here (packing: its pack, see the subclass)."""
+        return ()
 
     def _start_epoch(self, epoch: int) -> None:
         self._epoch = epoch
@@ -556,13 +567,14 @@ class PlannedSourceDataset(SavableDataset[Any]):
         return True
 
     def restore_sample(self, restore_key: tuple[Any, ...]) -> Any:
-        if (len(restore_key) != 3 or restore_key[0] != RESTORE_KIND
+        if (len(restore_key) < 3 or restore_key[0] != RESTORE_KIND
                 or not 0 <= int(restore_key[1]) < len(self.readers)):
             raise OrderingConfigError(
                 f"PlannedSourceDataset: restore key {show(restore_key)} is not "
-                f"({show(RESTORE_KIND)}, source, index).")
-        _, source, index = restore_key
-        return self._load(int(self.ids.join(np.array([source]), np.array([index]))[0]))
+                f"({show(RESTORE_KIND)}, source, index, ...).")
+        _, source, index, *tag = restore_key
+        return self._load(int(self.ids.join(np.array([source]), np.array([index]))[0]),
+                          tag=tuple(tag))
 
     def config(self) -> dict[str, Any]:
         return {

@@ -62,7 +62,7 @@ from energon_ordering.warmup.cap_cut import LOG_FIRST, CapCutter, CapWording, ne
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.token_layout import TokenLayout, truncate_sample
 
-__all__ = ["PackCapDataset", "PackCapPrePacker", "pack_target", "round_target"]
+__all__ = ["PACK_WORDING", "PackCapDataset", "PackCapPrePacker", "pack_target", "round_target"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ T_sample = TypeVar("T_sample")
 #: (``_counts["packs_over_cap"]``).
 STATE_VERSION = 2
 
-_WORDING = CapWording(
+PACK_WORDING = CapWording(
     stage="Sequence packing",
     cap="pack target",
     kept="packed alone, uncut",
@@ -187,7 +187,7 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
                 f"PackCapDataset: pack_seq_length = {show(pack_seq_length)} must be an int >= 1 or None."
             )
         layout = TokenLayout() if layout is None else layout
-        cutter = CapCutter(overflow=overflow, layout=layout, wording=_WORDING, owner="PackCapDataset")
+        cutter = CapCutter(overflow=overflow, layout=layout, wording=PACK_WORDING, owner="PackCapDataset")
         if isinstance(micro_batches_per_step, bool) or not isinstance(micro_batches_per_step, int) or micro_batches_per_step < 1:
             raise OrderingConfigError(
                 f"PackCapDataset: micro_batches_per_step = {show(micro_batches_per_step)} must be an int >= 1."

@@ -1,0 +1,335 @@
+"""The planned global order with sequence packing: this rank's packs of the plan.
+
+With ``length_sort_mode = "planned"`` and packing (``packing_buffer_size``), the plan decides
+the packs (:func:`energon_ordering.planned.packs.plan_packed_window`): every step's R x M x B
+packs are built to the step's cap (``pack_seq_length``, or the sequence-length warmup's cap at
+that step) and balanced across the ranks by attention cost. This rank reads the samples of its
+packs as :class:`~.planned_source.PlannedSourceDataset` reads a micro-batch's, and the
+pipeline continues::
+
+    PlannedPackSourceDataset -> encode_sample -> PlannedPackDataset -> BatchDataset -> stamp
+
+Each sample's restore key carries its pack (:meth:`PlannedPackSourceDataset._sample_tag`:
+micro-batch, pack, position, pack size, cap), so :class:`PlannedPackDataset` groups the encoded
+samples into the plan's packs, cuts a sample longer than the cap with the warmup's cutter, and
+calls the encoder's ``pack_selected_samples`` on each (the encoder's ``select_samples_to_pack``
+is not used: the plan selected). A micro-batch is B packs.
+
+State: the source's (the next micro-batch, the sample within it, the plan cursor) and the
+encoded samples of the pack being filled (their restore keys, as Energon's buffers save them).
+A resume re-plans the window from the cursor and continues exactly.
+
+Not supported (refused by name): a resume onto another data-parallel size, micro-batch count or
+global batch (the packs of a step are planned for one shape).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable
+
+import numpy as np
+from megatron.energon.flavors.base_dataset import SavableDataset, set_sample_restore_key
+from megatron.energon.wrappers.base import BaseWrapperDataset, get_sample_restore_key
+from megatron.energon.wrappers.buffer import SavableSampleBuffer
+from megatron.energon.worker import WorkerConfig
+
+from energon_ordering.errors import OrderingConfigError, StateMismatchError, show
+from energon_ordering.planned.cursor import PlanCursor
+from energon_ordering.planned.packs import PACKED_PLAN_VERSION, PackedWindowPlan, plan_packed_window
+from energon_ordering.warmup.cap_cut import CapCutter, new_counts
+from energon_ordering.warmup.pack_cap import PACK_WORDING, pack_target
+from energon_ordering.warmup.schedule import SeqLenWarmup
+from energon_ordering.warmup.token_layout import TokenLayout
+
+from .planned_source import RESTORE_KIND, PlannedSourceDataset, _cursor_of, _cursor_state
+
+__all__ = ["PlannedPackDataset", "PlannedPackSourceDataset", "pack_tag"]
+
+logger = logging.getLogger(__name__)
+
+#: Fields of a sample's pack tag in its restore key, after (kind, source, index).
+TAG_FIELDS = ("micro_batch", "pack", "position", "pack_size", "cap")
+
+
+def pack_tag(sample: Any) -> tuple[int, int, int, int, int] | None:
+    """The pack tag (micro-batch, pack, position, pack size, cap) of an encoded sample, read
+    from its restore key (None: not a sample of a packed plan)."""
+    key = get_sample_restore_key(sample)
+    if key is None:
+        return None
+    key = tuple(key)
+    for i in range(len(key) - 2, -1, -1):
+        if key[i] == RESTORE_KIND and len(key) - i == 3 + len(TAG_FIELDS):
+            return tuple(int(x) for x in key[i + 3:])  # type: ignore[return-value]
+    return None
+
+
+class PlannedPackSourceDataset(PlannedSourceDataset):
+    """This rank's packs of the planned global order (see the module docstring).
+
+    Args (besides :class:`~.planned_source.PlannedSourceDataset`'s; ``batch_size`` is B, packs
+    per micro-batch):
+        pack_seq_length: Tokens per pack (None: the warmup's ``full``).
+        warmup: The sequence-length warmup (packs of step s hold at most its cap at s), or None.
+    """
+
+    def __init__(self, *args: Any, pack_seq_length: int | None,
+                 warmup: SeqLenWarmup | None, **kwargs: Any):
+        if pack_seq_length is None and warmup is None:
+            raise OrderingConfigError(
+                "OrderingConfig.length_sort_mode = 'planned' with packing plans packs to a cap: "
+                "set OrderingConfig.pack_seq_length (Megatron: --packing-seq-length).")
+        self.pack_seq_length = pack_seq_length
+        self.warmup = warmup
+        self._plan: PackedWindowPlan | None = None
+        super().__init__(*args, **kwargs)
+        if self.allow_global_batch_change:
+            raise OrderingConfigError(
+                "OrderingConfig.allow_global_batch_change = true: the planned order with packing "
+                "plans each step's packs for one global batch; drop allow_global_batch_change or "
+                "packing.")
+        self._rank_window: int | None = None
+        self._rank_steps: list[tuple[np.ndarray, np.ndarray]] | None = None
+
+    def _expected_stamp(self) -> dict[str, Any]:
+        return {
+            **super()._expected_stamp(),
+            "packing": {
+                "packed_plan_version": PACKED_PLAN_VERSION,
+                "pack_seq_length": self.pack_seq_length,
+                "warmup": None if self.warmup is None else self.warmup.to_dict(),
+            },
+        }
+
+    def end_step(self) -> int | None:
+        """Unknown before the plan reaches it: a packed step's sample count depends on the
+        lengths drawn (see :meth:`_epoch_over`)."""
+        return None
+
+    def reset_state_own(self) -> None:
+        super().reset_state_own()
+        self._plan = None
+        self._rank_window = None
+        self._rank_steps = None
+
+    def restore_state(self, state: Any) -> None:
+        super().restore_state(state)
+        self._plan = None
+        self._rank_window = None
+        self._rank_steps = None
+
+    def restore_elastic(self, saved: Sequence[tuple[Any, int]]) -> None:
+        known = [state for state, _ in saved if state is not None]
+        if known:
+            old = known[0]["_stamp"]
+            now = (int(self.worker_config.world_size), self.micro_batches_per_step,
+                   self.batch_size)
+            was = (int(old["world_size"]), int(old["micro_batches_per_step"]),
+                   int(old["batch_size"]))
+            if was != now:
+                raise StateMismatchError(
+                    f"PlannedPackSourceDataset: the state was saved at {was[0]} ranks x {was[1]} "
+                    f"micro-batches x {was[2]} packs, this loader runs {now[0]} x {now[1]} x "
+                    f"{now[2]}; the planned order with packing plans each step's packs for one "
+                    "shape and cannot resume onto another yet: resume at the saved shape, or "
+                    "drop packing for an elastic resume.")
+        super().restore_elastic(saved)
+
+    # -- the plan --------------------------------------------------------------------------
+
+    def _caps(self, first: int, steps: int) -> list[int]:
+        return [int(pack_target(first + t, self.pack_seq_length, self.warmup))
+                for t in range(steps)]
+
+    def _plan_from(self, cursor: PlanCursor) -> PackedWindowPlan:
+        K = self.window_steps
+        first = cursor.window * K
+        limits = None
+        if self.finite:
+            limits = [(self._epoch + 1) * n for n in self.ids.sizes]
+        plan = plan_packed_window(
+            self.lengths, seed=self.seed, cursor=cursor,
+            weights=self._step_weights(first, K), caps=self._caps(first, K),
+            world_size=int(self.worker_config.world_size), micro_batch=self.batch_size,
+            micro_batches_per_step=self.micro_batches_per_step, epoch_limits=limits)
+        if self.finite and cursor.window == 0 and plan.steps == 0:
+            raise OrderingConfigError(
+                f"planned order: a finite epoch (repeat=False) of sources of "
+                f"{list(self.ids.sizes)} samples holds no full optimizer step of "
+                f"{self._global_batch()} packs; use more data, a smaller global batch, or "
+                "repeat=True.")
+        return plan
+
+    def packed_plan(self, window: int) -> PackedWindowPlan:
+        """The packed plan of ``window`` (a plan with fewer steps than ``plan_window_steps``,
+        possibly none, once a finite epoch ends), advancing the saved cursor to it."""
+        plan = self._plan
+        if plan is not None and plan.cursor.window == window:
+            return plan
+        cursor = _cursor_of(self._cursor)
+        if window < cursor.window:
+            raise OrderingConfigError(
+                f"PlannedPackSourceDataset: window {window} lies before the cursor's window "
+                f"{cursor.window}; the state is inconsistent, start fresh.")
+        while True:
+            if plan is not None and plan.cursor.window == cursor.window:
+                pass  # the cached plan of the cursor's window
+            else:
+                plan = self._plan_from(cursor)
+            if cursor.window == window or plan.epoch_end:
+                break
+            cursor = plan.next_cursor
+        self._plan = plan
+        self._cursor = _cursor_state(plan.cursor)
+        return plan
+
+    def _epoch_over(self, b: int) -> bool:
+        if not self.finite:
+            return False
+        window, t = divmod(b // self.micro_batches_per_step, self.window_steps)
+        plan = self.packed_plan(window)
+        return plan.cursor.window < window or t >= plan.steps
+
+    def _rank_step(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        window, t = divmod(step, self.window_steps)
+        if self._rank_window != window or self._rank_steps is None:
+            plan = self.packed_plan(window)
+            rank = int(self.worker_config.rank)
+            self._rank_steps = [tuple(np.copy(x) for x in plan.rank_step(k, rank))
+                                for k in range(plan.steps)]  # type: ignore[misc]
+            self._rank_window = window
+        return self._rank_steps[t]
+
+    def _micro_batch(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Micro-batch ``b``'s ids and the ``[B + 1]`` offsets of its packs in them."""
+        step, m = divmod(int(b), self.micro_batches_per_step)
+        ids, bounds = self._rank_step(step)
+        B = self.batch_size
+        mb = bounds[m * B:(m + 1) * B + 1]
+        return ids[mb[0]:mb[-1]], mb - mb[0]
+
+    def micro_batch_ids(self, b: int) -> np.ndarray:
+        return self._micro_batch(b)[0]
+
+    def _sample_tag(self, b: int, pos: int) -> tuple[int, ...]:
+        _, bounds = self._micro_batch(b)
+        p = int(np.searchsorted(bounds, pos, "right")) - 1
+        step = int(b) // self.micro_batches_per_step
+        cap = int(pack_target(step, self.pack_seq_length, self.warmup))
+        return (int(b), p, int(pos - bounds[p]), int(bounds[p + 1] - bounds[p]), cap)
+
+    def len_worker(self, worker_idx: int | None = None) -> int:
+        """Samples of one pass over all sources, this worker's share (an estimate: a packed
+        step's sample count depends on the lengths drawn)."""
+        return max(1, self.ids.total // (int(self.worker_config.world_size) * self._workers()))
+
+    def __str__(self) -> str:
+        return (f"PlannedPackSourceDataset(sources={list(self.ids.sizes)}, seed={self.seed}, "
+                f"window_steps={self.window_steps}, micro_batches_per_step="
+                f"{self.micro_batches_per_step}, packs_per_micro_batch={self.batch_size}, "
+                f"pack_seq_length={self.pack_seq_length}, warmup={self.warmup})")
+
+
+class PlannedPackDataset(BaseWrapperDataset[Any, Any]):
+    """Groups the encoded samples of :class:`PlannedPackSourceDataset` into the plan's packs.
+
+    A pack is complete when its last sample arrives; a sample of another pack arriving first
+    (the encoder skipped one) completes the one being filled. Each sample longer than its
+    pack's cap is cut to it by the cutter sequence packing uses in every mode
+    (:class:`~energon_ordering.warmup.cap_cut.CapCutter`, with ``seq_length_overflow`` for
+    media beyond the cap), and ``final_packer`` (the encoder's ``pack_selected_samples``) makes
+    the pack. A restored pack is cut and packed again from its samples' restore keys.
+
+    Args:
+        dataset: The encoded samples (``encode_sample`` over the packed source).
+        final_packer: ``list of samples -> packed sample``.
+        layout: How to cut the encoder's samples (``ordering_token_layout``).
+        overflow: ``seq_length_overflow``.
+        sample_encoder: The encoder's own ``postencode_sample``, applied to a pack's samples
+            before ``final_packer`` as Energon's packer does (None: the encoder has none).
+        micro_batches_per_step: M (the step of a pack, for ``cut``).
+    """
+
+    _savable_fields = ("_buffer",)
+
+    def __init__(self, dataset: SavableDataset, *, final_packer: Callable[[list[Any]], Any],
+                 layout: TokenLayout, overflow: str, micro_batches_per_step: int,
+                 sample_encoder: Callable[[Any], Any] | None = None,
+                 worker_config: WorkerConfig):
+        super().__init__(dataset, worker_config=worker_config)
+        self.final_packer = final_packer
+        self.sample_encoder = sample_encoder
+        self.cutter = CapCutter(overflow=overflow, layout=layout, wording=PACK_WORDING,
+                                owner=type(self).__name__)
+        #: cut / kept / dropped samples (diagnostics; not saved)
+        self.counts = new_counts()
+        self.micro_batches_per_step = int(micro_batches_per_step)
+        self.reset_state_own()
+
+    def reset_state_own(self) -> None:
+        # the encoded samples of the pack being filled (saved as their restore keys)
+        self._buffer = SavableSampleBuffer(self.dataset, worker_config=self.worker_config)
+
+    def len_worker(self, worker_idx: int | None = None) -> int:
+        return self.dataset.len_worker(worker_idx)
+
+    def _pack(self, samples: list[Any], keys: Sequence[Any]) -> Any:
+        tag = pack_tag(samples[0])
+        assert tag is not None
+        step = tag[0] // self.micro_batches_per_step
+        kept = (self.cutter.cut(x, tag[4], step=step, counts=self.counts) for x in samples)
+        cut = [k[0] for k in kept if k is not None]
+        if not cut:
+            return None
+        if self.sample_encoder is not None:  # as Energon's packer: on the selected samples
+            cut = [self.sample_encoder(x) for x in cut]
+        packed = self.final_packer(cut)
+        return set_sample_restore_key(packed, *keys, src=self)
+
+    def __iter__(self) -> Iterator[Any]:
+        buf = self._buffer
+        buf.worker_start()  # a restored buffer re-reads its samples
+        for sample in self.dataset:
+            tag = pack_tag(sample)
+            if tag is None:
+                raise OrderingConfigError(
+                    f"PlannedPackDataset: a sample without a pack tag in its restore key "
+                    f"({show(get_sample_restore_key(sample))}); the encoder's encode_sample must keep "
+                    "the sample's __restore_key__ (Energon does by default).")
+            if len(buf.buffer) and pack_tag(buf.buffer[0])[:2] != tag[:2]:
+                samples, keys = buf.flush()
+                out = self._pack(samples, keys)
+                if out is not None:
+                    yield out
+            buf.append(sample)
+            if tag[2] + 1 == tag[3]:
+                samples, keys = buf.flush()
+                out = self._pack(samples, keys)
+                if out is not None:
+                    yield out
+        if len(buf.buffer):
+            samples, keys = buf.flush()
+            out = self._pack(samples, keys)
+            if out is not None:
+                yield out
+
+    def can_restore_sample(self) -> bool:
+        return self.dataset.can_restore_sample()
+
+    def restore_sample(self, restore_key: tuple[Any, ...]) -> Any:
+        kind, *keys = restore_key
+        if kind != type(self).__name__:
+            raise OrderingConfigError(
+                f"PlannedPackDataset: restore key {show(restore_key)} is not ours.")
+        samples = [self.dataset.restore_sample(k) for k in keys]
+        return self._pack(samples, keys)
+
+    def config(self) -> dict[str, Any]:
+        return {"type": type(self).__qualname__, "dataset": self.dataset.config(),
+                "final_packer": self._function_config(self.final_packer),
+                "micro_batches_per_step": self.micro_batches_per_step}
+
+    def __str__(self) -> str:
+        return f"PlannedPackDataset(final_packer={self.final_packer}, dataset={self.dataset})"

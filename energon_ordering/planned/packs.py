@@ -1,0 +1,282 @@
+"""Packing in the planned global order: every step's packs, built to the step's cap, balanced.
+
+With sequence packing (``packing_buffer_size``) a micro-batch is B *packs*, each a group of
+samples whose tokens fit the cap of the step it is emitted in (``pack_seq_length``, or the
+sequence-length warmup's cap at that step). The plan decides the packs, so every rank
+computes the same ones and no rank packs its own slice. Per optimizer step (G = R M B packs):
+
+1. **How many samples** (:func:`plan_packed_step`). The step's source counts for n samples are
+   :func:`~energon_ordering.mixture.step_source_counts` of the step's weights for n draws with
+   the carry (each source within one sample of ``weight x n``; cumulative counts track the
+   integral). n is the largest count whose draws' tokens (each sample's length, cut to the
+   cap) fit ``G x cap`` (bisection), then lowered by the samples :func:`fill_packs` could not
+   place until every drawn sample fits: the step's counts stay exact for its n.
+2. **Packs and ranks** (:func:`fill_packs`). Every rank owns ``M B`` packs (its M
+   micro-batches of B packs). The drawn samples, longest first, go to the rank with the
+   smallest attention cost ``sum(L + L^2/4096)`` so far (longest-processing-time dealing,
+   vectorised in rounds), into its cheapest pack that still has room. Ranks' costs agree to
+   within about one sample's cost, and a rank's packs fill evenly.
+
+A window (:func:`plan_packed_window`) plans its K steps one after the other from the plan
+cursor (the permutation draws, the carry), so the plan stays a pure function of global
+information, like :func:`~.window.plan_window`. A finite epoch ends before the first step that
+would need more samples of a source than its epoch has left (:attr:`PackedWindowPlan.epoch_end`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from energon_ordering.errors import OrderingConfigError, show
+from energon_ordering.mixture.step_counts import step_source_counts
+
+from .balance import sample_cost
+from .cursor import PlanCursor, check_window_steps, draws
+from .sample_ids import SampleIds
+
+__all__ = ["PACKED_PLAN_VERSION", "PackedWindowPlan", "fill_packs",
+           "plan_packed_step", "plan_packed_window"]
+
+#: Bumped whenever a packed plan changes for the same inputs; a packed planned state stamps it.
+PACKED_PLAN_VERSION = 1
+
+
+def fill_packs(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: int) -> np.ndarray:
+    """Assigns items to the ``packs_per_rank`` packs of ``cap`` tokens of each of R ranks,
+    balancing the ranks' attention costs.
+
+    Items go longest first (ties by index), in rounds: the round's i-th item goes to the rank
+    with the i-th smallest cost so far (ties by rank), into that rank's pack with the smallest
+    cost among those with room for it (ties by pack). A round serves only the ranks with room
+    for its longest item whose cost is within that item's cost of the cheapest such rank, so it
+    deals as longest-processing-time dealing one item at a time would, vectorised. An item that
+    fits no pack any more stays unplaced.
+
+    Args:
+        lengths: Tokens of each item (already cut to ``cap``: longer items never fit).
+        world_size: R. packs_per_rank: P (>= 1 each).
+        cap: Tokens per pack.
+
+    Returns:
+        ``[n]`` flat pack index ``rank * P + pack`` of each item (``int64``), -1 for an item no
+        pack could take.
+    """
+    L = np.asarray(lengths, dtype=np.float64)
+    cost = sample_cost(L)
+    R, P = int(world_size), int(packs_per_rank)
+    load = np.zeros((R, P))
+    pcost = np.zeros((R, P))
+    rcost = np.zeros(R)
+    out = np.full(len(L), -1, dtype=np.int64)
+
+    queue = np.argsort(-L, kind="stable")
+    while len(queue):
+        room = (cap - load).max(axis=1)
+        # the longest items fit no pack any more (rooms only shrink): they stay unplaced
+        queue = queue[int(np.searchsorted(-L[queue], -room.max(), "left")):]
+        if not len(queue):
+            break
+        big = queue[0]
+        roomy = np.flatnonzero(room >= L[big])
+        roomy = roomy[np.argsort(rcost[roomy], kind="stable")]
+        # as longest-processing-time dealing one item at a time would: the ranks with room
+        # within the longest item's cost of the cheapest of them take one item each, in order
+        take = int(np.searchsorted(rcost[roomy], rcost[roomy[0]] + cost[big], "right"))
+        items, queue = queue[:take], queue[take:]
+        ranks = roomy[:len(items)]
+        # each item into its rank's cheapest pack with room (every rank here has room for it)
+        ok = (cap - load[ranks]) >= L[items][:, None]
+        pk = np.argmin(np.where(ok, pcost[ranks], np.inf), axis=1)
+        out[items] = ranks * P + pk
+        load[ranks, pk] += L[items]  # one item per rank in a round
+        pcost[ranks, pk] += cost[items]
+        rcost[ranks] += cost[items]
+    return out
+
+
+class _Draws:
+    """The upcoming draws of one source in a window: lengths cut to a cap, fetched on demand."""
+
+    def __init__(self, seed: int, source: int, lengths: np.ndarray, first: int):
+        self.seed, self.source, self.lengths, self.first = seed, source, lengths, int(first)
+        self.index = np.empty(0, dtype=np.int64)
+        self.length = np.empty(0)
+
+    def ensure(self, count: int) -> None:
+        have = len(self.index)
+        if count <= have:
+            return
+        more = max(int(count) - have, have, 256)
+        ix = draws(self.seed, self.source, len(self.lengths), self.first + have, more)
+        self.index = np.concatenate((self.index, ix))
+        self.length = np.concatenate((self.length, np.asarray(self.lengths, np.float64)[ix]))
+
+    def take(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Removes and returns the next ``count`` draws (indices, lengths)."""
+        self.ensure(count)
+        ix, ln = self.index[:count], self.length[:count]
+        self.index, self.length = self.index[count:], self.length[count:]
+        self.first += count
+        return ix, ln
+
+
+def plan_packed_step(streams: Sequence[_Draws], weights: np.ndarray, carry: np.ndarray, *,
+                     cap: int, world_size: int, packs_per_rank: int,
+                     limits: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """How many of each source's next draws one step takes, and its packs (see the module).
+
+    Returns:
+        ``(counts [S], carry [S], pack of each taken draw)`` (draws in source order), or None if
+        the step would need more samples of a source than ``limits`` allows (a finite epoch's
+        end).
+    """
+    G = int(world_size) * int(packs_per_rank)
+    w = np.asarray(weights, dtype=np.float64)[None, :]
+
+    def counts_of(n: int) -> tuple[np.ndarray, np.ndarray]:
+        c, e = step_source_counts(w, n, carry)
+        return c[0].astype(np.int64), e
+
+    def over(c: np.ndarray) -> bool:
+        return limits is not None and bool((c > limits).any())
+
+    def tokens(c: np.ndarray) -> float:
+        total = 0.0
+        for s, k in enumerate(c.tolist()):
+            if k:
+                streams[s].ensure(k)
+                total += float(np.minimum(streams[s].length[:k], cap).sum())
+        return total
+
+    budget = float(G) * float(cap)
+    lo = G
+    if over(counts_of(lo)[0]):
+        return None
+    hi = 2 * G
+    while tokens(counts_of(hi)[0]) <= budget and not over(counts_of(hi)[0]):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:  # the largest n whose draws fit G x cap tokens (and the limits)
+        mid = (lo + hi) // 2
+        c = counts_of(mid)[0]
+        if tokens(c) <= budget and not over(c):
+            lo = mid
+        else:
+            hi = mid
+    n = lo
+    while True:
+        c, e = counts_of(n)
+        L = np.concatenate([np.minimum(streams[s].length[:k], cap) for s, k in enumerate(c)])
+        pack = fill_packs(L, world_size, packs_per_rank, cap)
+        unplaced = int((pack < 0).sum())
+        if unplaced == 0:
+            return c, e, pack
+        n = max(G, n - unplaced)  # G samples always fit: one per pack
+
+
+@dataclass(frozen=True)
+class PackedWindowPlan:
+    """The packed plan of one window.
+
+    Attributes:
+        ids: Global sample ids of every pack, in (step, rank, micro-batch, pack, position)
+            order.
+        offsets: ``[steps * R * M * B + 1]``: where each pack starts in ``ids``.
+        counts: ``[steps, S]`` samples per step and source.
+        caps: ``[steps]`` tokens per pack of each step.
+        cursor: The cursor this window started from. next_cursor: The next window's.
+        epoch_end: A finite epoch ends after this window's ``len(counts)`` steps (fewer than
+            ``plan_window_steps`` if it ends inside the window).
+    """
+
+    ids: np.ndarray
+    offsets: np.ndarray
+    counts: np.ndarray
+    caps: np.ndarray
+    cursor: PlanCursor
+    next_cursor: PlanCursor
+    epoch_end: bool
+    shape: tuple[int, int, int]
+
+    @property
+    def steps(self) -> int:
+        return len(self.counts)
+
+    def rank_step(self, step: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """``rank``'s samples of the window's ``step`` (flat, in pack order) and the ``[M B +
+        1]`` offsets of its packs in them."""
+        R, M, B = self.shape
+        p0 = (step * R + rank) * M * B
+        bounds = self.offsets[p0:p0 + M * B + 1]
+        return self.ids[bounds[0]:bounds[-1]], bounds - bounds[0]
+
+
+def plan_packed_window(
+    lengths: Sequence[np.ndarray],
+    *,
+    seed: int,
+    cursor: PlanCursor,
+    weights: np.ndarray,
+    caps: Sequence[int],
+    world_size: int,
+    micro_batch: int,
+    micro_batches_per_step: int,
+    epoch_limits: Sequence[int] | None = None,
+) -> PackedWindowPlan:
+    """Plans window ``cursor.window`` with packing: K = ``len(caps)`` steps of
+    ``R x M x B`` packs, the packs of step t built to ``caps[t]`` tokens.
+
+    Args:
+        lengths: Per source, every sample's length (the length index).
+        seed: The ordering seed. cursor: Where the window starts.
+        weights: ``[K, S]`` normalised weights of the window's steps.
+        caps: Tokens per pack of each step (``pack_seq_length``, or the warmup's cap).
+        world_size: R. micro_batch: B, packs per micro-batch. micro_batches_per_step: M.
+        epoch_limits: A finite epoch: per source, the draw count (over all source epochs) the
+            epoch ends at; None: the sources repeat.
+    """
+    ids_of = SampleIds.of([len(x) for x in lengths])
+    S = len(ids_of.sizes)
+    K = check_window_steps(len(caps))
+    R, B, M = int(world_size), int(micro_batch), int(micro_batches_per_step)
+    w = np.asarray(weights, dtype=np.float64)
+    if w.shape != (K, S):
+        raise OrderingConfigError(
+            f"planned packing: weights have shape {w.shape}, expected (steps={K}, sources={S}).")
+    for t, c in enumerate(caps):
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or int(c) < 1:
+            raise OrderingConfigError(
+                f"planned packing: the pack cap of step {t} is {show(c)}; set "
+                "OrderingConfig.pack_seq_length (Megatron: --packing-seq-length) to an int >= 1.")
+    G = R * M * B
+    streams = [_Draws(seed, s, lengths[s], cursor.drawn[s]) for s in range(S)]
+    carry = np.asarray(cursor.carry, dtype=np.float64)
+    drawn = np.asarray(cursor.drawn, dtype=np.int64)
+    all_ids, all_sizes, counts, epoch_end = [], [], [], False
+    for t in range(K):
+        limits = None if epoch_limits is None else np.asarray(epoch_limits) - drawn
+        step = plan_packed_step(streams, w[t], carry, cap=int(caps[t]), world_size=R,
+                                packs_per_rank=M * B, limits=limits)
+        if step is None:
+            epoch_end = True
+            break
+        c, carry, pack = step
+        taken = [streams[s].take(int(k)) for s, k in enumerate(c)]
+        gid = np.concatenate([ix + off for (ix, _), off in zip(taken, ids_of.offsets.tolist())])
+        # packs in (rank, micro-batch, pack) order, samples in draw order within each
+        all_ids.append(gid[np.argsort(pack, kind="stable")])
+        all_sizes.append(np.bincount(pack, minlength=G))
+        counts.append(c)
+        drawn = drawn + c
+    counts_arr = (np.asarray(counts, dtype=np.int64) if counts
+                  else np.zeros((0, S), dtype=np.int64))
+    sizes_all = np.concatenate(all_sizes) if all_sizes else np.zeros(0, dtype=np.int64)
+    offsets = np.concatenate(([0], np.cumsum(sizes_all))).astype(np.int64)
+    ids = np.concatenate(all_ids) if all_ids else np.zeros(0, dtype=np.int64)
+    nxt = PlanCursor(cursor.window + 1, tuple(int(d) for d in drawn),
+                     tuple(float(x) for x in carry))
+    return PackedWindowPlan(ids, offsets, counts_arr, np.asarray(caps[:len(counts)], np.int64),
+                            cursor, nxt, epoch_end, (R, M, B))

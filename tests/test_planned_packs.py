@@ -1,0 +1,184 @@
+"""``length_sort_mode: planned`` with sequence packing on real pipelines (issue 23): every rank
+reads the plan's packs, each within its step's cap; exact resume at every cut with loader
+workers 0-3; a finite epoch draws every sample at most once and ends on the same step everywhere;
+an elastic resume is refused by name.
+
+Real prepared datasets with length indexes, real ``get_train_dataset(packing_buffer_size=...)``
++ ``get_savable_loader`` per simulated rank; the expected packs come from
+:func:`energon_ordering.planned.packs.plan_packed_window`.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from energon_ordering import OrderingConfig
+from energon_ordering.errors import OrderingConfigError, StateMismatchError
+from energon_ordering.inspect.rank_simulation import (
+    build_train_loader,
+    close_loader,
+    record_batch,
+    run_ranks,
+    run_saving_every_step,
+    run_with_cuts,
+)
+from energon_ordering.inspect.synthetic import SourceSpec
+from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
+from energon_ordering.planned.cursor import PlanCursor
+from energon_ordering.planned.packs import plan_packed_window
+from energon_ordering.state_stamp import restore_state_rank
+from energon_ordering.warmup.pack_cap import pack_target
+from energon_ordering.warmup.schedule import SeqLenWarmup
+
+sys.path.insert(0, str(Path(__file__).parent))
+from indexed_data import indexed_synthetic  # noqa: E402
+from test_planned_source import _readers  # noqa: E402
+
+B, M, K, CAP = 1, 2, 2, 1024
+
+
+def packed(**kw) -> OrderingConfig:
+    return OrderingConfig(**{**dict(
+        length_sort_mode="planned", length_sort_placement="pre-encode",
+        length_sort_pool_holds="keys", micro_batches_per_step=M, seed=5, plan_window_steps=K,
+        pack_seq_length=CAP), **kw})
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return indexed_synthetic(
+        tmp_path_factory.mktemp("planned_packs"),
+        [SourceSpec("web", 160, "short", weight=0.7), SourceSpec("code", 96, "long", weight=0.3)],
+        shard_size=32)
+
+
+def _loader(data, *, rank=0, world_size=2, num_workers=0, repeat=True, **cfg):
+    return build_train_loader(data, ordering=packed(**cfg), rank=rank, world_size=world_size,
+                              num_workers=num_workers, batch_size=B, repeat=repeat,
+                              packing_buffer_size=32,
+                              task_encoder_factory=IndexedSyntheticTaskEncoder)
+
+
+def expected_packs(data, world_size, micro_batches, warmup=None):
+    """``packs[rank][b]``: the keys of each pack of rank's micro-batch b, from the pure plan."""
+    readers = _readers(data)
+    lengths = [np.array([r.visit(i)[2] for i in range(len(r))]) for r in readers]
+    offsets = np.concatenate(([0], np.cumsum([len(x) for x in lengths])))
+    cursor = PlanCursor.start(2)
+    out = [[] for _ in range(world_size)]
+    w = np.array([0.7, 0.3])
+    while len(out[0]) < micro_batches:
+        first = cursor.window * K
+        plan = plan_packed_window(
+            lengths, seed=5, cursor=cursor, weights=np.tile(w, (K, 1)),
+            caps=[pack_target(first + t, CAP, warmup) for t in range(K)],
+            world_size=world_size, micro_batch=B, micro_batches_per_step=M)
+        for t in range(K):
+            for r in range(world_size):
+                ids, bounds = plan.rank_step(t, r)
+                for m in range(M):
+                    mb = []
+                    for p in range(m * B, (m + 1) * B):
+                        keys = []
+                        for gid in ids[bounds[p]:bounds[p + 1]]:
+                            s = int(np.searchsorted(offsets, gid, side="right") - 1)
+                            keys.append(readers[s].key(int(gid - offsets[s])))
+                        mb.append(tuple(keys))
+                    out[r].append(tuple(mb))
+        cursor = plan.next_cursor
+    return [rank[:micro_batches] for rank in out]
+
+
+def _packs_of(record):
+    """A record's keys regrouped into its packs."""
+    out, at = [], 0
+    for pack in record.pack_lengths:
+        out.append(tuple(record.keys[at:at + len(pack)]))
+        at += len(pack)
+    return tuple(out)
+
+
+def test_every_rank_reads_the_plans_packs_within_the_cap(data):
+    steps = 8  # 4 optimizer steps: windows 0 and 1
+    records = run_ranks(data, ordering=packed(), world_size=2, steps=steps, batch_size=B,
+                        packing_buffer_size=32, task_encoder_factory=IndexedSyntheticTaskEncoder)
+    want = expected_packs(data, 2, steps)
+    for rank in range(2):
+        assert [_packs_of(r) for r in records[rank]] == want[rank]
+        for r in records[rank]:
+            assert all(sum(p) <= CAP for p in r.pack_lengths)
+    assert any(len(p) > 1 for r in records[0] for p in r.pack_lengths)  # packs hold several
+
+
+def test_packs_follow_the_warmup_cap_of_their_step(data):
+    warm = {"start": 256, "full": CAP, "warmup_steps": 4}
+    steps = 10
+    records = run_ranks(data, ordering=packed(seq_length_warmup=warm), world_size=2,
+                        steps=steps, batch_size=B, packing_buffer_size=32,
+                        task_encoder_factory=IndexedSyntheticTaskEncoder)
+    warmup = SeqLenWarmup.from_dict(warm)
+    want = expected_packs(data, 2, steps, warmup)
+    caps = []
+    for rank in range(2):
+        assert [_packs_of(r) for r in records[rank]] == want[rank]
+        for b, r in enumerate(records[rank]):
+            cap = pack_target(b // M, CAP, warmup)
+            caps.append(cap)
+            assert all(sum(p) <= cap for p in r.pack_lengths), (b, cap, r.pack_lengths)
+    assert min(caps) < CAP  # the warmup ran
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, pytest.param(2, marks=pytest.mark.slow),
+                                         pytest.param(3, marks=pytest.mark.slow)])
+def test_exact_resume_at_every_cut(data, num_workers):
+    def make():
+        return _loader(data, rank=1, num_workers=num_workers)
+
+    total = 10
+    cuts = range(total + 1)  # every cut, the last micro-batch and after it
+    records, states = run_with_cuts(make, total + 3, cuts)
+    for cut in cuts:
+        loader = make()
+        restore_state_rank(loader, states[cut])
+        it = iter(loader)
+        got = [record_batch(next(it)) for _ in range(total + 3 - cut)]
+        del it
+        close_loader(loader)
+        assert got == records[cut:], cut
+
+
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_finite_epoch_draws_every_sample_once_and_resumes_exactly(data, num_workers):
+    runs = []
+    for rank in range(2):
+        runs.append(run_saving_every_step(
+            lambda rank=rank: _loader(data, rank=rank, repeat=False, num_workers=num_workers)))
+    records = [r for r, _ in runs]
+    assert len(records[0]) == len(records[1]) > 0 and len(records[0]) % M == 0
+    keys = [k for rank in records for r in rank for k in r.keys]
+    assert len(keys) == len(set(keys))  # no sample twice in the epoch
+    assert len(keys) > 0.8 * 256  # and most of it drawn
+    rec, states = runs[1]
+    for cut in (0, 3, len(rec) - 1, len(rec)):  # the last: after the last step
+        loader = _loader(data, rank=1, repeat=False, num_workers=num_workers)
+        restore_state_rank(loader, pickle.loads(states[cut]))
+        assert [record_batch(b) for b in loader] == rec[cut:], cut
+        close_loader(loader)
+
+
+def test_an_elastic_resume_with_packing_is_refused_by_name(data):
+    records, states = run_with_cuts(lambda: _loader(data, world_size=2), 5, [4])
+    loader = _loader(data, world_size=1, micro_batches_per_step=2 * M)
+    with pytest.raises(StateMismatchError, match="packing"):
+        restore_state_rank(loader, states[4])
+    close_loader(loader)
+
+
+def test_packing_without_a_cap_is_refused(data):
+    with pytest.raises(OrderingConfigError, match="pack_seq_length"):
+        _loader(data, pack_seq_length=None)

@@ -1,0 +1,125 @@
+"""The planned order's packs as pure functions (issue 23, packing): every step's packs fit
+the step's cap, every drawn sample is in exactly one pack, the per-step mix is exact, the ranks
+are balanced by attention cost, and a finite epoch ends before a source runs out."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from energon_ordering.errors import OrderingConfigError
+from energon_ordering.mixture.step_counts import step_source_counts
+from energon_ordering.planned.cursor import PlanCursor
+from energon_ordering.planned.packs import fill_packs, plan_packed_window
+from energon_ordering.warmup.pack_cap import pack_target
+from energon_ordering.warmup.schedule import SeqLenWarmup
+
+
+def _lengths(seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    short = np.clip(rng.lognormal(5.5, 0.8, 20_000), 8, 4096).round()
+    heavy = np.clip(rng.lognormal(7.0, 0.9, 6_000), 8, 4096).round()
+    return [short, heavy]
+
+
+def _plan(lengths, *, R=4, M=2, B=2, caps=(2048,) * 4, weights=(0.7, 0.3), cursor=None,
+          limits=None):
+    w = np.tile(np.asarray(weights, float), (len(caps), 1))
+    return plan_packed_window(lengths, seed=3, cursor=cursor or PlanCursor.start(len(lengths)),
+                              weights=w, caps=list(caps), world_size=R, micro_batch=B,
+                              micro_batches_per_step=M, epoch_limits=limits)
+
+
+def test_fill_packs_fits_every_pack_and_balances_ranks():
+    rng = np.random.default_rng(1)
+    L = np.minimum(rng.lognormal(5.5, 1.0, 3000).round(), 1024)
+    pack = fill_packs(L, 8, 4, 1024)
+    placed = pack >= 0
+    loads = np.bincount(pack[placed], weights=L[placed], minlength=32)
+    assert loads.max() <= 1024
+    cost = L + L * L / 4096
+    rank_cost = np.bincount(pack[placed] // 4, weights=cost[placed], minlength=8)
+    assert rank_cost.max() - rank_cost.min() <= cost.max()  # within one sample's cost
+    # what is left over could not fit: every unplaced item is longer than every pack's room
+    if (~placed).any():
+        assert L[~placed].min() > (1024 - loads).max()
+
+
+def test_fill_packs_places_one_item_per_pack_at_least():
+    L = np.full(12, 100.0)
+    assert (fill_packs(L, 3, 4, 100) >= 0).all()  # G items of the cap: one per pack
+
+
+def test_every_step_is_packed_to_its_cap_with_its_exact_counts():
+    lengths = _lengths()
+    R, M, B = 4, 2, 2
+    warm = SeqLenWarmup(start=512, full=2048, warmup_steps=6)
+    caps = [pack_target(t, 2048, warm) for t in range(8)]
+    plan = _plan(lengths, R=R, M=M, B=B, caps=caps)
+    assert plan.steps == 8
+    flat_len = np.concatenate(lengths)
+    tokens = np.add.reduceat(np.minimum(flat_len[plan.ids], np.repeat(caps, R * M * B)[
+        np.repeat(np.arange(8 * R * M * B), np.diff(plan.offsets))]), plan.offsets[:-1])
+    assert (np.diff(plan.offsets) >= 1).all()  # no empty pack
+    assert (tokens.reshape(8, -1) <= np.asarray(caps)[:, None]).all()
+    assert len(np.unique(plan.ids)) == len(plan.ids)  # no sample twice in the window
+    # the mix: each step's counts are step_source_counts of its own sample count, with the carry
+    carry = None
+    for t in range(8):
+        n = int(plan.counts[t].sum())
+        want, carry = step_source_counts(np.array([[0.7, 0.3]]), n, carry)
+        assert plan.counts[t].tolist() == want[0].tolist()
+        assert np.abs(plan.counts[t] - np.array([0.7, 0.3]) * n).max() < 1
+    # tokens fill the step (the bisection's budget, less what could not be placed)
+    fill = tokens.reshape(8, -1).sum(axis=1) / (np.asarray(caps) * R * M * B)
+    assert fill.min() > 0.85, fill
+
+
+def test_ranks_are_balanced_by_attention_cost():
+    lengths = _lengths(2)
+    R, M, B = 8, 4, 1
+    plan = _plan(lengths, R=R, M=M, B=B, caps=(4096,) * 4)
+    L = np.minimum(np.concatenate(lengths)[plan.ids], 4096)
+    pc = np.add.reduceat(L + L * L / 4096, plan.offsets[:-1]).reshape(4, R, M * B)
+    rank = pc.sum(axis=2)
+    idle = 1 - rank.mean(axis=1) / rank.max(axis=1)
+    assert idle.max() < 0.05, idle
+
+
+def test_windows_continue_from_the_cursor_and_split_steps_alike():
+    lengths = _lengths(3)
+    whole = _plan(lengths, caps=(2048,) * 6)
+    first = _plan(lengths, caps=(2048,) * 3)
+    # a window of 3 steps then one more from its cursor: the same steps as one window of 6
+    second = _plan(lengths, caps=(2048,) * 3, cursor=first.next_cursor)
+    assert np.array_equal(np.concatenate([first.ids, second.ids]), whole.ids)
+    assert np.array_equal(np.concatenate([first.counts, second.counts]), whole.counts)
+
+
+def test_a_finite_epoch_ends_before_a_source_runs_out():
+    lengths = [np.full(300, 100.0), np.full(200, 300.0)]
+    plan = _plan(lengths, caps=(1024,) * 32, limits=[300, 200])
+    assert plan.epoch_end and 0 < plan.steps < 32
+    assert (plan.counts.sum(axis=0) <= [300, 200]).all()
+    assert len(np.unique(plan.ids)) == len(plan.ids)
+
+
+def test_bad_caps_are_refused_by_name():
+    with pytest.raises(OrderingConfigError, match="pack_seq_length"):
+        _plan(_lengths(), caps=(0, 2048))
+
+
+def test_the_plan_is_the_same_in_another_process():
+    lengths = _lengths(4)
+    here = _plan(lengths, caps=(1024, 2048))
+    code = (
+        "import numpy as np, sys; sys.path.insert(0, 'tests');"
+        "from test_planned_packs_plan import _lengths, _plan;"
+        "p = _plan(_lengths(4), caps=(1024, 2048));"
+        "sys.stdout.write(p.ids.tobytes().hex() + ' ' + p.offsets.tobytes().hex())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == [here.ids.tobytes().hex(), here.offsets.tobytes().hex()]
