@@ -551,6 +551,7 @@ class OrderingTaskEncoder:
             dataset, final_packer=final_packer, layout=self.ordering_token_layout,
             sample_encoder=(self.postencode_sample  # type: ignore[attr-defined]
                             if self._ordering_own("postencode_sample") else None),
+            length_fn=self.ordering_sample_length,
             **packs.kwargs, worker_config=worker_config)
         return self._encode_and_batch_train(
             plan, dataset, worker_config=worker_config, batch_size=batch_size,

@@ -138,7 +138,7 @@ def test_the_tables_show_the_planned_row_its_mix_and_its_cost(heavy_pop, predict
     assert "worst step at 64 ranks: a source's count" in text and "pool off:" in text
     assert "planned (K=32): no pool (no pool memory" in text and "ms per step" in text
     for word in ("length_sort_placement: pre-encode", "length_sort_pool_holds: keys",
-                 "no packing"):
+                 "with packing also pack_seq_length"):
         assert word in planned_requirements()
 
 

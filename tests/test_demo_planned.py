@@ -50,6 +50,23 @@ def test_inspect_runs_a_planned_recipe_and_names_its_mode(indexed, tmp_path):
     assert (tmp_path / "inspect.png").stat().st_size > 10_000
 
 
+def test_inspect_runs_a_planned_recipe_with_packing(indexed, tmp_path):
+    recipe = tmp_path / "planned_packs.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "length_sort_mode": "planned", "length_sort_placement": "pre-encode",
+        "length_sort_pool_holds": "keys", "plan_window_steps": 4, "micro_batches_per_step": 2,
+        "packing_buffer_size": 32, "pack_seq_length": 2048}))
+    res = CliRunner().invoke(main, ["inspect", str(indexed), "--recipe", str(recipe), "--ranks",
+                                    "2", "--steps", "8", "--batch-size", "1", "--out",
+                                    str(tmp_path), "--task-encoder", TE])
+    assert res.exit_code == 0, res.output
+    header = next(line for line in res.output.splitlines()
+                  if line.startswith(" ") and line.lstrip().startswith("pool off"))
+    assert "planned (K=4)" in header
+    overlap = next(line for line in res.output.splitlines() if line.startswith("keys on two"))
+    assert overlap.split()[-1] == "0*", overlap  # the planned run drew no sample twice
+
+
 def _records(keys_per_rank):
     return [[BatchRecord(keys=tuple(keys), sources=tuple(k.split("-")[0] for k in keys),
                          lengths=tuple(1 for _ in keys)) for keys in rank]
@@ -86,3 +103,19 @@ def test_demo_shows_the_planned_order_as_a_third_run(tmp_path):
     again = CliRunner().invoke(main, ["demo", "--out", str(tmp_path), "--ranks", "2", "--steps",
                                       "32", "--scale", "0.2"])
     assert again.exit_code == 0 and "building the length index" not in again.output
+
+
+@pytest.mark.slow  # the demo on 4 real rank pipelines, three runs, packing (about 30 s)
+def test_demo_plans_the_packs_of_a_packing_recipe(tmp_path):
+    recipe = yaml.safe_load((Path(__file__).parent.parent / "recipes" / "demo.yaml").read_text())
+    recipe.update(packing_buffer_size=64, pack_seq_length=8192)
+    path = tmp_path / "demo_packs.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    res = CliRunner().invoke(main, ["demo", "--out", str(tmp_path), "--recipe", str(path),
+                                    "--ranks", "4", "--steps", "24", "--scale", "0.2",
+                                    "--batch-size", "1"])
+    assert res.exit_code == 0, res.output
+    header = next(line for line in res.output.splitlines()
+                  if line.startswith(" ") and line.lstrip().startswith("pool off"))
+    assert "planned (K=32)" in header
+    assert "packs per step here, each built to its step's cap" in res.output

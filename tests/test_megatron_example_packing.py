@@ -40,7 +40,13 @@ pytestmark = [
 ]
 
 
-def _argv(root: Path, data: Path, out: Path, num_workers: int) -> list[str]:
+#: Issue 23: the planned order plans the packs itself (the example's select_samples_to_pack is
+#: not called; its pack_selected_samples packs each planned pack).
+PLANNED_FLAGS = ("--length-sort-mode planned --length-sort-placement pre-encode "
+                 "--length-sort-pool-holds keys --plan-window-steps 4")
+
+
+def _argv(root: Path, data: Path, out: Path, num_workers: int, planned: bool = False) -> list[str]:
     return (
         "--num-layers 2 --hidden-size 64 --num-attention-heads 2 --language-model-type mistral_7b "
         f"--seq-length 576 --decoder-seq-length {PACK} --max-position-embeddings {PACK} "
@@ -52,10 +58,11 @@ def _argv(root: Path, data: Path, out: Path, num_workers: int) -> list[str]:
         f"--packing-buffer-size 16 --packing-seq-length {PACK} "
         f"--seq-length-warmup-steps {WARMUP['steps']} --seq-length-warmup-start {WARMUP['start']} "
         f"--seq-length-warmup-multiple-of {WARMUP['multiple']}"
+        + (f" {PLANNED_FLAGS}" if planned else "")
     ).split()
 
 
-def _worker(rank: int, num_workers: int, data: str, out: str) -> None:
+def _worker(rank: int, num_workers: int, data: str, out: str, planned: bool = False) -> None:
     import torchvision_cpu_shim
 
     torchvision_cpu_shim.install()
@@ -74,7 +81,7 @@ def _worker(rank: int, num_workers: int, data: str, out: str) -> None:
         from energon_ordering.integrations.megatron_lm import add_energon_ordering_args, megatron_token_layout
         from energon_ordering.warmup.pack_cap import pack_target
 
-        sys.argv = ["train.py", *_argv(root, Path(data), Path(out), num_workers)]
+        sys.argv = ["train.py", *_argv(root, Path(data), Path(out), num_workers, planned)]
         args = arguments.parse_args(extra_args_provider=lambda p: add_energon_ordering_args(add_multimodal_extra_args(p)))
         arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
         set_global_variables(args, build_tokenizer=True)
@@ -83,6 +90,15 @@ def _worker(rank: int, num_workers: int, data: str, out: str) -> None:
 
         cfg = ordering_config_from_args(args)
         states: dict = {}
+        if planned:  # the length index, measured by the example's own encoder
+            from energon_ordering.length_index.build import build_length_index
+
+            from megatron.energon import SampleDecoder
+
+            te = TE()
+            te.ordering_token_layout = megatron_token_layout(te)
+            te.decoder = SampleDecoder(image_decode="pil")  # as the loader below decodes
+            build_length_index(data, task_encoder=te)
 
         def make():
             te = TE()
@@ -105,7 +121,7 @@ def _worker(rank: int, num_workers: int, data: str, out: str) -> None:
         it = iter(loader)
         for _ in range(TOTAL):
             next(it)
-        result["counts"] = warmup_counts(loader.save_state_rank())
+        result["counts"] = {} if planned else warmup_counts(loader.save_state_rank())
         del it
         close_loader(loader)
     except Exception as e:  # reported to the test
@@ -126,17 +142,22 @@ def captioning_data(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_megatron_example_packer_respects_the_warmup_caps_and_resumes(captioning_data, tmp_path, num_workers):
+@pytest.mark.parametrize("num_workers,planned", [(0, False), (2, False), (2, True)])
+def test_megatron_example_packer_respects_the_warmup_caps_and_resumes(captioning_data, tmp_path,
+                                                                      num_workers, planned):
     (tmp_path / "tok").symlink_to(captioning_data.parent.parent / "tok")
-    (res,) = megatron_lm_sources.spawn_ranks(_worker, (num_workers, str(captioning_data), str(tmp_path)),
-                                              tmp_path, "run", 1, "the example packer run", timeout=900)
+    (res,) = megatron_lm_sources.spawn_ranks(
+        _worker, (num_workers, str(captioning_data), str(tmp_path), planned),
+        tmp_path, "run", 1, "the example packer run", timeout=900)
     over = [(b, t, cap) for b, ((_, totals), cap) in enumerate(zip(res["full"], res["caps"]))
             for t in totals if t > cap]
     assert not over, f"packs over the cap of their step (micro-batch, tokens, cap): {over}"
     assert res["caps"][0] < PACK  # the warmup binds: before the fix its packs held up to PACK tokens
     if num_workers == 0:  # (with 2 workers each one's first round of packs lasts the 16 micro-batches)
         assert any(t > res["caps"][0] for _, totals in res["full"] for t in totals)  # packs follow the cap up
-    assert res["counts"]["packs_over_cap"] == 0  # its own packs fit: nothing had to be re-split
+    if planned:  # the plan's packs follow the cap up from the first step
+        assert any(t > res["caps"][0] for _, totals in res["full"] for t in totals)
+    else:
+        assert res["counts"]["packs_over_cap"] == 0  # its own packs fit: nothing re-split
     for cut, resumed in res["resumed"].items():
         assert resumed == res["full"][int(cut):], f"cut {cut}: the resumed packs differ"

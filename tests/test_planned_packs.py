@@ -171,14 +171,107 @@ def test_a_finite_epoch_draws_every_sample_once_and_resumes_exactly(data, num_wo
         close_loader(loader)
 
 
-def test_an_elastic_resume_with_packing_is_refused_by_name(data):
-    records, states = run_with_cuts(lambda: _loader(data, world_size=2), 5, [4])
-    loader = _loader(data, world_size=1, micro_batches_per_step=2 * M)
-    with pytest.raises(StateMismatchError, match="packing"):
-        restore_state_rank(loader, states[4])
-    close_loader(loader)
+def _finite_run(data, world_size, start_state=None, cut_step=None, **cfg):
+    """Every rank's records of a finite epoch (from ``start_state`` if given), and each rank's
+    state at optimizer step ``cut_step``."""
+    records, states = [], []
+    for rank in range(world_size):
+        loader = _loader(data, rank=rank, world_size=world_size, repeat=False, **cfg)
+        if start_state is not None:
+            restore_state_rank(loader, start_state)
+        got, state = [], None
+        it = iter(loader) if start_state is not None else None
+        b = 0
+        while True:
+            if cut_step is not None and b == cut_step * cfg.get("micro_batches_per_step", M):
+                state = pickle.loads(pickle.dumps(loader.save_state_rank()))
+            if it is None:
+                it = iter(loader)
+            try:
+                got.append(record_batch(next(it)))
+            except StopIteration:
+                break
+            b += 1
+        del it
+        close_loader(loader)
+        records.append(got)
+        states.append(state)
+    return records, states
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+def test_an_elastic_resume_draws_every_sample_of_a_finite_epoch_once(data, before, after):
+    """2 ranks -> 1 (and back) inside a plan window, the same global batch of packs: the
+    remaining steps' packs are dealt to the new ranks; nothing is lost or drawn twice."""
+    cut = 3  # optimizer step 3: inside window 1 (K = 2)
+    full, _ = _finite_run(data, before, micro_batches_per_step=M * 2 // before)
+    first, states = _finite_run(data, before, cut_step=cut, micro_batches_per_step=M * 2 // before)
+    rest, _ = _finite_run(data, after, start_state=states[0],
+                          micro_batches_per_step=M * 2 // after)
+    mb_before, mb_after = M * 2 // before, M * 2 // after
+    seen = [k for rank in first for r in rank[:cut * mb_before] for k in r.keys]
+    seen += [k for rank in rest for r in rank for k in r.keys]
+    every = [k for rank in full for r in rank for k in r.keys]
+    assert sorted(seen) == sorted(every)
+    assert len(set(seen)) == len(seen)
+    # every resumed step holds the packs the uninterrupted run had at that step
+    for s in range(len(rest[0]) // mb_after):
+        got = {p for rank in rest for r in rank[s * mb_after:(s + 1) * mb_after]
+               for p in _packs_of(r)}
+        want = {p for rank in full for r in rank[(cut + s) * mb_before:(cut + s + 1) * mb_before]
+                for p in _packs_of(r)}
+        assert got == want, s
+
+
+def test_the_global_batch_changes_at_a_window_boundary_with_packing(data):
+    cut = 2  # window 1 starts
+    first, states = _finite_run(data, 2, cut_step=cut, allow_global_batch_change=True)
+    rest, _ = _finite_run(data, 1, start_state=states[0], allow_global_batch_change=True)
+    seen = [k for rank in first for r in rank[:cut * M] for k in r.keys]
+    seen += [k for r in rest[0] for k in r.keys]
+    assert len(set(seen)) == len(seen) > 0.8 * 256
+    with pytest.raises(StateMismatchError, match="allow_global_batch_change"):
+        _finite_run(data, 1, start_state=states[0])
 
 
 def test_packing_without_a_cap_is_refused(data):
     with pytest.raises(OrderingConfigError, match="pack_seq_length"):
         _loader(data, pack_seq_length=None)
+
+
+def test_a_pack_over_its_cap_is_counted_and_warned_about(data, caplog):
+    """An encoder that measures samples longer than the length index: the packs go out as
+    planned (every rank's plan is the same), counted and warned about once."""
+
+    class Longer(IndexedSyntheticTaskEncoder):
+        def ordering_sample_length(self, sample):
+            return 4 * super().ordering_sample_length(sample)
+
+    loader = build_train_loader(data, ordering=packed(), world_size=2, batch_size=B,
+                                packing_buffer_size=32, task_encoder_factory=Longer)
+    with caplog.at_level("WARNING"):
+        it = iter(loader)
+        for _ in range(4):
+            next(it)
+    assert sum("over its cap" in r.getMessage() for r in caplog.records) == 1
+    del it
+    close_loader(loader)
+
+
+def test_a_nodes_loaders_share_the_packed_plans_and_read_the_same_packs(data, tmp_path,
+                                                                        monkeypatch):
+    from energon_ordering.pipeline.shared_plans import PLAN_DIR_ENV
+
+    def run():
+        return run_ranks(data, ordering=packed(), world_size=2, steps=6, batch_size=B,
+                         packing_buffer_size=32,
+                         task_encoder_factory=IndexedSyntheticTaskEncoder)
+
+    monkeypatch.setenv(PLAN_DIR_ENV, "off")
+    alone = run()
+    monkeypatch.setenv(PLAN_DIR_ENV, str(tmp_path / "plans"))
+    shared = run()
+    assert shared == alone
+    # 6 micro-batches of M = 2 per step, K = 2 steps per window: windows 0 and 1, one file each,
+    # written by the first rank and mapped by the second
+    assert len(list((tmp_path / "plans").glob("plan-*.npy"))) == 2

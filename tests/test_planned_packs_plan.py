@@ -123,3 +123,15 @@ def test_the_plan_is_the_same_in_another_process():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == [here.ids.tobytes().hex(), here.offsets.tobytes().hex()]
+
+
+def test_a_plan_reads_back_from_its_shared_array():
+    from energon_ordering.planned.packs import PackedWindowPlan
+
+    plan = _plan(_lengths(5), caps=(1024, 2048, 2048))
+    back = PackedWindowPlan.from_array(plan.to_array(), plan.cursor)
+    assert back.shape == plan.shape and back.epoch_end == plan.epoch_end
+    assert back.next_cursor == plan.next_cursor
+    for a, b in ((back.ids, plan.ids), (back.offsets, plan.offsets),
+                 (back.counts, plan.counts), (back.caps, plan.caps)):
+        assert np.array_equal(a, b)

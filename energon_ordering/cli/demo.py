@@ -64,11 +64,13 @@ def _planned_note(results: dict, name: str, cfg: OrderingConfig, step_samples: i
     """What the planned run shows beside the pool: its per-step mix, and what its idle depends on."""
     pool = next((n for n in results if n not in ("pool off", name)), None)
     plan, m = results[name], cfg.micro_batches_per_step
-    text = (f"The planned run: every step holds each source's scheduled share of the global "
-            f"batch within one sample (dispersion per step {plan.step_histogram_dispersion:.2f}"
+    text = (f"The planned run: every step holds each source's scheduled share of its samples "
+            f"within one sample (dispersion per step {plan.step_histogram_dispersion:.2f}"
             + (f", {results[pool].step_histogram_dispersion:.2f} with the pool" if pool else "")
             + f"); ranks are balanced within that exact mix, over {m} micro-batch(es) per rank "
-            f"per step ({step_samples * m} samples per step here).")
+            + (f"per step ({step_samples * m} packs per step here, each built to its step's cap)."
+               if cfg.packing_buffer_size is not None else
+               f"per step ({step_samples * m} samples per step here)."))
     if pool and plan.straggler_idle > results[pool].straggler_idle:
         text += (" Steps this small leave little to balance under an exact mix, so the pool "
                  "idles less here; with more micro-batches per step (micro_batches_per_step) the "
@@ -104,9 +106,7 @@ def command(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scal
             make_synthetic_dataset(meta.parent, specs, shard_size=100)
     from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
 
-    planned = cfg.pack_seq_length is None and cfg.packing_buffer_size is None
-    if planned:
-        _index(meta.parent, [s.name for s in specs], SyntheticTaskEncoder)
+    _index(meta.parent, [s.name for s in specs], SyntheticTaskEncoder)
     click.echo(f"recipe {recipe}: {ranks} ranks x {steps} micro-batches of {batch_size}\n")
 
     epochs = None
@@ -119,14 +119,10 @@ def command(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scal
                              warn_above=4.0)
     results, extra = run_inspection(str(meta), cfg, ranks=ranks, steps=steps, num_workers=0,
                                     batch_size=batch_size, out=out_dir,
-                                    task_encoder_factory=SyntheticTaskEncoder, planned=planned)
+                                    task_encoder_factory=SyntheticTaskEncoder, planned=True)
     click.echo(measure_table(results, extra["planned"]))
     click.echo("\n" + definitions(extra))
-    if not planned:
-        click.echo("\nno planned run: the recipe packs, and the planned order refuses packing "
-                   "(yet).")
-    else:
-        click.echo("\n" + _planned_note(results, extra["planned"][0], cfg, ranks * batch_size))
+    click.echo("\n" + _planned_note(results, extra["planned"][0], cfg, ranks * batch_size))
     if extra["note"]:
         click.echo("\n" + extra["note"])
     if epochs is not None:

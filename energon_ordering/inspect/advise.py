@@ -977,8 +977,8 @@ def planned_note(advice: Advice) -> str | None:
 def planned_requirements() -> str:
     """What a recommended planned order needs beside ``length_sort_mode: planned``."""
     return ("planned mode needs length_sort_placement: pre-encode, length_sort_pool_holds: keys "
-            "and no packing (it refuses packing today), and a length index for every dataset; "
-            f"plan_window_steps defaults to {DEFAULT_WINDOW_STEPS}.")
+            "and a length index for every dataset (with packing also pack_seq_length: the plan "
+            f"builds the packs); plan_window_steps defaults to {DEFAULT_WINDOW_STEPS}.")
 
 
 def other_mode_note(advice: Advice, good: float = GOOD_IDLE) -> str | None:

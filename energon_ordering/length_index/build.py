@@ -21,7 +21,9 @@ and measures the lost chunks again, once: a chunk lost twice fails the build wit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import multiprocessing
 import time
 import warnings
@@ -78,6 +80,7 @@ class _Measure:
         self.load_fns = load_fns
         self.raw_length_fn = raw_length_fn
         self.skip_bad_samples = skip_bad_samples
+        self._measured = 0
 
     def __call__(self, raw: Any) -> tuple[str, float | None]:
         files = raw.data[0]
@@ -88,7 +91,9 @@ class _Measure:
             sample = raw
             for fn in self.load_fns:
                 sample = fn(sample)
-            return key, sample_length_of(self.task_encoder, sample)
+            with _active_worker(self._measured):
+                self._measured += 1
+                return key, sample_length_of(self.task_encoder, sample)
         except Exception as e:  # noqa: BLE001 - any failure of user code on one sample
             if self.skip_bad_samples:
                 return key, None
@@ -101,10 +106,33 @@ class _Measure:
             ) from None
 
 
+@contextlib.contextmanager
+def _active_worker(sample_index: int) -> Iterator[None]:
+    """Energon's worker context around one measurement, as a loader worker has it: an encoder
+    whose ``encode_sample`` is ``@stateless(restore_seeds=True)`` (Megatron-LM's examples) seeds
+    its random choices from the active worker config and sample index. Inside a loader (one is
+    active already) nothing changes."""
+    if WorkerConfig.active_worker_config is not None:
+        yield
+        return
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    wc.worker_activate(sample_index)
+    try:
+        yield
+    finally:
+        wc.worker_deactivate()
+
+
 def sample_length_of(task_encoder: Any, sample: Any) -> float:
-    """``ordering_sample_length(encode_sample(sample))``: the key the post-encode pool sorts by."""
+    """``ordering_sample_length(encode_sample(sample))``: the key the post-encode pool sorts by.
+
+    An ``encode_sample`` written as a generator (Megatron-LM's ``examples/multimodal`` encoder
+    is one) is run to its end, as Energon's map stage does, and the raw sample's length is the
+    sum of what it yields (its tokens, whatever it is split into)."""
     encoded = task_encoder.encode_sample(sample)
     length_fn = getattr(task_encoder, "ordering_sample_length", default_sample_length)
+    if inspect.isgenerator(encoded):
+        return sum(length_fn(x) for x in encoded)
     return length_fn(encoded)
 
 

@@ -278,10 +278,6 @@ def _validate_planned(cfg: OrderingConfig, args: BuildArgs, packing: int | None)
         raise OrderingConfigError(
             f"{mode} with packing (packing_buffer_size = {packing}) plans every pack to its "
             "step's cap: set OrderingConfig.pack_seq_length (Megatron: --packing-seq-length).")
-    if packing is not None and cfg.allow_global_batch_change:
-        raise OrderingConfigError(
-            f"OrderingConfig.allow_global_batch_change = true: {mode} with packing plans each "
-            "step's packs for one global batch; drop allow_global_batch_change or packing.")
     schedule = cfg.mixture_schedule
     names = [s.name for s in args.sources]
     if schedule is not None and None not in names and set(schedule.sources) != set(names):

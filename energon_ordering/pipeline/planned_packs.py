@@ -19,12 +19,16 @@ State: the source's (the next micro-batch, the sample within it, the plan cursor
 encoded samples of the pack being filled (their restore keys, as Energon's buffers save them).
 A resume re-plans the window from the cursor and continues exactly.
 
-Not supported (refused by name): a resume onto another data-parallel size, micro-batch count or
-global batch (the packs of a step are planned for one shape).
+Elastic resume (another data-parallel size or micro-batch count, the same global batch of
+packs, at an optimizer step): the window's remaining steps keep their packs, dealt to the new
+ranks by attention cost (:func:`~energon_ordering.planned.packs.deal_packs`); later windows are
+planned for the new shape. With ``allow_global_batch_change`` the global batch may change at a
+plan window boundary: the windows from there on are planned for it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable
@@ -35,15 +39,21 @@ from megatron.energon.wrappers.base import BaseWrapperDataset, get_sample_restor
 from megatron.energon.wrappers.buffer import SavableSampleBuffer
 from megatron.energon.worker import WorkerConfig
 
-from energon_ordering.errors import OrderingConfigError, StateMismatchError, show
+from energon_ordering.errors import OrderingConfigError, show
 from energon_ordering.planned.cursor import PlanCursor
-from energon_ordering.planned.packs import PACKED_PLAN_VERSION, PackedWindowPlan, plan_packed_window
+from energon_ordering.planned.packs import (
+    PACKED_PLAN_VERSION,
+    PackedWindowPlan,
+    deal_packs,
+    plan_packed_window,
+)
 from energon_ordering.warmup.cap_cut import CapCutter, new_counts
 from energon_ordering.warmup.pack_cap import PACK_WORDING, pack_target
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.token_layout import TokenLayout
 
 from .planned_source import RESTORE_KIND, PlannedSourceDataset, _cursor_of, _cursor_state
+from .shared_plans import stream_digest
 
 __all__ = ["PlannedPackDataset", "PlannedPackSourceDataset", "pack_tag"]
 
@@ -85,11 +95,6 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
         self.warmup = warmup
         self._plan: PackedWindowPlan | None = None
         super().__init__(*args, **kwargs)
-        if self.allow_global_batch_change:
-            raise OrderingConfigError(
-                "OrderingConfig.allow_global_batch_change = true: the planned order with packing "
-                "plans each step's packs for one global batch; drop allow_global_batch_change or "
-                "packing.")
         self._rank_window: int | None = None
         self._rank_steps: list[tuple[np.ndarray, np.ndarray]] | None = None
 
@@ -102,6 +107,11 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
                 "warmup": None if self.warmup is None else self.warmup.to_dict(),
             },
         }
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the plans at hand are recomputed (or mapped again) where the copy runs
+        return {**super().__getstate__(), "_plan": None, "_rank_window": None,
+                "_rank_steps": None}
 
     def end_step(self) -> int | None:
         """Unknown before the plan reaches it: a packed step's sample count depends on the
@@ -120,23 +130,6 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
         self._rank_window = None
         self._rank_steps = None
 
-    def restore_elastic(self, saved: Sequence[tuple[Any, int]]) -> None:
-        known = [state for state, _ in saved if state is not None]
-        if known:
-            old = known[0]["_stamp"]
-            now = (int(self.worker_config.world_size), self.micro_batches_per_step,
-                   self.batch_size)
-            was = (int(old["world_size"]), int(old["micro_batches_per_step"]),
-                   int(old["batch_size"]))
-            if was != now:
-                raise StateMismatchError(
-                    f"PlannedPackSourceDataset: the state was saved at {was[0]} ranks x {was[1]} "
-                    f"micro-batches x {was[2]} packs, this loader runs {now[0]} x {now[1]} x "
-                    f"{now[2]}; the planned order with packing plans each step's packs for one "
-                    "shape and cannot resume onto another yet: resume at the saved shape, or "
-                    "drop packing for an elastic resume.")
-        super().restore_elastic(saved)
-
     # -- the plan --------------------------------------------------------------------------
 
     def _caps(self, first: int, steps: int) -> list[int]:
@@ -144,16 +137,23 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
                 for t in range(steps)]
 
     def _plan_from(self, cursor: PlanCursor) -> PackedWindowPlan:
+        """The plan of the cursor's window, for the shape in effect at its first step."""
         K = self.window_steps
         first = cursor.window * K
+        R, M, B = self._shape_at(first)
         limits = None
         if self.finite:
             limits = [(self._epoch + 1) * n for n in self.ids.sizes]
-        plan = plan_packed_window(
-            self.lengths, seed=self.seed, cursor=cursor,
-            weights=self._step_weights(first, K), caps=self._caps(first, K),
-            world_size=int(self.worker_config.world_size), micro_batch=self.batch_size,
-            micro_batches_per_step=self.micro_batches_per_step, epoch_limits=limits)
+        weights, caps = self._step_weights(first, K), self._caps(first, K)
+        inputs = stream_digest(PACKED_PLAN_VERSION, _cursor_state(cursor),
+                               hashlib.sha256(weights.tobytes()).hexdigest(), caps, limits)
+        flat = self._shared_plans(R, M, B).ids(
+            cursor.window, inputs, (-1,),
+            lambda: plan_packed_window(
+                self.lengths, seed=self.seed, cursor=cursor, weights=weights, caps=caps,
+                world_size=R, micro_batch=B, micro_batches_per_step=M, epoch_limits=limits,
+            ).to_array())
+        plan = PackedWindowPlan.from_array(flat, cursor)
         if self.finite and cursor.window == 0 and plan.steps == 0:
             raise OrderingConfigError(
                 f"planned order: a finite epoch (repeat=False) of sources of "
@@ -192,20 +192,59 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
         plan = self.packed_plan(window)
         return plan.cursor.window < window or t >= plan.steps
 
-    def _rank_step(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+    def _rank_step(self, step: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """This rank's samples of optimizer ``step`` (flat, in pack order) and the offsets of its
+        packs in them; None if this rank had no share of the step (an elastic resume's rank
+        beyond the earlier shape, before the resume's step)."""
         window, t = divmod(step, self.window_steps)
         if self._rank_window != window or self._rank_steps is None:
             plan = self.packed_plan(window)
             rank = int(self.worker_config.rank)
-            self._rank_steps = [tuple(np.copy(x) for x in plan.rank_step(k, rank))
-                                for k in range(plan.steps)]  # type: ignore[misc]
+            first = window * self.window_steps
+            steps: list[tuple[np.ndarray, np.ndarray] | None] = []
+            for k in range(plan.steps):
+                R, M, B = self._shape_at(first + k)
+                if (R, M, B) == plan.shape:
+                    steps.append(tuple(np.copy(x) for x in plan.rank_step(k, rank))
+                                 if rank < R else None)  # type: ignore[arg-type]
+                else:  # an elastic resume inside the window: its packs, dealt to this shape
+                    steps.append(self._redealt(plan, k, R, M * B, rank))
+            self._rank_steps = steps  # type: ignore[assignment]
             self._rank_window = window
         return self._rank_steps[t]
+
+    def _redealt(self, plan: PackedWindowPlan, k: int, world_size: int, packs_per_rank: int,
+                 rank: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """``rank``'s packs of the window's step ``k`` when the step's packs (planned for
+        ``plan.shape``) are dealt to ``world_size`` ranks of ``packs_per_rank`` packs
+        (:func:`~energon_ordering.planned.packs.deal_packs`, by attention cost)."""
+        if rank >= world_size:
+            return None
+        R0, M0, B0 = plan.shape
+        G = R0 * M0 * B0
+        bounds = plan.offsets[k * G:(k + 1) * G + 1]
+        ids = plan.ids[bounds[0]:bounds[-1]]
+        rel = bounds - bounds[0]
+        src, within = self.ids.split(ids)
+        L = np.empty(len(ids))
+        for s, lengths in enumerate(self.lengths):
+            L[src == s] = lengths[within[src == s]]
+        L = np.minimum(L, int(plan.caps[k]))
+        costs = np.add.reduceat(L + L * L / 4096, rel[:-1])
+        mine = deal_packs(costs, world_size, packs_per_rank)[rank]
+        out = [ids[rel[p]:rel[p + 1]] for p in mine.tolist()]
+        sizes = [len(x) for x in out]
+        return np.concatenate(out), np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
 
     def _micro_batch(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Micro-batch ``b``'s ids and the ``[B + 1]`` offsets of its packs in them."""
         step, m = divmod(int(b), self.micro_batches_per_step)
-        ids, bounds = self._rank_step(step)
+        rows = self._rank_step(step)
+        if rows is None:
+            raise OrderingConfigError(
+                f"PlannedPackSourceDataset: rank {self.worker_config.rank} has no share of "
+                f"optimizer step {step}, planned before an elastic resume for fewer ranks.")
+        ids, bounds = rows
         B = self.batch_size
         mb = bounds[m * B:(m + 1) * B + 1]
         return ids[mb[0]:mb[-1]], mb - mb[0]
@@ -249,6 +288,8 @@ class PlannedPackDataset(BaseWrapperDataset[Any, Any]):
         overflow: ``seq_length_overflow``.
         sample_encoder: The encoder's own ``postencode_sample``, applied to a pack's samples
             before ``final_packer`` as Energon's packer does (None: the encoder has none).
+        length_fn: The encoder's ``ordering_sample_length``: a pack whose samples exceed its
+            cap by it is counted and warned about (None: not checked).
         micro_batches_per_step: M (the step of a pack, for ``cut``).
     """
 
@@ -257,14 +298,17 @@ class PlannedPackDataset(BaseWrapperDataset[Any, Any]):
     def __init__(self, dataset: SavableDataset, *, final_packer: Callable[[list[Any]], Any],
                  layout: TokenLayout, overflow: str, micro_batches_per_step: int,
                  sample_encoder: Callable[[Any], Any] | None = None,
+                 length_fn: Callable[[Any], float] | None = None,
                  worker_config: WorkerConfig):
         super().__init__(dataset, worker_config=worker_config)
         self.final_packer = final_packer
         self.sample_encoder = sample_encoder
+        self.length_fn = length_fn
+        self._warned = False
         self.cutter = CapCutter(overflow=overflow, layout=layout, wording=PACK_WORDING,
                                 owner=type(self).__name__)
         #: cut / kept / dropped samples (diagnostics; not saved)
-        self.counts = new_counts()
+        self.counts = {**new_counts(), "packs_over_cap": 0}
         self.micro_batches_per_step = int(micro_batches_per_step)
         self.reset_state_own()
 
@@ -283,10 +327,30 @@ class PlannedPackDataset(BaseWrapperDataset[Any, Any]):
         cut = [k[0] for k in kept if k is not None]
         if not cut:
             return None
+        if self.length_fn is not None:
+            self._check_fit(cut, tag[4], step)
         if self.sample_encoder is not None:  # as Energon's packer: on the selected samples
             cut = [self.sample_encoder(x) for x in cut]
         packed = self.final_packer(cut)
         return set_sample_restore_key(packed, *keys, src=self)
+
+    def _check_fit(self, samples: list[Any], cap: int, step: int) -> None:
+        """Counts (and warns once per worker about) a pack whose encoded samples hold more
+        tokens than its cap: the plan packed the length index's lengths, so the encoder
+        measures samples longer than the index says. The pack goes out as planned (nothing is
+        dropped or moved: every rank's plan stays the same)."""
+        total = sum(float(self.length_fn(x)) for x in samples)  # type: ignore[misc]
+        if total <= cap:
+            return
+        self.counts["packs_over_cap"] += 1
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "planned packing: a pack of optimizer step %d holds %d tokens, over its cap of "
+                "%d: the encoder measures its samples longer than the length index does. "
+                "Rebuild the index with the task encoder and decoder this loader uses "
+                "(`energon-ordering index`); this pack and later ones go out as planned "
+                "(counted as packs_over_cap).", step, int(total), cap)
 
     def __iter__(self) -> Iterator[Any]:
         buf = self._buffer

@@ -94,7 +94,8 @@ class SharedPlans:
         Args:
             window: The window's index (names the file, for clean-up).
             inputs: :func:`stream_digest` of the window's own inputs (its cursor and weights).
-            shape: The plan's expected shape (a file of another shape is not used).
+            shape: The plan's expected shape (a file of another shape is not used; -1: any
+                length on that axis).
             plan: Computes the plan's ids.
         """
         if self.folder is None:
@@ -143,7 +144,8 @@ class SharedPlans:
             ids = np.load(path, mmap_mode="r")
         except (OSError, ValueError):
             return None
-        if ids.shape != tuple(shape) or ids.dtype != np.int64:
+        if (ids.dtype != np.int64 or ids.ndim != len(shape)
+                or any(want not in (-1, got) for want, got in zip(shape, ids.shape))):
             return None
         return ids
 

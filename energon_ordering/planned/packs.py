@@ -10,7 +10,10 @@ computes the same ones and no rank packs its own slice. Per optimizer step (G = 
    the carry (each source within one sample of ``weight x n``; cumulative counts track the
    integral). n is the largest count whose draws' tokens (each sample's length, cut to the
    cap) fit ``G x cap`` (bisection), then lowered by the samples :func:`fill_packs` could not
-   place until every drawn sample fits: the step's counts stay exact for its n.
+   place until every drawn sample fits, then bisected back up (to within
+   :data:`FILL_RESOLUTION`) to the largest count that packs whole with the ranks balanced as
+   well (idle within :data:`IDLE_TOLERANCE`, or within the first whole count's): the step's
+   counts stay exact for its n.
 2. **Packs and ranks** (:func:`fill_packs`). Every rank owns ``M B`` packs (its M
    micro-batches of B packs). The drawn samples, longest first, go to the rank with the
    smallest attention cost ``sum(L + L^2/4096)`` so far (longest-processing-time dealing,
@@ -37,11 +40,18 @@ from .balance import sample_cost
 from .cursor import PlanCursor, check_window_steps, draws
 from .sample_ids import SampleIds
 
-__all__ = ["PACKED_PLAN_VERSION", "PackedWindowPlan", "fill_packs",
+__all__ = ["PACKED_PLAN_VERSION", "PackedWindowPlan", "deal_packs", "fill_packs",
            "plan_packed_step", "plan_packed_window"]
 
 #: Bumped whenever a packed plan changes for the same inputs; a packed planned state stamps it.
 PACKED_PLAN_VERSION = 1
+
+#: A step's sample count is searched to within this share of its samples (each try packs the
+#: whole step once).
+FILL_RESOLUTION = 1 / 400
+#: A fuller step is taken only if its ranks' straggler idle stays within this (or within the
+#: idle of the first count that packed whole): balance first, then fill.
+IDLE_TOLERANCE = 0.002
 
 
 def fill_packs(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: int) -> np.ndarray:
@@ -94,6 +104,28 @@ def fill_packs(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: i
         load[ranks, pk] += L[items]  # one item per rank in a round
         pcost[ranks, pk] += cost[items]
         rcost[ranks] += cost[items]
+    return out
+
+
+def deal_packs(pack_costs: np.ndarray, world_size: int, packs_per_rank: int) -> np.ndarray:
+    """``[R, P]`` pack indices: one step's ``R P`` packs dealt to R ranks of P packs each.
+
+    Used when a resume continues a step's packs at another data-parallel size (same global
+    batch): costliest first, in tuples of R neighbours, each tuple's packs going costliest
+    first to the ranks with the smallest running cost (ties by rank), so rank costs agree to
+    within a tuple's spread."""
+    R, P = int(world_size), int(packs_per_rank)
+    c = np.asarray(pack_costs, dtype=np.float64)
+    if len(c) != R * P:
+        raise OrderingConfigError(
+            f"planned packing: {len(c)} packs cannot be dealt to {R} ranks x {P} packs.")
+    order = np.argsort(-c, kind="stable").reshape(P, R)
+    total = np.zeros(R)
+    out = np.empty((R, P), dtype=np.int64)
+    for j in range(P):
+        ranks = np.argsort(total, kind="stable")
+        out[ranks, j] = order[j]
+        total[ranks] += c[order[j]]
     return out
 
 
@@ -166,15 +198,35 @@ def plan_packed_step(streams: Sequence[_Draws], weights: np.ndarray, carry: np.n
             lo = mid
         else:
             hi = mid
-    n = lo
-    while True:
+    def packed(n: int):
         c, e = counts_of(n)
         L = np.concatenate([np.minimum(streams[s].length[:k], cap) for s, k in enumerate(c)])
         pack = fill_packs(L, world_size, packs_per_rank, cap)
-        unplaced = int((pack < 0).sum())
+        placed = pack >= 0
+        rank_cost = np.bincount(pack[placed] // packs_per_rank,
+                                weights=sample_cost(L[placed]), minlength=int(world_size))
+        idle = 1 - rank_cost.mean() / rank_cost.max()
+        return (c, e, pack), int((~placed).sum()), float(idle)
+
+    # lowered by what could not be placed until every drawn sample fits (G samples always fit:
+    # one per pack) ...
+    n, fail = lo, None
+    while True:
+        best, unplaced, idle = packed(n)
         if unplaced == 0:
-            return c, e, pack
-        n = max(G, n - unplaced)  # G samples always fit: one per pack
+            break
+        fail, n = n, max(G, n - unplaced)
+    # ... then bisected back up, to within FILL_RESOLUTION of the samples, to the largest count
+    # that still packs whole and balances the ranks as well (or within IDLE_TOLERANCE)
+    limit = max(idle, IDLE_TOLERANCE)
+    while fail is not None and fail - n > max(1, int(n * FILL_RESOLUTION)):
+        mid = (n + fail) // 2
+        found, unplaced, idle = packed(mid)
+        if unplaced == 0 and idle <= limit:
+            n, best = mid, found
+        else:
+            fail = mid
+    return best
 
 
 @dataclass(frozen=True)
@@ -204,6 +256,38 @@ class PackedWindowPlan:
     @property
     def steps(self) -> int:
         return len(self.counts)
+
+    def to_array(self) -> np.ndarray:
+        """The plan as one flat int64 array (to share it between processes; the cursor it
+        started from is the caller's): :meth:`from_array` reads it back."""
+        R, M, B = self.shape
+        S = self.counts.shape[1]
+        head = [self.steps, int(self.epoch_end), S, R, M, B, len(self.ids)]
+        carry = np.asarray(self.next_cursor.carry, dtype=np.float64).view(np.int64)
+        return np.concatenate([np.asarray(head, np.int64),
+                               np.asarray(self.next_cursor.drawn, np.int64), carry,
+                               self.counts.ravel(), self.caps, self.offsets, self.ids]
+                              ).astype(np.int64)
+
+    @classmethod
+    def from_array(cls, a: np.ndarray, cursor: PlanCursor) -> PackedWindowPlan:
+        """The plan :meth:`to_array` wrote (``a`` may be a read-only memory map)."""
+        steps, end, S, R, M, B, n = (int(x) for x in a[:7])
+        at = 7
+        drawn = a[at:at + S]
+        at += S
+        carry = np.asarray(a[at:at + S]).view(np.float64)
+        at += S
+        counts = np.asarray(a[at:at + steps * S]).reshape(steps, S)
+        at += steps * S
+        caps = a[at:at + steps]
+        at += steps
+        offsets = a[at:at + steps * R * M * B + 1]
+        at += steps * R * M * B + 1
+        ids = a[at:at + n]
+        nxt = PlanCursor(cursor.window + 1, tuple(int(d) for d in drawn),
+                         tuple(float(c) for c in carry))
+        return cls(ids, offsets, counts, caps, cursor, nxt, bool(end), (R, M, B))
 
     def rank_step(self, step: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """``rank``'s samples of the window's ``step`` (flat, in pack order) and the ``[M B +
