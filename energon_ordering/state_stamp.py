@@ -379,6 +379,9 @@ class PipelineStampDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sam
         input_end = _find_stage(dataset, InputEndDataset)
         if input_end is not None:
             input_end.input_end = self.input_ended
+        # a source whose next epoch must start by loader process (the planned order's)
+        self._epoch_ended_before = getattr(
+            _find_stage_with(dataset, "epoch_ended_before"), "epoch_ended_before", None)
 
     def input_ended(self) -> None:
         """The batcher's input of this worker's finite epoch has ended: what the batcher still
@@ -403,6 +406,8 @@ class PipelineStampDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sam
             # Restored at the end of a finite epoch, or Energon iterating again after skipping
             # to it: nothing remains of the epoch.
             self._reach_end()
+            if self._epoch_ended_before is not None:
+                self._epoch_ended_before()
             return
         self._ended = self._end_reached = self._end_confirmed = False
         yield from self.dataset
@@ -666,10 +671,11 @@ def _find_stage_with(dataset: Any, attribute: str) -> Any:
         ds = stack.pop()
         if hasattr(ds, attribute):
             return ds
-        stack.extend(getattr(ds, "datasets", None) or [])
-        inner = getattr(ds, "dataset", None)
-        if inner is not None:
-            stack.append(inner)
+        inner = getattr(ds, "datasets", None)
+        if inner:  # Energon's wrappers (a blend's `dataset` property asserts a single one)
+            stack.extend(inner)
+        elif getattr(ds, "dataset", None) is not None:
+            stack.append(ds.dataset)
     return None
 
 

@@ -275,3 +275,72 @@ def test_a_nodes_loaders_share_the_packed_plans_and_read_the_same_packs(data, tm
     # 6 micro-batches of M = 2 per step, K = 2 steps per window: windows 0 and 1, one file each,
     # written by the first rank and mapped by the second
     assert len(list((tmp_path / "plans").glob("plan-*.npy"))) == 2
+
+
+# --- slow: two finite epochs, workers 2-3, cuts across both, CPU contention -------------------
+
+_SPIN = "import os, sys\nparent = os.getppid()\nwhile os.getppid() == parent:\n    sum(range(10**6))\n"
+
+
+@pytest.fixture
+def busy_cpu(tmp_path):
+    """Two processes spinning on the CPU for the test's duration (races hide on an idle
+    machine); they end with the test, or when its process is gone."""
+    import os
+    import signal
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, "-c", _SPIN], start_new_session=True)
+             for _ in range(2)]
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def _two_epochs(make):
+    """Records of two finite epochs of one loader, with the state before every micro-batch and
+    after each epoch's last one (``states[i]`` resumes with ``records[i:]``)."""
+    loader = make()
+    records, states = [], []
+    for _ in range(2):
+        it = None
+        while True:
+            states.append(pickle.loads(pickle.dumps(loader.save_state_rank())))
+            if it is None:
+                it = iter(loader)
+            try:
+                records.append(record_batch(next(it)))
+            except StopIteration:
+                states.pop()  # the state after the last micro-batch is the next epoch's first
+                break
+        del it
+    states.append(pickle.loads(pickle.dumps(loader.save_state_rank())))
+    close_loader(loader)
+    return records, states
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("num_workers", [2, 3])
+def test_cuts_across_two_finite_epochs_under_a_busy_cpu(data, busy_cpu, num_workers):
+    def make():
+        return _loader(data, rank=1, repeat=False, num_workers=num_workers,
+                       seq_length_warmup={"start": 256, "full": CAP, "warmup_steps": 6})
+
+    records, states = _two_epochs(make)
+    n = len(records)
+    assert n > 8
+    cuts = sorted({0, 1, 2, 5, n // 2 - 1, n // 2, n // 2 + 1, n - 2, n - 1, n} | set(range(0, n, 7)))
+    for cut in cuts:
+        loader = make()
+        restore_state_rank(loader, states[cut])
+        got = []
+        for _ in range(2):  # the rest of this epoch, then the next one if any
+            got.extend(record_batch(b) for b in loader)
+            if len(got) >= n - cut:
+                break
+        close_loader(loader)
+        assert got[:n - cut] == records[cut:], cut
+    assert all(p.poll() is None for p in busy_cpu)  # the contention lasted

@@ -602,3 +602,31 @@ def test_elastic_resumes_in_a_chain_draw_a_finite_epoch_once(larger, shapes, cut
             state, at = saved, stop
     assert len(got) == len(set(got)), "a sample was drawn twice"
     assert sorted(got) == sorted(whole), "the resumed epoch lost or added samples"
+
+
+@pytest.mark.slow  # loader workers, two finite epochs, resumes around the epoch boundary
+@pytest.mark.parametrize("num_workers", [2, 3])
+def test_the_epoch_after_a_resume_keeps_the_order_with_loader_workers(data, num_workers):
+    """A restored loader keeps Energon's worker rotation (``WorkerConfig.worker_id_offset``) for
+    its whole life, while every new epoch starts at its first worker process: the planned
+    source must start the next epoch by process, not by the restored logical id (the epoch
+    after a mid-epoch resume came out rotated before)."""
+    from test_planned_packs import _two_epochs
+
+    def make():
+        return build_train_loader(data, ordering=planned(), rank=1, world_size=2, repeat=False,
+                                  num_workers=num_workers, batch_size=B,
+                                  task_encoder_factory=IndexedSyntheticTaskEncoder)
+
+    records, states = _two_epochs(make)
+    n = len(records)
+    for cut in (1, 3, n // 2 - 3, n // 2 - 2, n // 2 - 1, n // 2, n // 2 + 1, n - 1):
+        loader = make()
+        restore_state_rank(loader, states[cut])
+        got = []
+        for _ in range(2):
+            got.extend(record_batch(b) for b in loader)
+            if len(got) >= n - cut:
+                break
+        close_loader(loader)
+        assert got[:n - cut] == records[cut:], cut

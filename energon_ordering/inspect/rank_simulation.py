@@ -209,6 +209,61 @@ def close_loader(loader: Any) -> None:
         if had_workers:
             # drop the workers' last references now; an in-process loader has none to drop
             gc.collect()
+    close_readers(getattr(loader, "dataset", None))
+
+
+# Classes whose ``close()`` releases a reader's open files and connections (Energon's tar and
+# index readers keep their shards open, and something outside the loader keeps them alive: an
+# in-process loader that is only dropped leaves about 20 descriptors per loader open).
+def _reader_types() -> tuple[type, ...]:
+    from megatron.energon.flavors.webdataset.itar_reader import ITarReader
+
+    from energon_ordering.pipeline.planned_source import PlannedSourceDataset
+    from energon_ordering.pool.byte_range_reader import ByteRangeReader
+
+    return (ITarReader, ByteRangeReader, PlannedSourceDataset)
+
+
+def close_readers(root: Any, limit: int = 100_000) -> int:
+    """Closes the readers inside a dropped loader's dataset (what :func:`close_loader` does
+    last): walks the objects the dataset holds (Energon's and this package's, and their lists,
+    tuples and dicts) and calls ``close()`` on Energon's tar readers, byte-range readers and the
+    planned source (its prefetch threads), and empties Energon's caches of ``.tar.idx`` readers.
+    A closed reader reopens on its next read, so a reader shared with a live loader keeps
+    working. Returns the number of readers closed."""
+    if root is None:
+        return 0
+    types_ = _reader_types()
+    seen: set[int] = set()
+    stack = [root]
+    closed = 0
+    while stack and len(seen) < limit:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, types_):
+            try:
+                obj.close()
+                closed += 1
+            except Exception:  # noqa: BLE001 - best effort: a reader already closed
+                pass
+        cache = getattr(obj, "tar_index_reader_cache", None)  # Energon's .tar.idx readers
+        if isinstance(cache, dict):
+            for entry in list(cache.values()):
+                entry.tar_index_reader.close()
+                closed += 1
+            cache.clear()  # looked up again, they are opened again
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif type(obj).__module__.startswith(("megatron.energon", "energon_ordering")):
+            try:
+                stack.extend(vars(obj).values())
+            except TypeError:
+                pass
+    return closed
 
 
 def run_ranks(

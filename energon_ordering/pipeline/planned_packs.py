@@ -199,6 +199,9 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
         window, t = divmod(step, self.window_steps)
         if self._rank_window != window or self._rank_steps is None:
             plan = self.packed_plan(window)
+            if not plan.has_packs:  # kept without its packs: plan it again
+                self._plan = None
+                plan = self.packed_plan(window)
             rank = int(self.worker_config.rank)
             first = window * self.window_steps
             steps: list[tuple[np.ndarray, np.ndarray] | None] = []
@@ -211,6 +214,9 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
                     steps.append(self._redealt(plan, k, R, M * B, rank))
             self._rank_steps = steps  # type: ignore[assignment]
             self._rank_window = window
+            # keep the window's cursor and step count, not every rank's packs (the shared
+            # plan's memory map is released with them)
+            self._plan = plan.without_packs()
         return self._rank_steps[t]
 
     def _redealt(self, plan: PackedWindowPlan, k: int, world_size: int, packs_per_rank: int,

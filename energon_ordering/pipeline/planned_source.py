@@ -170,8 +170,14 @@ class PlannedSourceDataset(SavableDataset[Any]):
         #: Set by :meth:`restore_elastic` (before iteration): where this loader starts.
         self.elastic_start: dict[str, Any] | None = None
         self.prefetch_threads = PREFETCH_THREADS
+        #: This worker's last epoch ended in this process, or before the loader's current
+        #: iteration (:meth:`epoch_ended_before`): its next epoch starts by loader process. Not
+        #: saved: a restored worker not yet asked in the epoch starts as the loader's rotation
+        #: says (see __iter__).
+        self._ended_here = False
         self._executor: ThreadPoolExecutor | None = None  # per process, never pickled
         self._local: threading.local | None = None
+        self._thread_readers: list[ByteRangeReader] = []  # the prefetch threads' copies
         self.reset_state_own()
 
     # -- state -----------------------------------------------------------------------------
@@ -271,6 +277,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
             "with, or start the data stream fresh.",
         )
         super().restore_state(state)
+        self._ended_here = False
         self._steps_window = None
         self._steps = None
         self._end_step = None  # depends on the restored history
@@ -445,7 +452,8 @@ class PlannedSourceDataset(SavableDataset[Any]):
                                      micro_batches_per_step=M2, lengths=lens)  # [K - t, M2, R2, B]
                 steps[t:] = list(tail[pos].transpose(0, 2, 1, 3))
         rank = int(self.worker_config.rank)
-        self._steps = [np.ascontiguousarray(x[rank]) if rank < len(x) else None for x in steps]
+        # copies: the plan may be a memory map of a shared file, released with it
+        self._steps = [np.array(x[rank]) if rank < len(x) else None for x in steps]
         self._steps_window = window
         return self._steps
 
@@ -457,7 +465,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         return self._window_steps(window)[t][m]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_executor": None, "_local": None,
+        return {**self.__dict__, "_executor": None, "_local": None, "_thread_readers": [],
                 "lengths": [reopen(x) for x in self.lengths]}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -473,7 +481,20 @@ class PlannedSourceDataset(SavableDataset[Any]):
         readers = getattr(local, "readers", None)
         if readers is None:
             readers = local.readers = [r.thread_copy() for r in self.readers]
+            self._thread_readers.extend(readers)  # for close()
         return readers[source].read(index)
+
+    def close(self) -> None:
+        """Stops the prefetch threads and closes their readers and this process's (a loader
+        that is dropped; they reopen on the next read)."""
+        executor, local = self._executor, self._local
+        self._executor = self._local = None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+        for reader in [*self.readers, *self._thread_readers]:
+            reader.close()
+        self._thread_readers = []
+        del executor, local
 
     def _prefetch(self, gids: np.ndarray) -> list[Future]:
         """Starts reading ``gids`` on the prefetch threads (started on first use)."""
@@ -503,8 +524,14 @@ class PlannedSourceDataset(SavableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         workers = self._workers()
         if self._next is None:
-            self._next = self._start_step * self.micro_batches_per_step \
-                + self.worker_config.rank_worker_id()
+            worker = self.worker_config.rank_worker_id()
+            if self._ended_here:
+                # this worker ran the last epoch to its end: the loader starts the next epoch
+                # at its first process, whatever logical worker a restore made that process
+                # (Energon keeps WorkerConfig.worker_id_offset for the loader's life)
+                worker = (worker - WorkerConfig.worker_id_offset) % workers
+            self._next = self._start_step * self.micro_batches_per_step + worker
+        self._ended_here = False
         M, K = self.micro_batches_per_step, self.window_steps
         ahead: dict[int, list[Future]] = {}  # micro-batch -> its reads, started
         while True:
@@ -532,6 +559,12 @@ class PlannedSourceDataset(SavableDataset[Any]):
                     self._offset = pos + 1
                 yield sample
 
+    def epoch_ended_before(self) -> None:
+        """This worker's epoch ended before the loader's current iteration began (called by the
+        pipeline stamp when a restored worker has nothing left of the epoch): its next epoch
+        starts by loader process, as after an end run here (see :meth:`__iter__`)."""
+        self._ended_here = True
+
     def _epoch_over(self, b: int) -> bool:
         """True if micro-batch ``b`` lies beyond the end of a finite epoch."""
         end = self.end_step()
@@ -543,6 +576,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         return ()
 
     def _start_epoch(self, epoch: int) -> None:
+        self._ended_here = True
         self._epoch = epoch
         self._next = None
         self._offset = 0

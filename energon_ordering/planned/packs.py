@@ -29,6 +29,7 @@ would need more samples of a source than its epoch has left (:attr:`PackedWindow
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -278,9 +279,9 @@ class PackedWindowPlan:
         at += S
         carry = np.asarray(a[at:at + S]).view(np.float64)
         at += S
-        counts = np.asarray(a[at:at + steps * S]).reshape(steps, S)
+        counts = np.array(a[at:at + steps * S]).reshape(steps, S)
         at += steps * S
-        caps = a[at:at + steps]
+        caps = np.array(a[at:at + steps])
         at += steps
         offsets = a[at:at + steps * R * M * B + 1]
         at += steps * R * M * B + 1
@@ -288,6 +289,16 @@ class PackedWindowPlan:
         nxt = PlanCursor(cursor.window + 1, tuple(int(d) for d in drawn),
                          tuple(float(c) for c in carry))
         return cls(ids, offsets, counts, caps, cursor, nxt, bool(end), (R, M, B))
+
+    def without_packs(self) -> PackedWindowPlan:
+        """This plan without its packs (``ids``, ``offsets``): what a loader keeps of a window
+        once it has its own rows (the packs may be a memory map of a shared plan)."""
+        empty = np.zeros(0, dtype=np.int64)
+        return dataclasses.replace(self, ids=empty, offsets=empty)
+
+    @property
+    def has_packs(self) -> bool:
+        return len(self.offsets) > 0
 
     def rank_step(self, step: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """``rank``'s samples of the window's ``step`` (flat, in pack order) and the ``[M B +
