@@ -164,3 +164,21 @@ def test_build_length_index_tool(fresh_dataset):
     )
     assert proc.returncode == 0, proc.stderr
     assert LengthIndex.open(fresh_dataset).samples == 96
+
+
+class PilOnlyEncoder(SyntheticTaskEncoder):
+    """Megatron-LM's examples/multimodal encoder calls ``image.convert(...)``: it needs the PIL
+    images its loader asks Energon for (``image_decode="pil"``)."""
+
+    def encode_sample(self, sample):
+        sample.image.convert("RGB")
+        return super().encode_sample(sample)
+
+
+def test_cli_index_decodes_images_as_the_loader_does(fresh_dataset):
+    args = ["index", str(fresh_dataset), "--task-encoder", "test_length_index:PilOnlyEncoder"]
+    torch_images = CliRunner().invoke(main, args)
+    assert torch_images.exit_code != 0 and "convert" in torch_images.output
+    pil = CliRunner().invoke(main, [*args, "--image-decode", "pil"])
+    assert pil.exit_code == 0, pil.output
+    assert LengthIndex.open(fresh_dataset).samples == 96

@@ -19,6 +19,11 @@ from energon_ordering.cli.preflight import check_dataset
 from energon_ordering.cli.tables import index_table
 from energon_ordering.cli.user_error import user_errors
 
+#: Energon's image decoders (``SampleDecoder(image_decode=...)``).
+IMAGE_DECODERS = ("l8", "rgb8", "rgba8", "l", "rgb", "rgba", "torchl8", "torchrgb8",
+                  "torchrgba8", "torchl", "torchrgb", "torch", "torchrgba", "pill", "pil",
+                  "pilrgb", "pilrgba")
+
 
 @click.command("index", context_settings=CONTEXT)
 @click.argument("dataset", type=click.Path(exists=True))
@@ -38,9 +43,14 @@ from energon_ordering.cli.user_error import user_errors
 @click.option("--skip-bad-samples", is_flag=True,
               help="Index a sample that fails to decode or measure with length 0 and count it, "
                    "instead of stopping at it.")
+@click.option("--image-decode", default=None, metavar="DECODER",
+              type=click.Choice(IMAGE_DECODERS),
+              help="Decode images as get_train_dataset(image_decode=...) does in your loader "
+                   "(Megatron-LM's examples/multimodal passes pil); default: the task "
+                   "encoder's own decoder.")
 def command(dataset: str, task_encoder: str | None, tokens_per_media: int,
             raw_length_fn: str | None, split_part: str, workers: int, name: str | None,
-            index_dir: str | None, skip_bad_samples: bool) -> None:
+            index_dir: str | None, skip_bad_samples: bool, image_decode: str | None) -> None:
     """Build the length index of DATASET (a prepared folder or a metadataset: every dataset in
     it), for length_sort_placement = pre-encode. Written to <dataset>/.nv-meta/ (or --index-dir),
     tied to the dataset's index.uuid; run it again after `energon prepare`."""
@@ -50,6 +60,10 @@ def command(dataset: str, task_encoder: str | None, tokens_per_media: int,
     fn = import_function(raw_length_fn, "--raw-length-fn") if raw_length_fn else None
     te = None if fn is not None and task_encoder is None else resolve_task_encoder(
         task_encoder, tokens_per_media)()
+    if image_decode is not None and te is not None:
+        from megatron.energon import SampleDecoder
+
+        te.decoder = SampleDecoder(image_decode=image_decode)
     with contextlib.ExitStack() as bars, user_errors():
 
         def progress(name: str, total: int) -> Callable[[int], None]:
