@@ -58,6 +58,8 @@ TAGS = megatron_lm_sources.tag_params()
 PLANNED_FLAGS = ("--length-sort-mode planned --length-sort-placement pre-encode "
                  "--length-sort-pool-holds keys --plan-window-steps 2")
 POOL_FLAGS = "--length-sort-pool-size 32 --length-sort-mode batch"
+#: --packing-seq-length of the packed planned run (packs of the plan, the default packer).
+PACK = 1024
 
 
 def _argv(out: Path, data: Path, phase: str, num_workers: int, load_step: int | None,
@@ -82,7 +84,8 @@ def _argv(out: Path, data: Path, phase: str, num_workers: int, load_step: int | 
 
 
 def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: int,
-            load_step: int | None, world: int = WORLD, planned: bool = False) -> None:
+            load_step: int | None, world: int = WORLD, planned: bool = False,
+            packed: bool = False) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     megatron_lm_sources.use_megatron_lm(tag)
     import megatron_cpu_device_shim
@@ -110,6 +113,9 @@ def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: i
 
         def extra_args(parser):  # --dataloader-save as examples/multimodal/multimodal_args.py adds it
             parser.add_argument("--dataloader-save", type=str, default=None)
+            if packed:  # and its packing flags
+                parser.add_argument("--packing-buffer-size", type=int, default=None)
+                parser.add_argument("--packing-seq-length", type=int, default=0)
             return add_energon_ordering_args(parser)
 
         def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
@@ -141,8 +147,11 @@ def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: i
         provider = functools.partial(train_valid_test_dataloaders_provider, task_encoder=encoder,
                                      repeat=False, image_decode=None)
         provider.is_distributed = True
+        flags = PLANNED_FLAGS if planned else POOL_FLAGS
+        if packed:
+            flags += f" --packing-buffer-size 16 --packing-seq-length {PACK}"
         sys.argv = ["pretrain_gpt.py", *_argv(Path(out), Path(data), phase, num_workers, load_step,
-                                              world, PLANNED_FLAGS if planned else POOL_FLAGS)]
+                                              world, flags)]
         store = dist.FileStore(str(Path(out) / f"store_{phase}"), world)
         from megatron.training import arguments
 
@@ -165,8 +174,9 @@ def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: i
 
 
 def _spawn(out: Path, data: Path, tag: str, phase: str, num_workers: int,
-           load_step: int | None = None, world: int = WORLD, planned: bool = False) -> list[dict]:
-    args = (tag, phase, str(data), str(out), num_workers, load_step, world, planned)
+           load_step: int | None = None, world: int = WORLD, planned: bool = False,
+           packed: bool = False) -> list[dict]:
+    args = (tag, phase, str(data), str(out), num_workers, load_step, world, planned, packed)
     return megatron_lm_sources.spawn_ranks(_worker, args, out, phase, world, "Megatron's training loop")
 
 
@@ -261,3 +271,34 @@ def test_a_planned_run_on_two_ranks_resumes_on_one_from_megatrons_checkpoint(tmp
         lo = 2 * WORLD * MBPS * (window - CUT // 2)
         mine = sorted(k for batch in one["drawn"][lo: lo + 2 * WORLD * MBPS] for k in batch)
         assert mine == two, f"plan window {window}"
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("tag", TAGS)
+def test_a_packed_planned_run_on_two_ranks_resumes_on_one_from_megatrons_checkpoint(tmp_path, tag):
+    """The planned order with packing (``--packing-buffer-size``, ``--packing-seq-length``) under
+    Megatron-LM's real loop on 2 gloo ranks with ``--num-workers 2`` on finite data, then one
+    rank resumed from Megatron's own checkpoint at iteration 2 (the same global batch of packs):
+    the two runs draw every sample of the epoch once, and stop at the same iteration."""
+    from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+    from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
+    from energon_ordering.length_index.build import build_length_index
+
+    make_synthetic_dataset(tmp_path / "data", [SourceSpec("web", 160, "short")], shard_size=16)
+    data = tmp_path / "data" / "web"
+    build_length_index(data, task_encoder=IndexedSyntheticTaskEncoder())
+    first = _spawn(tmp_path, data, tag, "first", 2, planned=True, packed=True)
+    steps = first[0]["train_iters"]
+    assert steps > CUT and all(r["train_iters"] == steps for r in first)
+    assert all(len(r["drawn"]) == MBPS * steps for r in first)
+    epoch = [k for r in first for batch in r["drawn"] for k in batch]
+    assert len(epoch) == len(set(epoch)) > MBS * WORLD * MBPS * steps  # packs of several
+
+    resumed = _spawn(tmp_path, data, tag, "resume_one", 2, load_step=CUT, world=1, planned=True,
+                     packed=True)
+    [one] = resumed
+    assert one["returned"] and one["loaded_iteration"] == CUT and one["train_iters"] == steps
+    assert len(one["drawn"]) == WORLD * MBPS * (steps - CUT)
+    before = [k for r in first for batch in r["drawn"][: MBPS * CUT] for k in batch]
+    after = [k for batch in one["drawn"] for k in batch]
+    assert sorted(before + after) == sorted(epoch), "the resume lost or repeated samples"
