@@ -48,6 +48,10 @@ class OrderingConfig:
             every rank reads its micro-batches from one plan of the global order, computed alike
             on every rank from the length index (see ``plan_window_steps``); needs
             ``length_sort_placement = "pre-encode"`` and ``length_sort_pool_holds = "keys"``.
+            With packing it plans the packs too, each built to its step's cap
+            (``pack_seq_length``, else the warmup's ``full``; the warmup's cap during the
+            warmup), the ranks balanced by attention cost
+            (:mod:`energon_ordering.planned.packs`).
         length_sort_placement: Where the length pool sits. ``"post-encode"`` (default, the
             reference behaviour): after ``encode_sample``, pooling encoded samples. ``"pre-encode"``:
             before decoding, as the lean :class:`~energon_ordering.pool.key_pool_sort.KeyPoolSortDataset`

@@ -10,5 +10,7 @@ information (the sources' lengths, the seed, the schedule), with no communicatio
 - :mod:`.cursor`: which draws of each source a window uses, from the per-step counts;
 - :mod:`.balance`: a window's drawn samples -> steps x ranks x micro-batches, exact per-step
   source counts, balanced ranks, little padding;
-- :mod:`.window`: the plan of one window of steps, composing the above.
+- :mod:`.window`: the plan of one window of steps, composing the above;
+- :mod:`.packs`: with sequence packing, each step's packs built to its cap, the ranks balanced
+  by the packs' attention cost, the per-step mix exact for the step's sample count.
 """
