@@ -135,3 +135,30 @@ def test_a_plan_reads_back_from_its_shared_array():
     for a, b in ((back.ids, plan.ids), (back.offsets, plan.offsets),
                  (back.counts, plan.counts), (back.caps, plan.caps)):
         assert np.array_equal(a, b)
+
+
+def _pinned_packed_plans() -> bytes:
+    """Packed plans of fixed inputs: two mixes, a warmup, three shapes, two windows each."""
+    out = []
+    for seed, (R, M, B) in enumerate([(4, 2, 2), (8, 4, 1), (3, 1, 3)]):
+        lengths = _lengths(seed)
+        caps = [pack_target(t, 2048, SeqLenWarmup(start=512, full=2048, warmup_steps=5))
+                for t in range(6)]
+        first = _plan(lengths, R=R, M=M, B=B, caps=caps[:3])
+        second = _plan(lengths, R=R, M=M, B=B, caps=caps[3:], cursor=first.next_cursor)
+        out += [p.to_array().tobytes() for p in (first, second)]
+    return b"".join(out)
+
+
+PINNED_PACKED_DIGEST = "036046a53bbae527ffcc9839c691b5c1adb0bf66a4c19bb53cf1bacdebd50d74"
+
+
+def test_the_packed_plan_is_pinned_to_its_version():
+    import hashlib
+
+    from energon_ordering.planned.packs import PACKED_PLAN_VERSION
+
+    assert PACKED_PLAN_VERSION == 1, "PACKED_PLAN_VERSION was bumped: pin the new digest here"
+    assert hashlib.sha256(_pinned_packed_plans()).hexdigest() == PINNED_PACKED_DIGEST, (
+        "the packed plan of the same inputs changed: bump PACKED_PLAN_VERSION "
+        "(planned/packs.py) and pin the new digest")
