@@ -83,9 +83,9 @@ def fill_packs(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: i
     rcost = np.zeros(R)
     out = np.full(len(L), -1, dtype=np.int64)
 
+    room = np.full(R, float(cap))  # each rank's most room in one pack
     queue = np.argsort(-L, kind="stable")
     while len(queue):
-        room = (cap - load).max(axis=1)
         # the longest items fit no pack any more (rooms only shrink): they stay unplaced
         queue = queue[int(np.searchsorted(-L[queue], -room.max(), "left")):]
         if not len(queue):
@@ -105,6 +105,7 @@ def fill_packs(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: i
         load[ranks, pk] += L[items]  # one item per rank in a round
         pcost[ranks, pk] += cost[items]
         rcost[ranks] += cost[items]
+        room[ranks] = (cap - load[ranks]).max(axis=1)
     return out
 
 
