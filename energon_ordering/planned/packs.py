@@ -37,7 +37,7 @@ import numpy as np
 from energon_ordering.errors import OrderingConfigError, show
 from energon_ordering.mixture.step_counts import step_source_counts
 
-from .balance import sample_cost
+from .balance import radix_keys, sample_cost
 from .cursor import PlanCursor, check_window_steps, draws
 from .sample_ids import SampleIds
 
@@ -84,7 +84,8 @@ def fill_packs(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: i
     out = np.full(len(L), -1, dtype=np.int64)
 
     room = np.full(R, float(cap))  # each rank's most room in one pack
-    queue = np.argsort(-L, kind="stable")
+    keys = radix_keys(L)  # whole lengths: a radix sort, the same order
+    queue = np.argsort(-L if keys is None else np.uint16(65535) - keys, kind="stable")
     while len(queue):
         # the longest items fit no pack any more (rooms only shrink): they stay unplaced
         queue = queue[int(np.searchsorted(-L[queue], -room.max(), "left")):]
