@@ -15,7 +15,8 @@ computes the same ones and no rank packs its own slice. Per optimizer step (G = 
    well (idle within :data:`IDLE_TOLERANCE`, or within the first whole count's): the step's
    counts stay exact for its n.
 2. **Packs and ranks** (:func:`fill_packs`). Every rank owns ``M B`` packs (its M
-   micro-batches of B packs). The drawn samples, longest first, go to the rank with the
+   micro-batches of B packs). Each pack first takes one of the G longest samples (dealt in
+   tuples of R, so no pack stays empty); the others, longest first, go to the rank with the
    smallest attention cost ``sum(L + L^2/4096)`` so far (longest-processing-time dealing,
    vectorised in rounds), into its cheapest pack that still has room. Ranks' costs agree to
    within about one sample's cost, and a rank's packs fill evenly.
@@ -37,7 +38,7 @@ import numpy as np
 from energon_ordering.errors import OrderingConfigError, show
 from energon_ordering.mixture.step_counts import step_source_counts
 
-from .balance import radix_keys, sample_cost
+from .balance import _deal, radix_keys, sample_cost
 from .cursor import PlanCursor, check_window_steps, draws
 from .sample_ids import SampleIds
 
@@ -45,7 +46,7 @@ __all__ = ["PACKED_PLAN_VERSION", "PackedWindowPlan", "deal_packs", "fill_packs"
            "plan_packed_step", "plan_packed_window"]
 
 #: Bumped whenever a packed plan changes for the same inputs; a packed planned state stamps it.
-PACKED_PLAN_VERSION = 1
+PACKED_PLAN_VERSION = 2  # 2: every pack seeded with one of the step's longest samples
 
 #: A step's sample count is searched to within this share of its samples (each try packs the
 #: whole step once).
@@ -59,7 +60,9 @@ def fill_packs(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: i
     """Assigns items to the ``packs_per_rank`` packs of ``cap`` tokens of each of R ranks,
     balancing the ranks' attention costs.
 
-    Items go longest first (ties by index), in rounds: the round's i-th item goes to the rank
+    Every pack first takes one of the ``R P`` longest items (when there are that many), dealt
+    as :func:`deal_packs` deals packs; the others go longest first (ties by index), in rounds:
+    the round's i-th item goes to the rank
     with the i-th smallest cost so far (ties by rank), into that rank's pack with the smallest
     cost among those with room for it (ties by pack). A round serves only the ranks with room
     for its longest item whose cost is within that item's cost of the cheapest such rank, so it
@@ -86,6 +89,17 @@ def fill_packs(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: i
     room = np.full(R, float(cap))  # each rank's most room in one pack
     keys = radix_keys(L)  # whole lengths: a radix sort, the same order
     queue = np.argsort(-L if keys is None else np.uint16(65535) - keys, kind="stable")
+    if len(queue) >= R * P:
+        # every pack starts with one of the R P longest items, dealt in tuples of R (the
+        # costliest to the cheapest rank): no pack stays empty, whatever the dealing below
+        first, queue = queue[:R * P], queue[R * P:]
+        seat = _deal(np.arange(R * P)[None], cost[first], R, P)[0]  # [R, P] -> position
+        items = first[seat]
+        out[items] = np.arange(R * P).reshape(R, P)
+        load[:] = L[items]
+        pcost[:] = cost[items]
+        rcost[:] = pcost.sum(axis=1)
+        room[:] = (cap - load).max(axis=1)
     while len(queue):
         # the longest items fit no pack any more (rooms only shrink): they stay unplaced
         queue = queue[int(np.searchsorted(-L[queue], -room.max(), "left")):]
@@ -114,22 +128,15 @@ def deal_packs(pack_costs: np.ndarray, world_size: int, packs_per_rank: int) -> 
     """``[R, P]`` pack indices: one step's ``R P`` packs dealt to R ranks of P packs each.
 
     Used when a resume continues a step's packs at another data-parallel size (same global
-    batch): costliest first, in tuples of R neighbours, each tuple's packs going costliest
-    first to the ranks with the smallest running cost (ties by rank), so rank costs agree to
-    within a tuple's spread."""
+    batch): the window balance's last step (:func:`~.balance._deal`) on packs: costliest first,
+    in tuples of R neighbours, each tuple's packs going costliest first to the ranks with the
+    smallest running cost (ties by rank), so rank costs agree to within a tuple's spread."""
     R, P = int(world_size), int(packs_per_rank)
     c = np.asarray(pack_costs, dtype=np.float64)
     if len(c) != R * P:
         raise OrderingConfigError(
             f"planned packing: {len(c)} packs cannot be dealt to {R} ranks x {P} packs.")
-    order = np.argsort(-c, kind="stable").reshape(P, R)
-    total = np.zeros(R)
-    out = np.empty((R, P), dtype=np.int64)
-    for j in range(P):
-        ranks = np.argsort(total, kind="stable")
-        out[ranks, j] = order[j]
-        total[ranks] += c[order[j]]
-    return out
+    return _deal(np.arange(R * P)[None], c, R, P)[0]
 
 
 class _Draws:
