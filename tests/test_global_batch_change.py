@@ -167,3 +167,18 @@ def test_the_setting_is_planned_only():
         OrderingConfig(length_sort_pool_size=8, length_sort_mode="batch",
                        allow_global_batch_change=True)
     assert OrderingConfig.from_dict({**_cfg(2).to_dict()}).allow_global_batch_change
+
+
+def test_the_next_finite_epoch_ends_as_the_new_global_batch_alone_ends_it(data):
+    """The epoch after the one a change happened in has no history: it ends where the new
+    global batch alone ends it, as in a loader started with it (its end was kept from the
+    changed epoch before)."""
+    before, after = (2, 2, 4), (2, 3, 4)
+    _, saved = _take(_loader(data, before, 0), 2 * K * before[1])
+    loader = _loader(data, after, 0)
+    restore_state_rank(loader, pickle.loads(saved))
+    sum(1 for _ in loader)  # the rest of the changed epoch
+    next_epoch = [record_batch(b) for b in loader]
+    close_loader(loader)
+    fresh, _ = _take(_loader(data, after, 0), None)
+    assert len(next_epoch) == len(fresh) > 0

@@ -234,6 +234,19 @@ def test_the_global_batch_changes_at_a_window_boundary_with_packing(data):
         _finite_run(data, 1, start_state=states[0])
 
 
+@pytest.mark.timeout(120)
+def test_the_next_finite_epoch_draws_every_source_anew(data):
+    """An epoch shorter than one plan window: the next epoch plans its own window 0 (it came
+    out as a replay of the first, from the plan kept of it), and its last steps, where the
+    sources run low, have no empty pack (the source would never move past one)."""
+    loader = _loader(data, repeat=False, plan_window_steps=64)
+    epochs = [[k for b in loader for k in record_batch(b).keys] for _ in range(2)]
+    close_loader(loader)
+    assert len(epochs[0]) > 0 and len(epochs[1]) > 0
+    assert len(set(epochs[1])) == len(epochs[1])
+    assert epochs[0] != epochs[1]  # another permutation of each source
+
+
 def test_packing_without_a_cap_is_refused(data):
     with pytest.raises(OrderingConfigError, match="pack_seq_length"):
         _loader(data, pack_seq_length=None)

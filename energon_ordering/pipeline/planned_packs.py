@@ -40,6 +40,7 @@ from megatron.energon.wrappers.buffer import SavableSampleBuffer
 from megatron.energon.worker import WorkerConfig
 
 from energon_ordering.errors import OrderingConfigError, show
+from energon_ordering.planned.balance import sample_cost
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.packs import (
     PACKED_PLAN_VERSION,
@@ -93,10 +94,7 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
                 "set OrderingConfig.pack_seq_length (Megatron: --packing-seq-length).")
         self.pack_seq_length = pack_seq_length
         self.warmup = warmup
-        self._plan: PackedWindowPlan | None = None
         super().__init__(*args, **kwargs)
-        self._rank_window: int | None = None
-        self._rank_steps: list[tuple[np.ndarray, np.ndarray]] | None = None
 
     def _expected_stamp(self) -> dict[str, Any]:
         return {
@@ -109,26 +107,18 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
         }
 
     def __getstate__(self) -> dict[str, Any]:
-        # the plans at hand are recomputed (or mapped again) where the copy runs
-        return {**super().__getstate__(), "_plan": None, "_rank_window": None,
-                "_rank_steps": None}
+        # the plan at hand is recomputed (or mapped again) where the copy runs
+        return {**super().__getstate__(), "_plan": None}
 
     def end_step(self) -> int | None:
         """Unknown before the plan reaches it: a packed step's sample count depends on the
         lengths drawn (see :meth:`_epoch_over`)."""
         return None
 
-    def reset_state_own(self) -> None:
-        super().reset_state_own()
-        self._plan = None
-        self._rank_window = None
-        self._rank_steps = None
-
-    def restore_state(self, state: Any) -> None:
-        super().restore_state(state)
-        self._plan = None
-        self._rank_window = None
-        self._rank_steps = None
+    def _forget_plans(self) -> None:
+        """Also the window's plan at hand (``_steps`` holds this rank's rows of its steps)."""
+        super()._forget_plans()
+        self._plan: PackedWindowPlan | None = None
 
     # -- the plan --------------------------------------------------------------------------
 
@@ -197,7 +187,7 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
         packs in them; None if this rank had no share of the step (an elastic resume's rank
         beyond the earlier shape, before the resume's step)."""
         window, t = divmod(step, self.window_steps)
-        if self._rank_window != window or self._rank_steps is None:
+        if self._steps_window != window or self._steps is None:
             plan = self.packed_plan(window)
             if not plan.has_packs:  # kept without its packs: plan it again
                 self._plan = None
@@ -212,12 +202,12 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
                                  if rank < R else None)  # type: ignore[arg-type]
                 else:  # an elastic resume inside the window: its packs, dealt to this shape
                     steps.append(self._redealt(plan, k, R, M * B, rank))
-            self._rank_steps = steps  # type: ignore[assignment]
-            self._rank_window = window
+            self._steps = steps  # type: ignore[assignment]
+            self._steps_window = window
             # keep the window's cursor and step count, not every rank's packs (the shared
             # plan's memory map is released with them)
             self._plan = plan.without_packs()
-        return self._rank_steps[t]
+        return self._steps[t]  # type: ignore[return-value]
 
     def _redealt(self, plan: PackedWindowPlan, k: int, world_size: int, packs_per_rank: int,
                  rank: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -231,12 +221,8 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
         bounds = plan.offsets[k * G:(k + 1) * G + 1]
         ids = plan.ids[bounds[0]:bounds[-1]]
         rel = bounds - bounds[0]
-        src, within = self.ids.split(ids)
-        L = np.empty(len(ids))
-        for s, lengths in enumerate(self.lengths):
-            L[src == s] = lengths[within[src == s]]
-        L = np.minimum(L, int(plan.caps[k]))
-        costs = np.add.reduceat(L + L * L / 4096, rel[:-1])
+        L = np.minimum(self.lengths_of(ids), int(plan.caps[k]))
+        costs = np.add.reduceat(sample_cost(L), rel[:-1])
         mine = deal_packs(costs, world_size, packs_per_rank)[rank]
         out = [ids[rel[p]:rel[p + 1]] for p in mine.tolist()]
         sizes = [len(x) for x in out]
@@ -358,9 +344,18 @@ class PlannedPackDataset(BaseWrapperDataset[Any, Any]):
                 "(`energon-ordering index`); this pack and later ones go out as planned "
                 "(counted as packs_over_cap).", step, int(total), cap)
 
+    def _emit(self) -> Iterator[Any]:
+        """Packs the buffered samples (the pack being filled) and yields the pack, if any."""
+        samples, keys = self._buffer.flush()
+        out = self._pack(samples, keys)
+        if out is not None:
+            yield out
+
     def __iter__(self) -> Iterator[Any]:
         buf = self._buffer
         buf.worker_start()  # a restored buffer re-reads its samples
+        # (micro-batch, pack) of the pack being filled
+        filling = pack_tag(buf.buffer[0])[:2] if buf.buffer else None
         for sample in self.dataset:
             tag = pack_tag(sample)
             if tag is None:
@@ -368,22 +363,14 @@ class PlannedPackDataset(BaseWrapperDataset[Any, Any]):
                     f"PlannedPackDataset: a sample without a pack tag in its restore key "
                     f"({show(get_sample_restore_key(sample))}); the encoder's encode_sample must keep "
                     "the sample's __restore_key__ (Energon does by default).")
-            if len(buf.buffer) and pack_tag(buf.buffer[0])[:2] != tag[:2]:
-                samples, keys = buf.flush()
-                out = self._pack(samples, keys)
-                if out is not None:
-                    yield out
+            if buf.buffer and filling != tag[:2]:  # the encoder skipped the pack's last sample
+                yield from self._emit()
             buf.append(sample)
+            filling = tag[:2]
             if tag[2] + 1 == tag[3]:
-                samples, keys = buf.flush()
-                out = self._pack(samples, keys)
-                if out is not None:
-                    yield out
-        if len(buf.buffer):
-            samples, keys = buf.flush()
-            out = self._pack(samples, keys)
-            if out is not None:
-                yield out
+                yield from self._emit()
+        if buf.buffer:
+            yield from self._emit()
 
     def can_restore_sample(self) -> bool:
         return self.dataset.can_restore_sample()

@@ -263,9 +263,14 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self._history = [] if start is None else [dict(h) for h in start["history"]]
         self._cursor = (self._epoch_cursor(self._epoch) if start is None
                         else dict(start["cursor"]))
+        self._forget_plans()
+
+    def _forget_plans(self) -> None:
+        """Drops what is recomputed from the state (the window's rows at hand, the finite
+        epoch's end, which depends on the history): whenever the state is set anew."""
         self._steps_window = None
         self._steps = None
-        self._end_step = None  # depends on the history
+        self._end_step = None
 
     def save_state(self) -> FlexState:
         return super().save_state()
@@ -278,9 +283,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         )
         super().restore_state(state)
         self._ended_here = False
-        self._steps_window = None
-        self._steps = None
-        self._end_step = None  # depends on the restored history
+        self._forget_plans()
 
     def restore_elastic(self, saved: Sequence[tuple[Any, int]]) -> None:
         """Continues a planned state saved at another data-parallel size, micro-batches per
@@ -443,10 +446,8 @@ class PlannedSourceDataset(SavableDataset[Any]):
             if 0 < t < len(steps):
                 R2, M2, _ = self._shape_at(first + t)
                 tail = np.concatenate([x.ravel() for x in steps[t:]])
-                src, within = self.ids.split(tail)
-                lens = np.empty(len(tail))
-                for s, lengths in enumerate(self.lengths):
-                    lens[src == s] = lengths[within[src == s]]
+                src, _ = self.ids.split(tail)
+                lens = self.lengths_of(tail)
                 cost = sample_cost(lens)
                 pos = balance_window(cost, src, plan.counts[t:], world_size=R2, micro_batch=B,
                                      micro_batches_per_step=M2, lengths=lens)  # [K - t, M2, R2, B]
@@ -456,6 +457,14 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self._steps = [np.array(x[rank]) if rank < len(x) else None for x in steps]
         self._steps_window = window
         return self._steps
+
+    def lengths_of(self, gids: np.ndarray) -> np.ndarray:
+        """The lengths (float64) of the samples of global ids ``gids``."""
+        src, within = self.ids.split(gids)
+        out = np.empty(len(gids))
+        for s, lengths in enumerate(self.lengths):
+            out[src == s] = lengths[within[src == s]]
+        return out
 
     def micro_batch_ids(self, b: int) -> np.ndarray:
         """Global sample ids of this rank's micro-batch ``b`` (rank-local count)."""
@@ -583,8 +592,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self._start_step = 0
         self._history = []
         self._cursor = self._epoch_cursor(epoch)
-        self._steps_window = None
-        self._steps = None
+        self._forget_plans()  # the next epoch's history is empty: its end is its own
 
     # -- Energon's SavableDataset interface ------------------------------------------------
 
