@@ -36,6 +36,7 @@ import click
 import numpy as np
 
 from energon_ordering.cli.tables import table
+from energon_ordering.planned.balance import sample_cost
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.packs import plan_packed_window
 
@@ -44,11 +45,6 @@ from bench_planned import mixes  # noqa: E402
 
 RANKS = (8, 64, 256, 1024)
 M = 8  # micro-batches per step, one pack each
-
-
-def cost(lengths: np.ndarray) -> np.ndarray:
-    L = np.asarray(lengths, dtype=np.float64)
-    return L + L * L / 4096
 
 
 def planned(lengths, weights, R: int, steps: int, cap: int):
@@ -61,7 +57,7 @@ def planned(lengths, weights, R: int, steps: int, cap: int):
     seconds = (time.perf_counter() - t0) / steps
     flat = np.minimum(np.concatenate(lengths), cap)
     L = flat[plan.ids]
-    pack_cost = np.add.reduceat(cost(L), plan.offsets[:-1]).reshape(steps, R, M)
+    pack_cost = np.add.reduceat(sample_cost(L), plan.offsets[:-1]).reshape(steps, R, M)
     tokens = np.add.reduceat(L, plan.offsets[:-1]).reshape(steps, -1).sum(axis=1)
     return pack_cost.sum(axis=2), tokens, plan.counts, seconds
 
@@ -70,8 +66,7 @@ def own_packs(lengths, weights, R: int, steps: int, cap: int, seed: int = 1):
     """Every rank packs its own draws (first fit into its M packs, in draw order)."""
     rng = np.random.default_rng(seed)
     p = np.asarray(weights, float) / sum(weights)
-    rank_cost = np.zeros((steps, R))
-    tokens = np.zeros(steps)
+    placed: list[tuple[int, int, float]] = []  # (step, rank, length) of every packed sample
     counts = np.zeros((steps, len(lengths)), dtype=np.int64)
     for r in range(R):
         pending = None
@@ -86,11 +81,13 @@ def own_packs(lengths, weights, R: int, steps: int, cap: int, seed: int = 1):
                 if not len(fits):
                     break  # the step is full: this draw opens the rank's next step
                 room[fits[0]] -= L
-                rank_cost[t, r] += L + L * L / 4096
-                tokens[t] += L
+                placed.append((t, r, L))
                 counts[t, s] += 1
                 pending = None
-    return rank_cost, tokens, counts
+    t, r, L = (np.array(x) for x in zip(*placed))
+    rank_cost = np.zeros((steps, R))
+    np.add.at(rank_cost, (t, r), sample_cost(L))
+    return rank_cost, np.bincount(t, weights=L, minlength=steps), counts
 
 
 def figures(rank_cost, tokens, counts, weights, R: int, cap: int):

@@ -97,13 +97,13 @@ def planned_repeats(path: str, cfg: OrderingConfig, records: list[list[Any]], *,
     steps = min(len(r) for r in records) // m
     planned_steps = -(-steps // k) * k
     g = ranks * m * batch_size
+    size = {n: c for n, c, _ in sizes}
     seen = Counter((s, key) for rank in records for b in rank
                    for key, s in zip(b.keys, b.sources or ("-",) * len(b.keys)))
     if any(b.pack_lengths for rank in records for b in rank):
         # packed: a step's sample count follows the lengths drawn; the run's own draws of
         # each source bound its epochs (its windows drew at most one step more of each)
         drawn = Counter(s for s, _ in seen.elements())
-        size = {n: c for n, c, _ in sizes}
         allowed = {n: max(1, -(-(drawn.get(n, 0) + 1) // max(1, size[n]))) for n in names}
         return sum(1 for (s, _), c in seen.items() if c > allowed.get(s, 1))
     if cfg.mixture_schedule is not None:
@@ -114,7 +114,6 @@ def planned_repeats(path: str, cfg: OrderingConfig, records: list[list[Any]], *,
         w = np.array([1.0 if wt is None else float(wt) for _, _, wt in sizes])
         w = w / w.sum()
         drawn = {n: float(wj) * g * planned_steps for n, wj in zip(names, w)}
-    size = {n: c for n, c, _ in sizes}
     allowed = {n: max(1, -(-int(np.floor(drawn[n] + 1)) // max(1, size[n]))) for n in names}
     return sum(1 for (s, _), c in seen.items() if c > allowed.get(s, 1))
 
