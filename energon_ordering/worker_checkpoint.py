@@ -29,6 +29,15 @@ that held the worker's advanced buffers under the restore point's sample index a
 that look right): its resume skipped twice and differed at that worker's first micro-batch
 (``tests/test_worker_checkpoint.py``; after the soak, or under load, the feeder was late often
 enough). Energon's own answers are copies already (``_save_state`` snapshots).
+
+The loader asked before its workers exist. ``iter(loader)`` only creates Energon's epoch
+generator and marks the workers as running (``_has_workers``); the worker processes start at the
+first ``next()``. A ``save_state_rank()`` in between sends its command to workers that do not exist
+and waits for their answer forever (Energon 7.4.1; fresh or restored loader alike, e.g. a resumed
+run saving before its first iteration). While torch's DataLoader has never started its workers
+(``_iterator is None``: with ``persistent_workers`` it creates them once), nothing has been
+emitted, and :func:`install` makes ``save_state_rank`` give Energon's own answer for workers that
+have not started: the restored state, or None for a fresh loader.
 """
 
 from __future__ import annotations
@@ -37,9 +46,13 @@ import copy
 import functools
 from typing import Any
 
-from megatron.energon.savable_loader import SavableDatasetCheckpoint, SavableDatasetWrapper
+from megatron.energon.savable_loader import (
+    SavableDataLoader,
+    SavableDatasetCheckpoint,
+    SavableDatasetWrapper,
+)
 
-__all__ = ["install", "not_started"]
+__all__ = ["install", "not_started", "workers_never_started"]
 
 #: Set on the patched method, so that :func:`install` patches once.
 _MARK = "_energon_ordering_not_started_answer"
@@ -54,8 +67,41 @@ def not_started(checkpoints: list[Any]) -> bool:
 
 
 def install() -> None:
-    """Patches ``SavableDatasetWrapper.get_checkpoint`` (idempotent; see the module docstring).
-    A no-op for an Energon whose wrapper lacks the attributes the answer reads."""
+    """Patches ``SavableDatasetWrapper.get_checkpoint`` and ``SavableDataLoader.save_state_rank``
+    (idempotent; see the module docstring). Each is left alone on an Energon that lacks the
+    attributes its answer reads."""
+    _install_loader_answer()
+    _install_worker_answer()
+
+
+def workers_never_started(loader: Any) -> bool:
+    """True if ``loader`` (a :class:`SavableDataLoader` with loader workers) is marked as
+    iterating but torch has never started its worker processes: nothing was emitted yet."""
+    return (getattr(loader, "num_workers", 0) > 0 and bool(getattr(loader, "_has_workers", False))
+            and getattr(loader, "_iterator", False) is None)
+
+
+def _install_loader_answer() -> None:
+    original = SavableDataLoader.save_state_rank
+    if getattr(original, _MARK, False) or "_has_workers" not in original.__code__.co_names:
+        return
+
+    @functools.wraps(original)
+    def save_state_rank(self: SavableDataLoader) -> Any:
+        if not workers_never_started(self):
+            return original(self)
+        # Energon's branch for workers that have not started: the restored state, if any
+        self._has_workers = False
+        try:
+            return original(self)
+        finally:
+            self._has_workers = True
+
+    setattr(save_state_rank, _MARK, True)
+    SavableDataLoader.save_state_rank = save_state_rank
+
+
+def _install_worker_answer() -> None:
     original = SavableDatasetWrapper.get_checkpoint
     if getattr(original, _MARK, False):
         return

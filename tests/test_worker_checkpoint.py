@@ -24,7 +24,7 @@ from megatron.energon.savable_loader import (
 from energon_ordering import OrderingConfig, restore_state_rank
 from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, record_batch
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
-from energon_ordering.worker_checkpoint import not_started
+from energon_ordering.worker_checkpoint import not_started, workers_never_started
 
 WORKERS = 3
 LATE = WORKERS - 1  # the worker that begins iterating late
@@ -213,3 +213,26 @@ def _entries(state) -> str:
     """Each worker's (checkpoint sample index, offset), and the next worker."""
     return str([(None if ws.state is None else ws.state.sample_index, ws.offset)
                 for ws in state.worker_states]) + f" next {state.next_worker_id}"
+
+
+@pytest.mark.slow  # loader worker processes (the slow tier's rule, tests/conftest.py)
+@pytest.mark.timeout(120)  # Energon alone waits forever for the answer of workers never started
+@pytest.mark.parametrize("restored_after", [0, 7])
+def test_a_state_saved_between_iter_and_the_first_next_resumes_exactly(data, restored_after):
+    """``iter(loader)`` marks Energon's workers as running before torch starts them (at the first
+    ``next()``); a save in between is answered, by Energon's own branch for workers that have
+    not started: the state the loader was restored from (None for a fresh one)."""
+    epoch = _epoch(data)
+    loader = _loader(data)
+    if restored_after:
+        _, first = _save_after(_loader(data), restored_after)
+        restore_state_rank(loader, first)
+    it = iter(loader)
+    assert workers_never_started(loader)
+    state = pickle.loads(pickle.dumps(loader.save_state_rank()))
+    assert (state is None) == (restored_after == 0)
+    assert record_batch(next(it)) == epoch[restored_after]  # the loader goes on as before
+    assert not workers_never_started(loader)
+    del it
+    close_loader(loader)
+    assert _resume(data, state, 6) == epoch[restored_after:restored_after + 6]
