@@ -47,6 +47,7 @@ iterations).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import warnings
@@ -445,9 +446,11 @@ def _restore(loader: Any, *, args: Any, dp_rank: int) -> None:
         return
     expected = expected_consumed_micro_batches(args, iteration)
     saved = saved_stamp(state) or {}
-    if planned and saved.get("micro_batches_per_step") not in (None, stamp.get("micro_batches_per_step")):
-        # an elastic resume: the state counts micro-batches of the shape it was saved at
-        expected = iteration * int(saved["micro_batches_per_step"])
+    elastic = planned and any(saved.get(k) not in (None, stamp.get(k))
+                              for k in ("world_size", "micro_batches_per_step"))
+    if elastic:
+        # the state counts the micro-batches of the data-parallel size it was saved at
+        expected = _expected_at_saved_size(args, iteration, saved)
     consumed = consumed_micro_batches(state)
     if consumed != expected:
         how = (f"Megatron's num-microbatches calculator draws {expected} micro-batches in "
@@ -459,9 +462,31 @@ def _restore(loader: Any, *, args: Any, dp_rank: int) -> None:
             f"micro-batches, but {how}: it belongs to another checkpoint or another "
             "batch configuration. Use the state saved with this checkpoint."
         )
+    if elastic and _batch_size_schedule(args) and consumed % int(saved["micro_batches_per_step"]):
+        step, within = divmod(consumed, int(saved["micro_batches_per_step"]))
+        name, value = next(iter(_batch_size_schedule(args).items()))
+        raise DataloaderRestoreError(
+            f"The dataloader state of iteration {iteration} was saved at data-parallel size "
+            f"{saved['world_size']} during the batch-size ramp-up (--{name.replace('_', '-')} "
+            f"= {show(value)}), after micro-batch {within} of plan step {step} (a plan step is "
+            f"the full --global-batch-size): length_sort_mode = 'planned' re-deals a step to "
+            "another data-parallel size only at a step boundary. Resume at the same "
+            f"data-parallel size ({saved['world_size']}), or from a checkpoint whose consumed "
+            "samples are a multiple of --global-batch-size (every one after the ramp-up is)."
+        )
     # our restore: a state of another rank, world size, num_workers or dataset is refused with a
     # typed StateMismatchError before Energon's own bare asserts see it
     restore_state_rank(loader, state)
+
+
+def _expected_at_saved_size(args: Any, iteration: int, saved: dict[str, Any]) -> int:
+    """Micro-batches one rank had drawn after ``iteration`` iterations at the data-parallel size
+    and micro-batches per step a planned state was saved with (an elastic resume)."""
+    if not _batch_size_schedule(args):
+        return iteration * int(saved["micro_batches_per_step"])
+    old = argparse.Namespace(**vars(args))
+    old.data_parallel_size = int(saved["world_size"])
+    return expected_consumed_micro_batches(old, iteration)
 
 
 def _num_microbatches(args: Any) -> int:
