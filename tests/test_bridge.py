@@ -49,6 +49,7 @@ from energon_ordering.integrations.bridge import (  # noqa: E402
     OrderingDatasetProvider,
     OrderingResumeCheck,
 )
+from energon_ordering.inspect.rank_simulation import close_loader  # noqa: E402
 from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder  # noqa: E402
 
 MICRO_BATCH = 4
@@ -422,3 +423,70 @@ def test_validation_without_a_val_split_is_refused_by_name(small_dataset, pg):
         get_dataset_provider(provider)([100, 10, 0], provider, tokenizer=None, pg_collection=pg)
     cfg.dataset.do_validation = False
     cfg.dataset.check_run(cfg)  # no validation wanted: fine
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_under_bridges_rampup_batch_size(small_dataset, tmp_path, pg, num_workers):
+    """train.rampup_batch_size: Bridge's first iterations draw fewer micro-batches (Megatron's
+    calculator, as Bridge's train loop updates it). The resume check counts those, not step x
+    micro_batches_per_step, and the resume is exact; the schedule's run length is the full
+    global batches the iterations draw."""
+    from energon_ordering.integrations.bridge import _run_shape
+    from energon_ordering.integrations.megatron_lm import core_honours_rampup
+
+    ramp, step, after = [4, 4, 16], 6, 8  # the global batch grows 4 -> 8 over the first 16 samples
+
+    def run(provider: OrderingDatasetProvider) -> tuple[OrderingResumeCheck, CallbackContext]:
+        cfg = _container(provider, global_batch_size=MICRO_BATCH * PER_STEP, train_iters=100)
+        cfg.train.rampup_batch_size = ramp
+        cfg.validate()
+        state = GlobalState()
+        state.cfg = cfg
+        check = OrderingResumeCheck(provider)
+        context = CallbackContext(state=state, model=[])
+        check.on_data_init_start(context)
+        return check, context
+
+    drawn = _bridge_loop_micro_batches(ramp, step)
+    ramps = core_honours_rampup()
+    assert drawn == (10 if ramps else step * PER_STEP)  # 1, 1, 1, 1, 2, 2 where core ramps up
+    provider = _provider(small_dataset, num_workers)
+    check, context = run(provider)
+    assert _run_shape(context.state.cfg).ramp_steps == (
+        _bridge_loop_micro_batches(ramp, 100) // PER_STEP if ramps else None)
+    it = _build(provider, pg)
+    check.on_train_start(context)
+    _keys(it, drawn)
+    save_dir = tmp_path / "energon"
+    maybe_save_dataloader_state(None, it, step, str(save_dir), pg_collection=pg)
+    tail = _keys(it, after)
+    it.iterable._iter = None
+    close_loader(it.iterable._dataloader)
+
+    fresh = _provider(small_dataset, num_workers)
+    check, context = run(fresh)
+    context.state.train_state.step = step
+    it2 = _build(fresh, pg)
+    maybe_load_dataloader_state(it2, step, str(save_dir), pg_collection=pg)
+    check.on_train_start(context)  # what Bridge's loop drew in 6 steps: accepted
+    assert _keys(it2, after) == tail
+    it2.iterable._iter = None
+    close_loader(it2.iterable._dataloader)
+
+
+def _bridge_loop_micro_batches(ramp: list[int], iterations: int) -> int:
+    """Micro-batches Bridge's train loop draws on one rank: its initialize's
+    init_num_microbatches_calculator call, then update_num_microbatches(consumed) before each
+    step, consumed += data-parallel size x micro-batch size x micro-batches after it."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    nmc.init_num_microbatches_calculator(1, ramp, MICRO_BATCH * PER_STEP, MICRO_BATCH, 1, False)
+    consumed = total = 0
+    try:
+        for _ in range(iterations):
+            nmc.update_num_microbatches(consumed, consistency_check=False)
+            total += nmc.get_num_microbatches()
+            consumed += MICRO_BATCH * nmc.get_num_microbatches()
+    finally:
+        nmc.destroy_num_microbatches_calculator()
+    return total

@@ -4,6 +4,8 @@ ConfigContainer."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from energon_ordering import OrderingConfig, OrderingConfigError
@@ -43,6 +45,21 @@ def test_schedule_length_against_train_iters():
     assert agree_with_run(same, RUN, given=()).mixture_schedule == same.mixture_schedule
     unknown = RunShape(4, 32, 2, train_iters=None)  # Bridge runs by train_samples: nothing to compare
     assert agree_with_run(config, unknown, given=()).mixture_schedule == config.mixture_schedule
+
+
+def test_under_a_rampup_the_schedule_counts_full_global_batches():
+    """train.rampup_batch_size: 1000 iterations draw fewer samples than 1000 global batches; the
+    schedule's steps are the full global batches (ramp_steps), not the iterations."""
+    ramp = dataclasses.replace(RUN, ramp_steps=980)
+    with pytest.raises(OrderingConfigError, match=r"total_steps = 1000 .*train.train_iters = 1000 iterations "
+                                                  r"under train.rampup_batch_size draw 980 full global "
+                                                  r"batches.*total_steps=980"):
+        agree_with_run(OrderingConfig(total_steps=1000), ramp, given=())
+    assert agree_with_run(OrderingConfig(total_steps=980), ramp, given=()).total_steps == 980
+    scaled = agree_with_run(OrderingConfig(mixture_schedule=SCHEDULE), ramp, given=(),
+                            scale_schedule_to_run=True)
+    assert scaled.total_steps == scaled.mixture_schedule.total_steps == 980
+    assert [p.end for p in scaled.mixture_schedule.phases] == [882, 980]
 
 
 def test_warmup_full_against_model_seq_length():

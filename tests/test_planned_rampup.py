@@ -126,7 +126,7 @@ def test_elastic_resume_inside_a_plan_step_names_the_rampup(data, tmp_path):
     _save(tmp_path / "dl", iteration, 0, state)
     loader = _loader(data, 1, 0)
     with pytest.raises(DataloaderRestoreError,
-                       match=r"iteration 7 .*--rampup-batch-size.*micro-batch 3 of plan step 2.*"
+                       match=r"iteration 7 .*--rampup-batch-size = \[8, 8, 96\].*micro-batch 3 of plan step 2.*"
                              r"same data-parallel size"):
         _restore(loader, args=_args(tmp_path / "dl", 1, iteration), dp_rank=0)
     close_loader(loader)

@@ -80,6 +80,7 @@ Bridge is imported when this module is imported; ``energon_ordering`` itself nev
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import warnings
@@ -136,7 +137,13 @@ from energon_ordering.integrations.bridge_encoders import (
     check_builtin_ordering,
 )
 from energon_ordering.integrations.bridge_run import RunShape, agree_with_run, missing_split
-from energon_ordering.integrations.megatron_lm import DataloaderRestoreError, consumed_micro_batches
+from energon_ordering.integrations.megatron_lm import (
+    DataloaderRestoreError,
+    consumed_micro_batches,
+    core_honours_rampup,
+    expected_at_saved_size,
+    expected_consumed_micro_batches,
+)
 from energon_ordering.packaged_recipes import resolve_recipe
 from energon_ordering.state_stamp import loader_stamp, restore_state_rank, saved_stamp
 from energon_ordering.task_encoder import OrderingTaskEncoder
@@ -515,6 +522,20 @@ class OrderingDatasetProvider(DatasetProvider):
         return train, valid, None
 
 
+def _ramp_args(train: Any, dp_size: int) -> argparse.Namespace | None:
+    """Bridge's ``train.rampup_batch_size`` and batch sizes as the Megatron-LM args
+    :func:`~energon_ordering.integrations.megatron_lm.expected_consumed_micro_batches` reads
+    (None: no ramp-up, no train config, or a megatron-core that ignores the ramp-up: Bridge
+    hands it to core's ``init_num_microbatches_calculator``, which 0.19 ignores)."""
+    ramp = getattr(train, "rampup_batch_size", None)
+    if not ramp or not core_honours_rampup():
+        return None
+    return argparse.Namespace(
+        rampup_batch_size=list(ramp), global_batch_size=train.global_batch_size,
+        micro_batch_size=train.micro_batch_size, data_parallel_size=dp_size,
+        decrease_batch_size_if_needed=bool(getattr(train, "decrease_batch_size_if_needed", False)))
+
+
 def _run_shape(cfg: Any) -> RunShape:
     """The numbers of Bridge's validated ``ConfigContainer`` the ordering depends on."""
     dp_size = getattr(cfg, "data_parallel_size", None)
@@ -531,9 +552,20 @@ def _run_shape(cfg: Any) -> RunShape:
         global_batch_size=train.global_batch_size,
         data_parallel_size=dp_size,
         train_iters=train.train_iters,
+        ramp_steps=_ramp_steps(train, dp_size),
         seq_length=getattr(cfg.model, "seq_length", None),
         validation=bool(validation.eval_interval) and eval_iters > 0,
     )
+
+
+def _ramp_steps(train: Any, dp_size: int) -> int | None:
+    """Under ``train.rampup_batch_size``: the full global batches ``train.train_iters``
+    iterations draw (the steps the schedule counts); None without a ramp-up."""
+    ramp = _ramp_args(train, dp_size)
+    if ramp is None or not train.train_iters:
+        return None
+    per_step = train.global_batch_size // (train.micro_batch_size * dp_size)
+    return expected_consumed_micro_batches(ramp, int(train.train_iters)) // max(1, per_step)
 
 
 class OrderingResumeCheck(Callback):
@@ -546,7 +578,9 @@ class OrderingResumeCheck(Callback):
 
     At ``on_train_start`` (after Bridge's restore), at step > 0 the training loader must have
     been restored (else :class:`DataloaderRestoreError` unless the provider allows a restart),
-    and the restored state must have consumed ``step x micro_batches_per_step`` micro-batches.
+    and the restored state must have consumed ``step x micro_batches_per_step`` micro-batches
+    (under ``train.rampup_batch_size``: what Megatron's num-microbatches calculator draws in
+    ``step`` iterations; at the saved data-parallel size for a planned elastic resume).
     ``micro_batches_per_step`` of the ordering config must equal Bridge's ``global_batch_size / (micro_batch_size x data-parallel size)``.
 
     Args:
@@ -596,13 +630,21 @@ class OrderingResumeCheck(Callback):
                           RuntimeWarning, stacklevel=2)
             return
         saved, counted = saved_stamp(loader.restored_state) or {}, per_step
-        if _elastic(saved, loader_stamp(loader._dataloader) or {}):
+        elastic = _elastic(saved, loader_stamp(loader._dataloader) or {})
+        if elastic:
             # an elastic resume (planned): the state counts micro-batches of the shape it was saved at
             counted = int(saved.get("micro_batches_per_step", per_step))
         consumed, expected = consumed_micro_batches(loader.restored_state), step * counted
+        how = f"step {step} x {counted} micro-batches per step = {expected}"
+        ramp = _ramp_args(train_cfg, dp_size)
+        if ramp is not None:  # Bridge's iterations draw what Megatron's calculator says
+            expected = (expected_at_saved_size(ramp, step, saved) if elastic
+                        else expected_consumed_micro_batches(ramp, step))
+            how = (f"Megatron's num-microbatches calculator draws {expected} micro-batches in "
+                   f"{step} steps with train.rampup_batch_size = {ramp.rampup_batch_size}")
         if consumed != expected:
             raise DataloaderRestoreError(
-                f"The restored dataloader state was saved after {consumed} micro-batches, but step "
-                f"{step} x {counted} micro-batches per step = {expected}: it belongs to another "
-                "checkpoint or another batch configuration. Use the state saved with this checkpoint."
+                f"The restored dataloader state was saved after {consumed} micro-batches, but "
+                f"{how}: it belongs to another checkpoint or another batch configuration. Use the "
+                "state saved with this checkpoint."
             )

@@ -8,8 +8,9 @@ completes what the run decides:
   data-parallel size)``; derived when the recipe and ``ordering`` do not give it, refused when
   they give another value.
 - The schedule's ``total_steps`` (``OrderingConfig.total_steps`` or the schedule's own) must equal
-  ``train.train_iters``; with ``scale_schedule_to_run`` the schedule is stretched to the run
-  instead (:func:`~energon_ordering.mixture.rescale.rescale_schedule`).
+  ``train.train_iters`` (under ``train.rampup_batch_size``: the full global batches those
+  iterations draw, :attr:`RunShape.ramp_steps`); with ``scale_schedule_to_run`` the schedule is
+  stretched to the run instead (:func:`~energon_ordering.mixture.rescale.rescale_schedule`).
 - The sequence-length warmup's ``full`` must equal ``model.seq_length`` (the warmup ends at the
   model's length, in the same tokens the model computes on).
 
@@ -40,6 +41,10 @@ class RunShape:
         global_batch_size: ``train.global_batch_size`` (samples per optimizer step, all ranks).
         data_parallel_size: ``ConfigContainer.data_parallel_size``.
         train_iters: ``train.train_iters`` (optimizer steps); None: not fixed by the run.
+        ramp_steps: Under ``train.rampup_batch_size``: the run's length in full global batches
+            (the samples Megatron's num-microbatches calculator draws in ``train_iters``
+            iterations // the global batch size), the step the schedule and warmup count in;
+            None: no ramp-up (every iteration is a full global batch).
         seq_length: ``model.seq_length`` (tokens); None: unknown.
         validation: True if Bridge will ask for validation samples (``validation.eval_iters``
             > 0 and ``validation.eval_interval`` set).
@@ -49,6 +54,7 @@ class RunShape:
     global_batch_size: int
     data_parallel_size: int
     train_iters: int | None = None
+    ramp_steps: int | None = None
     seq_length: int | None = None
     validation: bool = False
 
@@ -100,20 +106,24 @@ def agree_with_run(config: OrderingConfig, run: RunShape, *, given: Collection[s
     schedule = config.mixture_schedule
     written_for = config.total_steps if config.total_steps is not None else (
         schedule.total_steps if schedule is not None else None)
-    if run.train_iters is not None and written_for is not None and written_for != run.train_iters:
+    run_steps = run.ramp_steps if run.ramp_steps is not None else run.train_iters
+    if run_steps is not None and written_for is not None and written_for != run_steps:
         if not scale_schedule_to_run:
             field = "total_steps" if config.total_steps is not None else "mixture_schedule.total_steps"
+            length = (f"Bridge's train.train_iters = {run.train_iters} iterations under "
+                      f"train.rampup_batch_size draw {run_steps} full global batches (the steps "
+                      "the schedule counts)" if run.ramp_steps is not None else
+                      f"Bridge's train.train_iters = {run.train_iters}")
             raise OrderingConfigError(
                 f"OrderingConfig.{field} = {written_for} (the run length the recipe was written for), "
-                f"but Bridge's train.train_iters = {run.train_iters}: the schedule's phases would "
-                f"end at the wrong steps. Set dataset.ordering.total_steps={run.train_iters} (a "
+                f"but {length}: the schedule's phases would "
+                f"end at the wrong steps. Set dataset.ordering.total_steps={run_steps} (a "
                 "schedule in fractions follows it), or dataset.scale_schedule_to_run=true to "
-                "stretch the schedule to the run, or train.train_iters to "
-                f"{written_for}."
+                "stretch the schedule to the run, or train.train_iters to match."
             )
         if schedule is not None:
-            changes["mixture_schedule"] = rescale_schedule(schedule, run.train_iters)
-        changes["total_steps"] = run.train_iters
+            changes["mixture_schedule"] = rescale_schedule(schedule, run_steps)
+        changes["total_steps"] = run_steps
 
     warmup = config.seq_length_warmup
     if warmup is not None and run.seq_length is not None and warmup.full != run.seq_length:

@@ -52,7 +52,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from megatron.energon import (
     DefaultTaskEncoder,
@@ -189,6 +189,18 @@ def _batch_size_schedule(args: Any) -> dict[str, Any]:
     return out
 
 
+def core_honours_rampup() -> bool:
+    """True if the installed megatron-core's num-microbatches calculator ramps up the batch
+    with ``rampup_batch_size`` (core <= 0.18); megatron-core 0.19 accepts the argument of
+    ``init_num_microbatches_calculator`` and ignores it (deprecated for its
+    ``step_batch_size_schedule``), as Megatron-Bridge 0.6 passes it."""
+    import inspect
+
+    from megatron.core import num_microbatches_calculator as nmc
+
+    return "rampup_batch_size" in inspect.signature(nmc._build_num_microbatches_calculator).parameters
+
+
 def expected_consumed_micro_batches(args: Any, iteration: int) -> int:
     """Micro-batches one data-parallel rank draws in Megatron's first ``iteration`` iterations.
 
@@ -231,10 +243,14 @@ def expected_consumed_micro_batches(args: Any, iteration: int) -> int:
     if "rampup_batch_size" in params:
         kw.setdefault("rampup_batch_size", None)
     calc = build(**{k: v for k, v in kw.items() if k in params})
+    # after --rampup-batch-size's ramp every iteration draws the full global batch: counted at once
+    ramp_end = int(schedule["rampup_batch_size"][2]) if list(schedule) == ["rampup_batch_size"] else None
     consumed_samples = total = 0
-    for _ in range(iteration):
+    for done in range(iteration):
         calc.update(consumed_samples, consistency_check=False)
         n = calc.get()
+        if ramp_end is not None and consumed_samples >= ramp_end:
+            return total + n * (iteration - done)
         total += n
         consumed_samples += n * mbs * dp
     return total
@@ -450,7 +466,7 @@ def _restore(loader: Any, *, args: Any, dp_rank: int) -> None:
                               for k in ("world_size", "micro_batches_per_step"))
     if elastic:
         # the state counts the micro-batches of the data-parallel size it was saved at
-        expected = _expected_at_saved_size(args, iteration, saved)
+        expected = expected_at_saved_size(args, iteration, saved)
     consumed = consumed_micro_batches(state)
     if consumed != expected:
         how = (f"Megatron's num-microbatches calculator draws {expected} micro-batches in "
@@ -462,24 +478,15 @@ def _restore(loader: Any, *, args: Any, dp_rank: int) -> None:
             f"micro-batches, but {how}: it belongs to another checkpoint or another "
             "batch configuration. Use the state saved with this checkpoint."
         )
-    if elastic and _batch_size_schedule(args) and consumed % int(saved["micro_batches_per_step"]):
-        step, within = divmod(consumed, int(saved["micro_batches_per_step"]))
-        name, value = next(iter(_batch_size_schedule(args).items()))
-        raise DataloaderRestoreError(
-            f"The dataloader state of iteration {iteration} was saved at data-parallel size "
-            f"{saved['world_size']} during the batch-size ramp-up (--{name.replace('_', '-')} "
-            f"= {show(value)}), after micro-batch {within} of plan step {step} (a plan step is "
-            f"the full --global-batch-size): length_sort_mode = 'planned' re-deals a step to "
-            "another data-parallel size only at a step boundary. Resume at the same "
-            f"data-parallel size ({saved['world_size']}), or from a checkpoint whose consumed "
-            "samples are a multiple of --global-batch-size (every one after the ramp-up is)."
-        )
+    refusal = elastic_resume_inside_a_step(args, iteration, consumed, saved) if elastic else None
+    if refusal:
+        raise DataloaderRestoreError(refusal)
     # our restore: a state of another rank, world size, num_workers or dataset is refused with a
     # typed StateMismatchError before Energon's own bare asserts see it
     restore_state_rank(loader, state)
 
 
-def _expected_at_saved_size(args: Any, iteration: int, saved: dict[str, Any]) -> int:
+def expected_at_saved_size(args: Any, iteration: int, saved: dict[str, Any]) -> int:
     """Micro-batches one rank had drawn after ``iteration`` iterations at the data-parallel size
     and micro-batches per step a planned state was saved with (an elastic resume)."""
     if not _batch_size_schedule(args):
@@ -487,6 +494,32 @@ def _expected_at_saved_size(args: Any, iteration: int, saved: dict[str, Any]) ->
     old = argparse.Namespace(**vars(args))
     old.data_parallel_size = int(saved["world_size"])
     return expected_consumed_micro_batches(old, iteration)
+
+
+def elastic_resume_inside_a_step(args: Any, iteration: int, consumed: int, saved: dict[str, Any],
+                                 *, field: Callable[[str], str] | None = None) -> str | None:
+    """Why a planned state saved ``consumed`` micro-batches into a batch-size ramp-up cannot
+    continue at another data-parallel size (None: it can). A plan step is the full global
+    batch, and its micro-batches are re-dealt to the new size only at a step boundary; during
+    the ramp-up an iteration draws fewer micro-batches, so a checkpoint may fall inside one.
+    (Without a batch-size schedule every iteration is a whole step.) ``field`` names a schedule
+    setting for the message (default: Megatron-LM's flag, ``--rampup-batch-size``)."""
+    per_step = int(saved["micro_batches_per_step"])
+    schedule = _batch_size_schedule(args)
+    if not schedule or consumed % per_step == 0:
+        return None
+    step, within = divmod(consumed, per_step)
+    name, value = next(iter(schedule.items()))
+    named = field(name) if field else "--" + name.replace("_", "-")
+    return (
+        f"The dataloader state of iteration {iteration} was saved at data-parallel size "
+        f"{saved['world_size']} during the batch-size ramp-up ({named} = {show(value)}), after "
+        f"micro-batch {within} of plan step {step} (a plan step is the full global batch size): "
+        "length_sort_mode = 'planned' re-deals a step to another data-parallel size only at a "
+        f"step boundary. Resume at the same data-parallel size ({saved['world_size']}), or from "
+        "a checkpoint whose consumed samples are a multiple of the global batch size (every one "
+        "after the ramp-up is)."
+    )
 
 
 def _num_microbatches(args: Any) -> int:

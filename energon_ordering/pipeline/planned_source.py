@@ -345,7 +345,9 @@ class PlannedSourceDataset(SavableDataset[Any]):
             raise StateMismatchError(
                 f"PlannedSourceDataset: the state was saved after micro-batch {within} of "
                 f"optimizer step {step} ({M1} per step); an elastic resume starts at an "
-                "optimizer step: save at a step boundary (Megatron-LM and Bridge do).")
+                "optimizer step: save at a step boundary (Megatron-LM and Bridge do, except "
+                "during a batch-size ramp-up, whose iterations draw less than the full global "
+                "batch: resume such a checkpoint at the same data-parallel size).")
         K = self.window_steps
         if (B1 != B2 or batch_change) and step % K:
             window = step // K
