@@ -22,6 +22,10 @@ second run loads Megatron's checkpoint of iteration 2 (``--load --ckpt-step 2``,
 loads the final checkpoint draws nothing and ends at once. Both with ``--num-workers 0`` and with
 Megatron's default ``--num-workers 2`` (Energon's loader worker processes; marked slow).
 
+The planned order runs there too: resumed on one rank from the 2-rank run's checkpoint (elastic),
+with and without packing, and under ``--rampup-batch-size`` (repeating data, ``--train-samples``):
+exact from a checkpoint inside a plan step, elastic from one at a step boundary.
+
 CPU only: ``megatron_cpu_device_shim`` maps Megatron's CUDA device plumbing to the CPU (see there
 what and why); the loop, the optimizer, the checkpointing and the data path are Megatron's.
 """
@@ -60,21 +64,27 @@ PLANNED_FLAGS = ("--length-sort-mode planned --length-sort-placement pre-encode 
 POOL_FLAGS = "--length-sort-pool-size 32 --length-sort-mode batch"
 #: --packing-seq-length of the packed planned run (packs of the plan, the default packer).
 PACK = 1024
+#: The batch-size ramp-up run (repeating data; Megatron-LM ramps up only by --train-samples):
+#: the global batch grows 8 -> 16 over the first 64 samples, so iterations 1-8 draw one
+#: micro-batch per rank and the next six two; --save-interval 3 cuts inside a plan step.
+RAMP_LENGTH = "--train-samples 160 --rampup-batch-size 8 8 64"
+RAMP_CUT = 3
 
 
 def _argv(out: Path, data: Path, phase: str, num_workers: int, load_step: int | None,
-          world: int = WORLD, ordering: str = POOL_FLAGS) -> list[str]:
+          world: int = WORLD, ordering: str = POOL_FLAGS, length: str = "--train-iters 100",
+          save_interval: int = CUT) -> list[str]:
     # --clip-grad 0: megatron-core's clip_grad_by_total_norm_fp32 asserts CUDA gradients
     # (``param.grad.type() == 'torch.cuda.FloatTensor'``); the fusion flags off: CUDA kernels.
     argv = (
         "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 64 --max-position-embeddings 64 "
-        f"--micro-batch-size {MBS} --global-batch-size {MBS * WORLD * MBPS} --train-iters 100 "
+        f"--micro-batch-size {MBS} --global-batch-size {MBS * WORLD * MBPS} {length} "
         "--lr 1e-3 --lr-decay-style constant --clip-grad 0.0 "
         "--tokenizer-type NullTokenizer --vocab-size 128 --distributed-backend gloo "
         "--transformer-impl local --position-embedding-type learned_absolute --use-cpu-initialization "
         "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
         "--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm "
-        f"--save {out / phase} --save-interval {CUT} --ckpt-format torch --eval-iters 0 --eval-interval 1000 "
+        f"--save {out / phase} --save-interval {save_interval} --ckpt-format torch --eval-iters 0 --eval-interval 1000 "
         f"--log-interval 1 --seed 1234 --data-path {data} --dataloader-type external --num-workers {num_workers} "
         f"--dataloader-save {out / 'first'} {ordering}"
     ).split()
@@ -85,7 +95,7 @@ def _argv(out: Path, data: Path, phase: str, num_workers: int, load_step: int | 
 
 def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: int,
             load_step: int | None, world: int = WORLD, planned: bool = False,
-            packed: bool = False) -> None:
+            packed: bool = False, ramp: bool = False) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     megatron_lm_sources.use_megatron_lm(tag)
     import megatron_cpu_device_shim
@@ -145,13 +155,14 @@ def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: i
 
         encoder = IndexedSyntheticTaskEncoder() if planned else SyntheticTaskEncoder()
         provider = functools.partial(train_valid_test_dataloaders_provider, task_encoder=encoder,
-                                     repeat=False, image_decode=None)
+                                     repeat=ramp, image_decode=None)  # the ramp-up run repeats
         provider.is_distributed = True
         flags = PLANNED_FLAGS if planned else POOL_FLAGS
         if packed:
             flags += f" --packing-buffer-size 16 --packing-seq-length {PACK}"
+        run = dict(length=RAMP_LENGTH, save_interval=RAMP_CUT) if ramp else {}
         sys.argv = ["pretrain_gpt.py", *_argv(Path(out), Path(data), phase, num_workers, load_step,
-                                              world, flags)]
+                                              world, flags, **run)]
         store = dist.FileStore(str(Path(out) / f"store_{phase}"), world)
         from megatron.training import arguments
 
@@ -175,8 +186,8 @@ def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: i
 
 def _spawn(out: Path, data: Path, tag: str, phase: str, num_workers: int,
            load_step: int | None = None, world: int = WORLD, planned: bool = False,
-           packed: bool = False) -> list[dict]:
-    args = (tag, phase, str(data), str(out), num_workers, load_step, world, planned, packed)
+           packed: bool = False, ramp: bool = False) -> list[dict]:
+    args = (tag, phase, str(data), str(out), num_workers, load_step, world, planned, packed, ramp)
     return megatron_lm_sources.spawn_ranks(_worker, args, out, phase, world, "Megatron's training loop")
 
 
@@ -302,3 +313,38 @@ def test_a_packed_planned_run_on_two_ranks_resumes_on_one_from_megatrons_checkpo
     before = [k for r in first for batch in r["drawn"][: MBPS * CUT] for k in batch]
     after = [k for batch in one["drawn"] for k in batch]
     assert sorted(before + after) == sorted(epoch), "the resume lost or repeated samples"
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("tag", TAGS)
+def test_a_planned_run_under_rampup_resumes_from_megatrons_checkpoints(tmp_path, tag):
+    """The planned order under ``--rampup-batch-size`` in Megatron-LM's real loop on 2 gloo
+    ranks with ``--num-workers 2`` (repeating data, ``--train-samples``). Megatron's checkpoint
+    at iteration 3 lies inside a plan step (3 micro-batches per rank, 2 per step): both ranks
+    resume from it exactly. Its checkpoint at iteration 6 ends a plan step: ONE rank resumes
+    from it (elastic) and draws the samples the two ranks drew after it, to the same end."""
+    from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+    from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
+    from energon_ordering.integrations.megatron_lm import core_honours_rampup
+    from energon_ordering.length_index.build import build_length_index
+
+    if not core_honours_rampup():
+        pytest.skip("this megatron-core ignores --rampup-batch-size (0.19 deprecated it)")
+    make_synthetic_dataset(tmp_path / "data", [SourceSpec("web", 96, "short")], shard_size=12)
+    data = tmp_path / "data" / "web"
+    build_length_index(data, task_encoder=IndexedSyntheticTaskEncoder())
+    first = _spawn(tmp_path, data, tag, "first", 2, planned=True, ramp=True)
+    per_iteration = [1] * 8 + [2] * 6  # Megatron's calculator: 160 samples in 14 iterations
+    for r in first:
+        assert r["returned"] and len(r["drawn"]) == sum(per_iteration), r.get("error")
+
+    resumed = _spawn(tmp_path, data, tag, "resume", 2, load_step=RAMP_CUT, planned=True, ramp=True)
+    for a, b in zip(first, resumed):
+        assert b["returned"] and b["loaded_iteration"] == RAMP_CUT, b.get("error")
+        assert b["drawn"] == a["drawn"][RAMP_CUT:], f"rank {a['rank']} resumed differently"
+
+    one = _spawn(tmp_path, data, tag, "resume_one", 2, load_step=6, world=1, planned=True, ramp=True)[0]
+    assert one["returned"] and one["loaded_iteration"] == 6, one.get("error")
+    after_two = sorted(k for r in first for batch in r["drawn"][6:] for k in batch)
+    after_one = sorted(k for batch in one["drawn"] for k in batch)
+    assert after_one == after_two, "the elastic resume under the ramp-up lost or repeated samples"
