@@ -353,5 +353,24 @@ def test_step_batch_size_schedule_count_is_megatrons_on_core_0_19(tmp_path):
     nmc.destroy_num_microbatches_calculator()
     assert per_iteration[0] == 2 and per_iteration[-1] == 8  # the schedule is real
     assert expected_consumed_micro_batches(args, 30) == total
-    with pytest.raises(OrderingConfigError, match=r"--rampup-batch-size = \[8, 8, 256\]: the installed megatron-core has no such"):
-        expected_consumed_micro_batches(_restore_args(tmp_path, rampup_batch_size=[8, 8, 256]), 3)
+    # Megatron-LM core_v0.19.0 ignores --rampup-batch-size (not passed to the calculator): every
+    # iteration draws the full global batch, and so is it counted (not refused at resume)
+    ramp = _restore_args(tmp_path, rampup_batch_size=[8, 8, 256])
+    assert expected_consumed_micro_batches(ramp, 3) == 3 * 2  # 8 / (4 x 1 rank)
+    assert ordering_config_from_args(_args("x", rampup_batch_size=[8, 8, 256], train_iters=None,
+                                           train_samples=800)).total_steps == 100
+
+
+@pytest.mark.py312
+@pytest.mark.skipif(sys.version_info < (3, 12) or not _core_019(), reason="megatron-core 0.19.x (.ci/py312)")
+def test_a_step_batch_size_schedule_steps_in_its_final_global_batch():
+    """Megatron-LM 0.19 refuses --step-batch-size-schedule beside --global-batch-size and sets
+    args.global_batch_size to micro-batch x DP (1 micro-batch); the ordering's step is the
+    schedule's final batch, as under --rampup-batch-size (planned: 8 micro-batches per plan
+    step, not 1)."""
+    args = _args("x", micro_batch_size=4, global_batch_size=8, data_parallel_size=2,
+                 step_batch_size_schedule="0:16 128:32 1K:64", train_iters=None, train_samples=6400)
+    cfg = ordering_config_from_args(args)
+    assert cfg.micro_batches_per_step == 8 and cfg.total_steps == 100
+    with pytest.raises(OrderingConfigError, match=r"--step-batch-size-schedule = 'x:16'.*THRESHOLD:BATCH"):
+        ordering_config_from_args(_args("x", step_batch_size_schedule="x:16", data_parallel_size=2))

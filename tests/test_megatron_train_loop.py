@@ -23,7 +23,8 @@ loads the final checkpoint draws nothing and ends at once. Both with ``--num-wor
 Megatron's default ``--num-workers 2`` (Energon's loader worker processes; marked slow).
 
 The planned order runs there too: resumed on one rank from the 2-rank run's checkpoint (elastic),
-with and without packing, and under ``--rampup-batch-size`` (repeating data, ``--train-samples``):
+with and without packing, and under ``--rampup-batch-size`` / ``--step-batch-size-schedule``
+(repeating data, ``--train-samples``):
 exact from a checkpoint inside a plan step, elastic from one at a step boundary.
 
 CPU only: ``megatron_cpu_device_shim`` maps Megatron's CUDA device plumbing to the CPU (see there
@@ -67,18 +68,23 @@ PACK = 1024
 #: The batch-size ramp-up run (repeating data; Megatron-LM ramps up only by --train-samples):
 #: the global batch grows 8 -> 16 over the first 64 samples, so iterations 1-8 draw one
 #: micro-batch per rank and the next six two; --save-interval 3 cuts inside a plan step.
-RAMP_LENGTH = "--train-samples 160 --rampup-batch-size 8 8 64"
+#: core_v0.19.0 ignores --rampup-batch-size; its --step-batch-size-schedule does the same ramp
+#: (thresholds in tokens: 64 samples of --seq-length 64; it refuses --global-batch-size beside it).
+RAMP_LENGTH = {"core_v0.16.1": f"--global-batch-size {MBS * WORLD * MBPS} --train-samples 160 "
+                               "--rampup-batch-size 8 8 64",
+               "core_v0.19.0": "--train-samples 160 --step-batch-size-schedule 0:8,4096:16"}
 RAMP_CUT = 3
 
 
 def _argv(out: Path, data: Path, phase: str, num_workers: int, load_step: int | None,
-          world: int = WORLD, ordering: str = POOL_FLAGS, length: str = "--train-iters 100",
+          world: int = WORLD, ordering: str = POOL_FLAGS,
+          length: str = f"--global-batch-size {MBS * WORLD * MBPS} --train-iters 100",
           save_interval: int = CUT) -> list[str]:
     # --clip-grad 0: megatron-core's clip_grad_by_total_norm_fp32 asserts CUDA gradients
     # (``param.grad.type() == 'torch.cuda.FloatTensor'``); the fusion flags off: CUDA kernels.
     argv = (
         "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 64 --max-position-embeddings 64 "
-        f"--micro-batch-size {MBS} --global-batch-size {MBS * WORLD * MBPS} {length} "
+        f"--micro-batch-size {MBS} {length} "
         "--lr 1e-3 --lr-decay-style constant --clip-grad 0.0 "
         "--tokenizer-type NullTokenizer --vocab-size 128 --distributed-backend gloo "
         "--transformer-impl local --position-embedding-type learned_absolute --use-cpu-initialization "
@@ -160,7 +166,7 @@ def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: i
         flags = PLANNED_FLAGS if planned else POOL_FLAGS
         if packed:
             flags += f" --packing-buffer-size 16 --packing-seq-length {PACK}"
-        run = dict(length=RAMP_LENGTH, save_interval=RAMP_CUT) if ramp else {}
+        run = dict(length=RAMP_LENGTH[tag], save_interval=RAMP_CUT) if ramp else {}
         sys.argv = ["pretrain_gpt.py", *_argv(Path(out), Path(data), phase, num_workers, load_step,
                                               world, flags, **run)]
         store = dist.FileStore(str(Path(out) / f"store_{phase}"), world)
@@ -318,18 +324,16 @@ def test_a_packed_planned_run_on_two_ranks_resumes_on_one_from_megatrons_checkpo
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("tag", TAGS)
 def test_a_planned_run_under_rampup_resumes_from_megatrons_checkpoints(tmp_path, tag):
-    """The planned order under ``--rampup-batch-size`` in Megatron-LM's real loop on 2 gloo
-    ranks with ``--num-workers 2`` (repeating data, ``--train-samples``). Megatron's checkpoint
+    """The planned order under ``--rampup-batch-size`` (core_v0.16.1; core_v0.19.0: the same ramp
+    as ``--step-batch-size-schedule``) in Megatron-LM's real loop on 2 gloo ranks with
+    ``--num-workers 2`` (repeating data, ``--train-samples``). Megatron's checkpoint
     at iteration 3 lies inside a plan step (3 micro-batches per rank, 2 per step): both ranks
     resume from it exactly. Its checkpoint at iteration 6 ends a plan step: ONE rank resumes
     from it (elastic) and draws the samples the two ranks drew after it, to the same end."""
     from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
     from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
-    from energon_ordering.integrations.megatron_lm import core_honours_rampup
     from energon_ordering.length_index.build import build_length_index
 
-    if not core_honours_rampup():
-        pytest.skip("this megatron-core ignores --rampup-batch-size (0.19 deprecated it)")
     make_synthetic_dataset(tmp_path / "data", [SourceSpec("web", 96, "short")], shard_size=12)
     data = tmp_path / "data" / "web"
     build_length_index(data, task_encoder=IndexedSyntheticTaskEncoder())

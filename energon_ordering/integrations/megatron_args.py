@@ -117,17 +117,39 @@ def _data_parallel_size(args: Any) -> int:
     return max(1, int(world) // int(model))
 
 
-def micro_batches_per_step(args: Any) -> int:
-    """``global_batch_size / (micro_batch_size * data_parallel_size)``, validated."""
-    mbs = getattr(args, "micro_batch_size", None)
+def global_batch_size(args: Any) -> int | None:
+    """The run's full global batch: ``--global-batch-size``, or under megatron-core 0.19's
+    ``--step-batch-size-schedule`` (which Megatron-LM refuses beside ``--global-batch-size``
+    and then sets ``args.global_batch_size`` to micro-batch x data-parallel size) the schedule's
+    final batch size, parsed by megatron-core's own calculator, as it takes it."""
+    schedule = getattr(args, "step_batch_size_schedule", None)
+    if schedule:
+        from megatron.core.num_microbatches_calculator import (
+            StepBatchsizeNumMicroBatchesCalculator as Steps,
+        )
+
+        try:
+            return int(Steps._parse_schedule(str(schedule), None)[-1][1])
+        except (ValueError, IndexError) as e:
+            raise _err("--step-batch-size-schedule", schedule,
+                       f"megatron-core cannot parse it ({e}); use 'THRESHOLD:BATCH ...'.") from e
     gbs = getattr(args, "global_batch_size", None)
+    return None if gbs is None else int(gbs)
+
+
+def micro_batches_per_step(args: Any) -> int:
+    """``global_batch_size / (micro_batch_size * data_parallel_size)``, validated; the global
+    batch is :func:`global_batch_size` (a step schedule's final batch)."""
+    mbs = getattr(args, "micro_batch_size", None)
+    gbs = global_batch_size(args)
     if not mbs or mbs < 1:
         raise _err("--micro-batch-size", mbs, "must be an int >= 1.")
     dp = _data_parallel_size(args)
     if gbs is None:
         return 1
     if gbs % (mbs * dp):
-        raise _err("--global-batch-size", gbs,
+        raise _err("--step-batch-size-schedule" if getattr(args, "step_batch_size_schedule", None)
+                   else "--global-batch-size", gbs,
                    f"must be a multiple of --micro-batch-size ({mbs}) x data-parallel size ({dp}).")
     return gbs // (mbs * dp)
 
@@ -148,7 +170,7 @@ def lm_seq_length(args: Any) -> tuple[str, int | None]:
 
 def _total_steps(args: Any) -> int | None:
     samples = getattr(args, "train_samples", None)
-    gbs = getattr(args, "global_batch_size", None)
+    gbs = global_batch_size(args)
     if (getattr(args, "rampup_batch_size", None) or getattr(args, "step_batch_size_schedule", None)) and samples and gbs:
         # Under ramp-up our step is consumed samples // global batch size (see megatron_lm),
         # so the run ends at train_samples // gbs; Megatron's train_iters counts more iterations.

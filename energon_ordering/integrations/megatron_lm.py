@@ -182,11 +182,31 @@ def _batch_size_schedule(args: Any) -> dict[str, Any]:
     """Megatron's batch-size schedule flags that are set: ``--rampup-batch-size`` (core <= 0.18)
     or ``--step-batch-size-schedule`` (core 0.19)."""
     out: dict[str, Any] = {}
-    if getattr(args, "rampup_batch_size", None):
+    if getattr(args, "rampup_batch_size", None) and _rampup_honoured(args):
         out["rampup_batch_size"] = list(args.rampup_batch_size)
     if getattr(args, "step_batch_size_schedule", None):
         out["step_batch_size_schedule"] = args.step_batch_size_schedule
     return out
+
+
+def _rampup_honoured(args: Any) -> bool:
+    """False (with one warning per run) when ``--rampup-batch-size`` is set but the installed
+    megatron-core ignores it: Megatron-LM core_v0.19.0 does not pass it to the calculator, so
+    every iteration draws the full global batch, and so is it counted here."""
+    global _rampup_warned
+    if core_honours_rampup():
+        return True
+    if not _rampup_warned:
+        _rampup_warned = True
+        logging.getLogger(__name__).warning(
+            "--rampup-batch-size = %s has no effect with this megatron-core (0.19 deprecated it "
+            "for --step-batch-size-schedule): every iteration draws the full global batch, and "
+            "the ordering counts it so", show(list(args.rampup_batch_size)))
+    return False
+
+
+#: Set once the ignored ``--rampup-batch-size`` has been warned about (one line per process).
+_rampup_warned = False
 
 
 def core_honours_rampup() -> bool:
