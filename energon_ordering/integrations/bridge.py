@@ -141,6 +141,7 @@ from energon_ordering.integrations.megatron_lm import (
     DataloaderRestoreError,
     consumed_micro_batches,
     core_honours_rampup,
+    elastic_shape_change,
     expected_at_saved_size,
     expected_consumed_micro_batches,
 )
@@ -165,13 +166,6 @@ __all__ = [
 
 
 _log = logging.getLogger(__name__)
-
-
-def _elastic(saved: Mapping[str, Any], here: Mapping[str, Any]) -> bool:
-    """True if a state of stamp ``saved`` restores into a loader of stamp ``here`` at another
-    data-parallel size or micro-batches per step (both known)."""
-    return any(k in saved and k in here and saved[k] != here[k]
-               for k in ("world_size", "micro_batches_per_step"))
 
 
 class OrderingEnergonDataloader(EnergonDataloader):
@@ -201,7 +195,7 @@ class OrderingEnergonDataloader(EnergonDataloader):
         """
         saved, here = saved_stamp(state) or {}, loader_stamp(self._dataloader) or {}
         planned = here.get("length_sort_mode") == "planned"
-        if _elastic(saved, here):
+        if elastic_shape_change(saved, here):
             if not planned and saved.get("world_size") != here.get("world_size"):
                 raise StateMismatchError(
                     f"Bridge resumed at data-parallel size {here.get('world_size')} from a "
@@ -547,25 +541,20 @@ def _run_shape(cfg: Any) -> RunShape:
         )
     train, validation = cfg.train, cfg.validation
     eval_iters = validation.eval_iters or 0
-    return RunShape(
+    shape = RunShape(
         micro_batch_size=train.micro_batch_size,
         global_batch_size=train.global_batch_size,
         data_parallel_size=dp_size,
         train_iters=train.train_iters,
-        ramp_steps=_ramp_steps(train, dp_size),
         seq_length=getattr(cfg.model, "seq_length", None),
         validation=bool(validation.eval_interval) and eval_iters > 0,
     )
-
-
-def _ramp_steps(train: Any, dp_size: int) -> int | None:
-    """Under ``train.rampup_batch_size``: the full global batches ``train.train_iters``
-    iterations draw (the steps the schedule counts); None without a ramp-up."""
     ramp = _ramp_args(train, dp_size)
     if ramp is None or not train.train_iters:
-        return None
-    per_step = train.global_batch_size // (train.micro_batch_size * dp_size)
-    return expected_consumed_micro_batches(ramp, int(train.train_iters)) // max(1, per_step)
+        return shape
+    # the full global batches train_iters ramp-up iterations draw: the steps the schedule counts
+    drawn = expected_consumed_micro_batches(ramp, int(train.train_iters))
+    return dataclasses.replace(shape, ramp_steps=drawn // shape.micro_batches_per_step)
 
 
 class OrderingResumeCheck(Callback):
@@ -630,7 +619,7 @@ class OrderingResumeCheck(Callback):
                           RuntimeWarning, stacklevel=2)
             return
         saved, counted = saved_stamp(loader.restored_state) or {}, per_step
-        elastic = _elastic(saved, loader_stamp(loader._dataloader) or {})
+        elastic = elastic_shape_change(saved, loader_stamp(loader._dataloader) or {})
         if elastic:
             # an elastic resume (planned): the state counts micro-batches of the shape it was saved at
             counted = int(saved.get("micro_batches_per_step", per_step))

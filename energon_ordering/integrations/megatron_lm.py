@@ -51,8 +51,9 @@ import argparse
 import logging
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from megatron.energon import (
     DefaultTaskEncoder,
@@ -189,6 +190,10 @@ def _batch_size_schedule(args: Any) -> dict[str, Any]:
     return out
 
 
+#: Set once the ignored ``--rampup-batch-size`` has been warned about (one line per process).
+_rampup_warned = False
+
+
 def _rampup_honoured(args: Any) -> bool:
     """False (with one warning per run) when ``--rampup-batch-size`` is set but the installed
     megatron-core ignores it: Megatron-LM core_v0.19.0 does not pass it to the calculator, so
@@ -203,10 +208,6 @@ def _rampup_honoured(args: Any) -> bool:
             "for --step-batch-size-schedule): every iteration draws the full global batch, and "
             "the ordering counts it so", show(list(args.rampup_batch_size)))
     return False
-
-
-#: Set once the ignored ``--rampup-batch-size`` has been warned about (one line per process).
-_rampup_warned = False
 
 
 def core_honours_rampup() -> bool:
@@ -480,25 +481,24 @@ def _restore(loader: Any, *, args: Any, dp_rank: int) -> None:
     state = _load_state(path, args=args, dp_rank=dp_rank)
     if state is None:
         return
-    expected = expected_consumed_micro_batches(args, iteration)
     saved = saved_stamp(state) or {}
-    elastic = planned and any(saved.get(k) not in (None, stamp.get(k))
-                              for k in ("world_size", "micro_batches_per_step"))
-    if elastic:
-        # the state counts the micro-batches of the data-parallel size it was saved at
-        expected = expected_at_saved_size(args, iteration, saved)
+    elastic = planned and elastic_shape_change(saved, stamp)
+    # an elastic state counts the micro-batches of the data-parallel size it was saved at
+    expected = (expected_at_saved_size(args, iteration, saved) if elastic
+                else expected_consumed_micro_batches(args, iteration))
     consumed = consumed_micro_batches(state)
     if consumed != expected:
+        per_step = int(saved["micro_batches_per_step"]) if elastic else micro_batches_per_step(args)
         how = (f"Megatron's num-microbatches calculator draws {expected} micro-batches in "
                f"{iteration} iterations with {_batch_size_schedule(args)}"
                if _batch_size_schedule(args) else
-               f"iteration {iteration} x {micro_batches_per_step(args)} micro-batches per step = {expected}")
+               f"iteration {iteration} x {per_step} micro-batches per step = {expected}")
         raise DataloaderRestoreError(
             f"The dataloader state for data-parallel rank {dp_rank} was saved after {consumed} "
             f"micro-batches, but {how}: it belongs to another checkpoint or another "
             "batch configuration. Use the state saved with this checkpoint."
         )
-    refusal = elastic_resume_inside_a_step(args, iteration, consumed, saved) if elastic else None
+    refusal = _elastic_resume_inside_a_step(args, iteration, consumed, saved) if elastic else None
     if refusal:
         raise DataloaderRestoreError(refusal)
     # our restore: a state of another rank, world size, num_workers or dataset is refused with a
@@ -516,21 +516,27 @@ def expected_at_saved_size(args: Any, iteration: int, saved: dict[str, Any]) -> 
     return expected_consumed_micro_batches(old, iteration)
 
 
-def elastic_resume_inside_a_step(args: Any, iteration: int, consumed: int, saved: dict[str, Any],
-                                 *, field: Callable[[str], str] | None = None) -> str | None:
+def elastic_shape_change(saved: Mapping[str, Any], here: Mapping[str, Any]) -> bool:
+    """True if a state of stamp ``saved`` restores into a loader of stamp ``here`` at another
+    data-parallel size or micro-batches per step (both known): an elastic resume."""
+    return any(k in saved and k in here and saved[k] != here[k]
+               for k in ("world_size", "micro_batches_per_step"))
+
+
+def _elastic_resume_inside_a_step(args: Any, iteration: int, consumed: int,
+                                  saved: dict[str, Any]) -> str | None:
     """Why a planned state saved ``consumed`` micro-batches into a batch-size ramp-up cannot
     continue at another data-parallel size (None: it can). A plan step is the full global
     batch, and its micro-batches are re-dealt to the new size only at a step boundary; during
     the ramp-up an iteration draws fewer micro-batches, so a checkpoint may fall inside one.
-    (Without a batch-size schedule every iteration is a whole step.) ``field`` names a schedule
-    setting for the message (default: Megatron-LM's flag, ``--rampup-batch-size``)."""
+    (Without a batch-size schedule every iteration is a whole step.)"""
     per_step = int(saved["micro_batches_per_step"])
     schedule = _batch_size_schedule(args)
     if not schedule or consumed % per_step == 0:
         return None
     step, within = divmod(consumed, per_step)
     name, value = next(iter(schedule.items()))
-    named = field(name) if field else "--" + name.replace("_", "-")
+    named = "--" + name.replace("_", "-")
     return (
         f"The dataloader state of iteration {iteration} was saved at data-parallel size "
         f"{saved['world_size']} during the batch-size ramp-up ({named} = {show(value)}), after "
