@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
+import logging
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
@@ -41,6 +42,8 @@ from megatron.energon.wrappers.base import BaseWrapperDataset
 
 from energon_ordering import worker_checkpoint
 from energon_ordering.errors import StateMismatchError, show
+
+logger = logging.getLogger(__name__)
 
 # Every pipeline OrderingTaskEncoder builds has a stamp (this module), so the fix is in place in
 # the main process before any of its loader workers fork.
@@ -594,7 +597,17 @@ def restore_state_rank(loader: Any, state: Any) -> None:
     """:func:`check_loader_state`, then :func:`start_begun_epochs`, then Energon's
     ``loader.restore_state_rank`` on the result, then :func:`count_skipped_samples`.
 
-    ``state`` itself is never modified (:func:`start_begun_epochs` works on a copy)."""
+    ``state`` itself is never modified (:func:`start_begun_epochs` works on a copy). ``None``
+    starts the loader afresh (Energon's meaning); for the planned order, whose missing state is
+    more often a lost file than a new run, it says so in one log line."""
+    if state is None:
+        stage = _find_stamp_stage(getattr(loader, "dataset", None))
+        if stage is not None and stage.stamp.get("length_sort_mode") == "planned":
+            logger.warning(
+                "restore_state_rank: no state (None) for the planned order: this loader starts "
+                "afresh, at optimizer step 0 of epoch 0 (rank %s of %s); pass the state "
+                "save_state_rank() returned to continue a run.",
+                stage.worker_config.rank, stage.worker_config.world_size)
     if _restore_elastic(loader, state):
         return
     check_loader_state(loader, state)
@@ -646,7 +659,29 @@ def _restore_elastic(loader: Any, state: Any) -> bool:
     ended = [bool(s.get("_ended")) for s in stamps if s is not None]
     stage._ended = bool(ended) and all(ended)
     stage._epochs = min(int(s.get("_epochs", 0)) for s in stamps if s is not None)
+    _restore_elastic_start(loader)
     return True
+
+
+def _restore_elastic_start(loader: Any) -> None:
+    """Gives an elastically restored loader with workers the restore point Energon keeps for an
+    exact restore: each worker's state is the pipeline's state at the elastic start (taken here,
+    in the main process, before any worker runs), with nothing to skip. Without it Energon's
+    workers look fresh (no restore point), and a ``save_state_rank()`` before a worker's first
+    micro-batch answered ``None`` for it: a state that restarts the epoch. With it, every state
+    the loader saves is an exact state of its own shape. Without workers the in-process dataset
+    is the state already."""
+    workers = max(1, int(getattr(loader, "num_workers", 0) or 0))
+    wrapper = getattr(loader, "dataset", None)
+    if not getattr(loader, "num_workers", 0) or not hasattr(wrapper, "restore_checkpoint"):
+        return
+    snapshot = wrapper.dataset.save_state()
+    wrapper.restore_checkpoint(
+        [SavableDatasetCheckpoint(
+            state=SavableDatasetState(rng=None, dataset_state=copy.deepcopy(snapshot),
+                                      sample_index=0),
+            offset=0) for _ in range(workers)],
+        worker_offset=0)
 
 
 def loader_stamp(loader: Any) -> dict[str, Any] | None:

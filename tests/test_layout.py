@@ -3,7 +3,7 @@
 Rooms, from the top: ``cli/``; ``integrations/`` and ``inspect/``; ``task_encoder``;
 ``pipeline/`` (which stages a configuration gets); ``config``; ``pool/``, ``mixture/``,
 ``warmup/``, ``length_index/``, ``planned/``; the shared base (``errors``, ``state_stamp``, ``yaml_file``,
-``sqlite_file``, ``sample_fields``, ``source_tag``, ``worker_checkpoint``). A room may import rooms below it and itself.
+``sqlite_file``, ``sample_fields``, ``source_tag``, ``worker_checkpoint``, ``step_clock``). A room may import rooms below it and itself.
 Within the middle level, ``length_index`` may use ``pool`` (building an index reads samples with
 the pool's deferred loading and measures them with its length key), and ``planned`` may use
 ``mixture`` (per-step counts), ``length_index`` (the lengths it plans from) and ``pool`` (the cost
@@ -25,7 +25,7 @@ PACKAGE = Path(energon_ordering.__file__).parent
 
 BASE = {
     "errors", "state_stamp", "yaml_file", "sqlite_file", "sample_fields", "source_tag",
-    "packaged_recipes", "worker_checkpoint",
+    "packaged_recipes", "worker_checkpoint", "step_clock", "saved_counters",
 }
 MIDDLE = {"pool", "mixture", "warmup", "length_index", "planned"}
 
@@ -35,6 +35,8 @@ ALLOWED: dict[str, set[str]] = {
     "sample_fields": set(),
     "state_stamp": {"errors", "worker_checkpoint"},
     "worker_checkpoint": set(),
+    "step_clock": set(),
+    "saved_counters": {"errors"},
     "yaml_file": {"errors"},
     "sqlite_file": set(),
     "packaged_recipes": {"errors"},

@@ -325,10 +325,8 @@ def test_elastic_resume_continues_the_global_order(data, shapes):
     for w in range(3):
         win = slice(w * EK, (w + 1) * EK)
         assert sorted(k for s in spliced[win] for k in s) == sorted(k for s in whole[win] for k in s)
-    for a, b in zip(spliced, whole):
-        assert sum(k.startswith("web") for k in a) == sum(k.startswith("web") for k in b)
-    # the steps before the first restore are untouched
-    assert spliced[: bounds[1]] == whole[: bounds[1]]
+    # every step holds the samples of the uninterrupted run (dealt onto other ranks)
+    assert spliced == whole
 
 
 @pytest.mark.slow  # both variants start loader workers

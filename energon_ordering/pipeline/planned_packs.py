@@ -96,6 +96,8 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
         self.warmup = warmup
         super().__init__(*args, **kwargs)
 
+    _v1_history_continues = True  # packs of a step were re-dealt, never moved, in version 1
+
     def _expected_stamp(self) -> dict[str, Any]:
         return {
             **super()._expected_stamp(),

@@ -27,10 +27,14 @@ threads (:data:`PREFETCH_THREADS`), so storage latency overlaps decoding and enc
 Elastic resume (:meth:`PlannedSourceDataset.restore_elastic`, through
 :func:`energon_ordering.state_stamp.restore_state_rank`): every rank's state holds the same
 global position, so a state restores at another data-parallel size, ``micro_batches_per_step``
-or ``num_workers`` with the same global batch. The rest of the window it was saved in is
-re-planned for the new shape from the same samples and per-step source counts (recorded in
-the state as ``_history``, so later exact restores re-plan it alike); later windows are planned
-for the new shape. Nothing is lost or drawn twice.
+or ``num_workers`` with the same global batch. Every window stays composed for the run's first
+shape of that global batch, so every step holds the samples of the uninterrupted run; a step run
+at the new shape deals them onto its ranks and micro-batches
+(:func:`~energon_ordering.planned.balance.deal_step`; the shapes are recorded in the state as
+``_history``, so later exact restores deal alike). Stages that depend on the step (the
+sequence-length warmup) read the plan's step (:meth:`PlannedSourceDataset.emission_step`), never
+Energon's batch index, which restarts at 0 in the resumed loader. Nothing is lost, drawn twice or
+moved to another step.
 
 Finite epochs (``repeat=False``, :meth:`PlannedSourceDataset.end_step`): the epoch ends before
 the first step at which some source would run out, known from the sizes, weights and global
@@ -61,7 +65,7 @@ from energon_ordering.errors import (
 )
 from energon_ordering.length_index.lengths_file import indexed_lengths, reopen, reopened
 from energon_ordering.mixture.step_counts import step_source_counts
-from energon_ordering.planned.balance import balance_window, sample_cost
+from energon_ordering.planned.balance import deal_step
 from energon_ordering.planned.cursor import PlanCursor, advance
 from energon_ordering.planned.sample_ids import SampleIds
 from energon_ordering.planned.window import PLAN_VERSION, WindowPlan, plan_window
@@ -73,8 +77,12 @@ __all__ = ["PLANNED_STATE_VERSION", "PlannedSourceDataset", "indexed_lengths"]
 
 logger = logging.getLogger(__name__)
 
-#: Bumped when the saved state of :class:`PlannedSourceDataset` changes its layout.
-PLANNED_STATE_VERSION = 1
+#: Bumped when the saved state of :class:`PlannedSourceDataset` changes its layout or meaning.
+#: 2: after an elastic restore every step keeps the samples of the run's first shape (dealt
+#: onto the new ranks); 1 re-balanced the restore window's tail across its steps and planned
+#: later windows for the new shape. A state of 1 without an elastic restore in its history
+#: continues alike and is taken (:meth:`PlannedSourceDataset._current_version`).
+PLANNED_STATE_VERSION = 2
 
 #: First element of the restore key of a sample this source yields.
 RESTORE_KIND = "PlannedSource"
@@ -175,6 +183,9 @@ class PlannedSourceDataset(SavableDataset[Any]):
         #: saved: a restored worker not yet asked in the epoch starts as the loader's rotation
         #: says (see __iter__).
         self._ended_here = False
+        #: The global optimizer step of the micro-batch of the sample yielded last (not saved:
+        #: :meth:`emission_step`).
+        self._emitting_step = 0
         self._executor: ThreadPoolExecutor | None = None  # per process, never pickled
         self._local: threading.local | None = None
         self._thread_readers: list[ByteRangeReader] = []  # the prefetch threads' copies
@@ -275,7 +286,28 @@ class PlannedSourceDataset(SavableDataset[Any]):
     def save_state(self) -> FlexState:
         return super().save_state()
 
+    #: A state of version 1 with an elastic restore in its history continues alike here (the
+    #: packed plan re-deals each step's packs in both versions).
+    _v1_history_continues = False
+
+    def _current_version(self, state: Any) -> Any:
+        """``state`` as the current version reads it: a version-1 state whose continuation the
+        current logic keeps is taken as it is (a copy, stamped with the current version);
+        every other state is returned unchanged, for the stamp check to judge."""
+        stamp = state.get("_stamp") if isinstance(state, dict) else None
+        if not (isinstance(stamp, dict) and stamp.get("state_version") == 1):
+            return state
+        if state.get("_history") and not self._v1_history_continues:
+            raise StateMismatchError(
+                f"{type(self).__name__}: the state was written by an earlier energon_ordering "
+                f"(planned state version 1) after an elastic resume (_history = "
+                f"{show(state.get('_history'))}), whose windows this version deals differently "
+                f"(version {PLANNED_STATE_VERSION}); continue it with the version that wrote it, "
+                "or start the data stream fresh.")
+        return type(state)({**state, "_stamp": {**stamp, "state_version": PLANNED_STATE_VERSION}})
+
     def restore_state(self, state: FlexState) -> None:
+        state = self._current_version(state)
         check_stamp(
             type(self).__name__, state, self._expected_stamp(),
             "Resume with the configuration, data and data-parallel size the state was written "
@@ -289,10 +321,12 @@ class PlannedSourceDataset(SavableDataset[Any]):
         """Continues a planned state saved at another data-parallel size, micro-batches per
         step or ``num_workers`` (elastic resume; call before iterating).
 
-        Every rank's state holds the same global position, so any rank's state will do. The
-        window the state was saved in is re-planned from its step on for this loader's shape,
-        from the same samples and with the same per-step source counts; later windows are
-        planned for this shape from the same cursor. Nothing is lost or drawn twice.
+        Every rank's state holds the same global position, so any rank's state will do. Every
+        step from the state's on holds the samples it holds in the uninterrupted run (windows
+        are composed for the run's first shape of this global batch), dealt onto this loader's
+        ranks and micro-batches; the step-dependent stages above read the plan's step
+        (:meth:`emission_step`), so each sample is also cut as in the uninterrupted run. Nothing
+        is lost, drawn twice or moved to another step.
 
         With ``allow_global_batch_change`` the global batch (and the micro-batch size) may
         change too, at a plan window boundary: every window from there on draws and balances
@@ -310,7 +344,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 inside an optimizer step.
         """
         wc = self.worker_config
-        known = [state for state, _ in saved if state is not None]
+        known = [self._current_version(state) for state, _ in saved if state is not None]
         if not known:  # saved before any worker ran: nothing was read
             self.elastic_start = None
             self.reset_state_own()
@@ -432,31 +466,54 @@ class PlannedSourceDataset(SavableDataset[Any]):
         R, M, B = self._shape_at(step)
         return R * M * B
 
+    def _plan_shape(self, step: int) -> tuple[int, int, int]:
+        """The shape the samples of ``step`` were composed for: the first shape of the stretch
+        of the run, up to ``step``, over which the global batch and micro-batch size stayed as
+        at ``step`` (elastic restores in between changed only how each step is dealt)."""
+        entries = sorted(self._history, key=lambda h: int(h["at_step"]))
+        shapes = [(int(h["world_size"]), int(h["micro_batches_per_step"]),
+                   int(h.get("batch_size", self.batch_size))) for h in entries]
+        shapes.append((int(self.worker_config.world_size), self.micro_batches_per_step,
+                       self.batch_size))
+        j = sum(int(h["at_step"]) <= step for h in entries)  # the stretch holding ``step``
+
+        def batch(shape: tuple[int, int, int]) -> tuple[int, int]:
+            return shape[0] * shape[1] * shape[2], shape[2]
+
+        while j > 0 and batch(shapes[j - 1]) == batch(shapes[j]):
+            j -= 1
+        return shapes[j]
+
     def _window_steps(self, window: int) -> list[np.ndarray | None]:
-        """This rank's ``[M, B]`` global ids of each step of the window: planned for the shape
-        in effect at the window's start, and re-planned from each elastic restore's step on for
-        the shape after it (the same samples, the same per-step source counts)."""
+        """This rank's ``[M, B]`` global ids of each step of the window.
+
+        The window is planned for the shape its samples are composed for
+        (:meth:`_plan_shape`: the run's shape before any elastic restore that kept the global
+        batch), so every step holds the samples of the uninterrupted run; a step run at another
+        shape deals its samples onto that shape's ranks and micro-batches
+        (:func:`~energon_ordering.planned.balance.deal_step`). None: a step this rank has no
+        share of (before an elastic restore's step, in an earlier shape with fewer ranks), or
+        one before this loader's start, never emitted here."""
         if self._steps is not None and self._steps_window == window:
             return self._steps
-        K = self.window_steps
-        first = window * K
-        R, M, B = self._shape_at(first)
-        plan = self._window_plan(window, R, M, B)
-        steps = list(plan.ids)
-        for h in sorted(self._history, key=lambda h: int(h["at_step"])):
-            t = int(h["at_step"]) - first
-            if 0 < t < len(steps):
-                R2, M2, _ = self._shape_at(first + t)
-                tail = np.concatenate([x.ravel() for x in steps[t:]])
-                src, _ = self.ids.split(tail)
-                lens = self.lengths_of(tail)
-                cost = sample_cost(lens)
-                pos = balance_window(cost, src, plan.counts[t:], world_size=R2, micro_batch=B,
-                                     micro_batches_per_step=M2, lengths=lens)  # [K - t, M2, R2, B]
-                steps[t:] = list(tail[pos].transpose(0, 2, 1, 3))
+        first = window * self.window_steps
+        R0, M0, B = self._plan_shape(first)
+        plan = self._window_plan(window, R0, M0, B)
         rank = int(self.worker_config.rank)
-        # copies: the plan may be a memory map of a shared file, released with it
-        self._steps = [np.array(x[rank]) if rank < len(x) else None for x in steps]
+        steps: list[np.ndarray | None] = []
+        for t, ids in enumerate(plan.ids):  # [R0, M0, B]
+            R, M, _ = self._shape_at(first + t)
+            if first + t < self._start_step or rank >= R:
+                steps.append(None)
+                continue
+            if (R, M) != (R0, M0):
+                flat = np.asarray(ids).ravel()
+                pos = deal_step(self.lengths_of(flat), world_size=R, micro_batch=B,
+                                micro_batches_per_step=M)  # [M, R, B]
+                ids = flat[pos].transpose(1, 0, 2)
+            # a copy: the plan may be a memory map of a shared file, released with it
+            steps.append(np.array(ids[rank]))
+        self._steps = steps
         self._steps_window = window
         return self._steps
 
@@ -568,7 +625,15 @@ class PlannedSourceDataset(SavableDataset[Any]):
                     self._next, self._offset = b + workers, 0
                 else:
                     self._offset = pos + 1
+                self._emitting_step = b // M
                 yield sample
+
+    def emission_step(self) -> int:
+        """The global optimizer step of the micro-batch the sample yielded last belongs to: the
+        plan's step, which the step-dependent stages above read
+        (:class:`~energon_ordering.step_clock.StepClock`). Energon's batch index restarts at 0
+        after an elastic resume; this one continues the plan."""
+        return self._emitting_step
 
     def epoch_ended_before(self) -> None:
         """This worker's epoch ended before the loader's current iteration began (called by the

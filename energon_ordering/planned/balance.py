@@ -43,7 +43,7 @@ import numpy as np
 
 from energon_ordering.pool.pack_order import ATTENTION_CROSSOVER_TOKENS
 
-__all__ = ["balance_window", "radix_keys", "sample_cost"]
+__all__ = ["balance_window", "deal_step", "radix_keys", "sample_cost"]
 
 
 #: Relative cost gap up to which the repair's first rounds trade; doubled whenever a round finds
@@ -342,3 +342,28 @@ def balance_window(
     del order, bands  # a loader worker pays the peak: drop the sort before the repair
     _repair(slots, costs, sources, counts)
     return _deal(slots, costs, R, B, keys)
+
+
+def deal_step(lengths: np.ndarray, *, world_size: int, micro_batch: int,
+              micro_batches_per_step: int) -> np.ndarray:
+    """Deals one optimizer step's samples onto ranks and micro-batches, keeping the step's
+    samples (an elastic resume: the step was planned for another shape).
+
+    The window's balancing with one step (K = 1): the G samples sorted, cut into M bands of
+    R B neighbours (one micro-batch index on every rank), each band dealt onto the ranks by
+    longest-processing-time (step 5 of the module docstring).
+
+    Args:
+        lengths: The step's G = R M B sample lengths (tokens).
+        world_size: R.
+        micro_batch: B.
+        micro_batches_per_step: M.
+
+    Returns:
+        ``[M, R, B]`` int64 positions into ``lengths``.
+    """
+    lengths = np.asarray(lengths)
+    n = len(lengths)
+    return balance_window(sample_cost(lengths), np.zeros(n, dtype=np.int64), np.array([[n]]),
+                          world_size=world_size, micro_batch=micro_batch,
+                          micro_batches_per_step=micro_batches_per_step, lengths=lengths)[0]

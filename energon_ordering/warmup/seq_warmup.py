@@ -12,6 +12,7 @@ from megatron.energon.wrappers.base import BaseWrapperDataset
 
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
 from energon_ordering.state_stamp import check_stamp
+from energon_ordering.step_clock import current_step, find_step_clock
 from energon_ordering.warmup.cap_cut import (
     MAX_CONSECUTIVE_DROPS,
     CapCutter,
@@ -45,7 +46,9 @@ class SeqLenWarmupDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_samp
 
     Sits directly before batching (``OrderingTaskEncoder`` puts it after the length pool), so the
     active batch index while a sample passes is the index of the batch it lands in:
-    ``step = worker_config.active_worker_batch_index // micro_batches_per_step``. Applying the
+    ``step = worker_config.active_worker_batch_index // micro_batches_per_step``. Over the planned
+    order the step is the plan's own (:mod:`energon_ordering.step_clock`): after an elastic resume
+    Energon's index restarts at 0 mid-plan, the plan's step does not. Applying the
     cap in ``encode_sample`` instead would key it to the index at which the sample was *pulled*
     into a pool or buffer, and a sample restored from such a buffer after a resume is re-encoded
     under another index: the resumed run would diverge.
@@ -111,6 +114,8 @@ class SeqLenWarmupDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_samp
         self.micro_batches_per_step = micro_batches_per_step
         self.layout = layout
         self.cutter = cutter
+        #: The planned source below, whose step this stage reads (None: Energon's batch index).
+        self.clock = find_step_clock(dataset)
         self.reset_state_own()
 
     def _expected_stamp(self) -> dict[str, Any]:
@@ -136,7 +141,7 @@ class SeqLenWarmupDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_samp
 
     def current_step(self) -> int:
         """The optimizer step of the batch being built (in a loader worker only)."""
-        return self.worker_config.active_worker_batch_index // self.micro_batches_per_step
+        return current_step(self.clock, self.worker_config, self.micro_batches_per_step)
 
     def __iter__(self) -> Iterator[T_sample]:
         self.cutter.reset_streak()
