@@ -26,6 +26,7 @@ __all__ = [
     "check_saved_counts",
     "check_saved_float",
     "check_saved_int",
+    "check_saved_list",
     "is_saved_int",
     "saved_value_error",
 ]
@@ -89,3 +90,12 @@ def check_saved_counts(owner: str, field: str, value: Any, names: Collection[str
                                 f"a dict of the counters {sorted(names)}, each an int >= 0")
     for name in names:
         check_saved_int(owner, f"{field}[{name!r}]", value[name])
+
+
+def check_saved_list(owner: str, field: str, value: Any, *, length: int | None = None) -> list[Any]:
+    """``value`` as a list (a tuple too) of ``length`` items (None: any), or raises
+    :class:`StateMismatchError`."""
+    if not isinstance(value, (list, tuple)) or (length is not None and len(value) != length):
+        raise saved_value_error(owner, field, value, "a list" if length is None else
+                                f"a list of {length} items")
+    return list(value)

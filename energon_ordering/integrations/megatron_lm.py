@@ -66,13 +66,18 @@ from megatron.energon import (
     get_val_dataset,
 )
 
-from energon_ordering.errors import OrderingConfigError, OrderingError
+from energon_ordering.errors import OrderingConfigError, OrderingError, StateMismatchError
 from energon_ordering.integrations.megatron_args import (
     add_energon_ordering_args,
     micro_batches_per_step,
     ordering_config_from_args,
 )
-from energon_ordering.state_stamp import loader_stamp, restore_state_rank, saved_stamp
+from energon_ordering.state_stamp import (
+    check_state_shape,
+    loader_stamp,
+    restore_state_rank,
+    saved_stamp,
+)
 from energon_ordering.task_encoder import OrderingTaskEncoder
 from energon_ordering.warmup.token_layout import TokenLayout
 from energon_ordering.errors import show
@@ -481,6 +486,11 @@ def _restore(loader: Any, *, args: Any, dp_rank: int) -> None:
     state = _load_state(path, args=args, dp_rank=dp_rank)
     if state is None:
         return
+    try:  # before anything reads the entries (a worker entry of None: an AttributeError)
+        check_state_shape(state)
+    except StateMismatchError as e:
+        raise StateMismatchError(f"Dataloader state {path} (data-parallel rank {dp_rank}): {e}") \
+            from None
     saved = saved_stamp(state) or {}
     elastic = planned and elastic_shape_change(saved, stamp)
     # an elastic state counts the micro-batches of the data-parallel size it was saved at

@@ -29,6 +29,12 @@ from megatron.energon.wrappers.base import BaseWrapperDataset
 
 from energon_ordering.errors import OrderingTypeError
 from energon_ordering.pool.packed_sample import SamplePacker
+from energon_ordering.saved_counters import (
+    check_saved_bool,
+    check_saved_float,
+    check_saved_int,
+    check_saved_list,
+)
 from energon_ordering.pool.settings import (
     PoolSettings,
     check_pool_input,
@@ -198,7 +204,16 @@ class KeyPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sampl
         return state
 
     def restore_state(self, state: FlexState) -> None:
-        check_pool_state(type(self).__name__, state, self._expected_stamp())
+        owner = type(self).__name__
+        check_pool_state(owner, state, self._expected_stamp())
+        check_saved_int(owner, "_pool_index", state.get("_pool_index"))
+        check_saved_bool(owner, "_inner_done", state.get("_inner_done"))
+        keys = check_saved_list(owner, "_collect_keys", state.get("_collect_keys"))
+        lengths = check_saved_list(owner, "_collect_lengths", state.get("_collect_lengths"),
+                                   length=len(keys))
+        for i, length in enumerate(lengths):
+            check_saved_float(owner, f"_collect_lengths[{i}]", length)
+        check_saved_list(owner, "_emit_keys", state.get("_emit_keys"))
         super().restore_state(state)
         self._collect_keys = list(self._collect_keys)
         self._collect_lengths = list(self._collect_lengths)

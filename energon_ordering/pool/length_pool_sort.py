@@ -19,6 +19,7 @@ from energon_ordering.pool.settings import (
     checked_restore_key,
 )
 from energon_ordering.pool.sample_length import default_sample_length
+from energon_ordering.saved_counters import check_saved_bool, check_saved_int
 from energon_ordering.errors import show
 
 __all__ = ["LengthPoolSortDataset"]
@@ -158,7 +159,10 @@ class LengthPoolSortDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sa
         self._inner_done = False
 
     def restore_state(self, state: FlexState) -> None:
-        check_pool_state(type(self).__name__, state, self._expected_stamp())
+        owner = type(self).__name__
+        check_pool_state(owner, state, self._expected_stamp())
+        check_saved_int(owner, "_pool_index", state.get("_pool_index"))
+        check_saved_bool(owner, "_inner_done", state.get("_inner_done"))
         super().restore_state(state)
 
     def config(self) -> dict[str, Any]:

@@ -57,6 +57,7 @@ from energon_ordering.errors import (
     StateMismatchError,
     show,
 )
+from energon_ordering.saved_counters import check_saved_counts
 from energon_ordering.state_stamp import check_stamp
 from energon_ordering.warmup.cap_cut import LOG_FIRST, CapCutter, CapWording, new_counts, new_epoch_counts
 from energon_ordering.warmup.schedule import SeqLenWarmup
@@ -415,6 +416,10 @@ class PackCapDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_sample]):
             self._expected_stamp(),
             "Restore with the original pack_seq_length / seq_length_warmup settings.",
         )
+        check_saved_counts(type(self).__name__, "_counts", state.get("_counts"),
+                           self.counts().keys())
+        check_saved_counts(type(self).__name__, "_epoch", state.get("_epoch"),
+                           new_epoch_counts().keys())
         super().restore_state(state)
         self._pending_error = None
 
