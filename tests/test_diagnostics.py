@@ -146,3 +146,72 @@ def test_periodic_low_discrepancy_blend_is_not_a_sawtooth():
     pattern = ["a", "a", "b", "a", "c"] * 200  # periodic but smoother than random draws
     flagged, ac = detect_sawtooth(_stream(pattern), ["a", "b", "c"], 5)
     assert max(ac.values()) > 0.9 and not flagged
+
+
+# ---- warmup_counts over loader workers (issue 31) ---------------------------------------------
+
+import itertools  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from energon_ordering import OrderingConfig, StateMismatchError  # noqa: E402
+from energon_ordering.inspect.diagnostics import warmup_counts  # noqa: E402
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader  # noqa: E402
+from energon_ordering.inspect.synthetic import SourceSpec  # noqa: E402
+from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from indexed_data import indexed_synthetic  # noqa: E402
+
+WARMUP = dict(start=256, full=2048, warmup_steps=6)
+#: Energon's settings that store a worker checkpoint after every micro-batch.
+EXACT = dict(checkpoint_every_sec=0, checkpoint_every_min_n_samples=1)
+
+
+@pytest.fixture(scope="module")
+def planned_data(tmp_path_factory) -> Path:
+    meta = indexed_synthetic(tmp_path_factory.mktemp("counts"),
+                             [SourceSpec("web", 320, "trimodal")], shard_size=32)
+    return meta.parent / "web"
+
+
+def _counts_after(data: Path, num_workers: int, micro_batches: int, packed: bool,
+                  **loader_kwargs) -> tuple[dict[str, int], int]:
+    """``warmup_counts`` of a planned loader (identical micro-batches for any num_workers)
+    with the warmup after ``micro_batches``, and the samples it emitted."""
+    cfg = OrderingConfig(length_sort_mode="planned", length_sort_placement="pre-encode",
+                         length_sort_pool_holds="keys", micro_batches_per_step=2, seed=5,
+                         plan_window_steps=2, seq_length_warmup=WARMUP,
+                         pack_seq_length=2048 if packed else None)
+    loader = build_train_loader(data, ordering=cfg, batch_size=2 if packed else 4,
+                                num_workers=num_workers,
+                                packing_buffer_size=32 if packed else None,
+                                task_encoder_factory=IndexedSyntheticTaskEncoder,
+                                **loader_kwargs)
+    try:
+        batches = list(itertools.islice(loader, micro_batches))
+        return warmup_counts(loader.save_state_rank()), sum(len(b.keys) for b in batches)
+    finally:
+        close_loader(loader)
+
+
+@pytest.mark.slow  # loader workers
+@pytest.mark.parametrize("packed", [False, True])
+def test_warmup_counts_do_not_depend_on_the_loader_workers(planned_data, packed):
+    runs = {w: _counts_after(planned_data, w, 12, packed, **EXACT) for w in (0, 1, 2, 3)}
+    counts, emitted = runs[0]
+    assert counts, "the state holds no warmup counters (with packing: PlannedPackDataset's)"
+    assert counts["seen"] == emitted and counts["truncated"] > 0
+    for w, (other, emitted_w) in runs.items():
+        assert (other, emitted_w) == (counts, emitted), f"{w} loader workers"
+
+
+@pytest.mark.slow  # loader workers
+def test_a_worker_checkpoint_that_lags_the_save_is_refused(planned_data):
+    """Energon's default loader stores a worker checkpoint every 60 s: the state's counters
+    missed every micro-batch after the first (4 samples seen of 48 with one worker)."""
+    with pytest.raises(StateMismatchError, match=r"warmup_counts: loader worker 0's saved state "
+                       r"is its checkpoint from 11 micro-batches before the save .* "
+                       r"checkpoint_every_sec=0, checkpoint_every_min_n_samples=1\)") as info:
+        _counts_after(planned_data, 1, 12, False)
+    assert "\n" not in str(info.value)

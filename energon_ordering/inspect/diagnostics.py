@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from energon_ordering.errors import show
+from energon_ordering.errors import StateMismatchError, show
 
 __all__ = [
     "autocorrelation",
@@ -111,27 +111,73 @@ def switch_lag(realized: Sequence[float], target: Sequence[float]) -> float:
     return float(sum(t - r for r, t in zip(realized, target)) / jump)
 
 
+#: Classes whose saved state holds warmup counters (``_counts``), summed by :func:`warmup_counts`.
+COUNTING_STAGES = ("SeqLenWarmupDataset", "PackCapDataset", "PlannedPackDataset")
+
+#: How to make a loader's saved state current at every micro-batch (Energon's own settings).
+EXACT_LOADER = ("get_savable_loader(dataset, checkpoint_every_sec=0, "
+                "checkpoint_every_min_n_samples=1)")
+
+
 def warmup_counts(loader_state: object) -> dict[str, int]:
     """Sums the sequence-length warmup counters (seen, truncated, truncated_tokens,
     kept_over_cap, dropped; with packing also packs_over_cap: packs of the packer above the cap of
-    their emission step, re-split first-fit) over every worker in a ``save_state_rank()`` result
-    (of the batch-time warmup, or of the pack-time cut with packing)."""
+    their emission step, re-split first-fit) over every loader worker in a
+    ``save_state_rank()`` result (of the batch-time warmup, or of the pack-time cut with
+    packing).
+
+    The sums are the counters at the save, whatever ``num_workers``. With loader workers,
+    Energon answers ``save_state_rank()`` with each worker's last stored checkpoint plus the
+    micro-batches it emitted since (``offset``, replayed on restore); a checkpoint is stored
+    every ``checkpoint_every_sec`` (60 s by default), so its counters miss those micro-batches
+    (Megatron-LM's example counted 32 samples with 2 workers against 112 without, for the same
+    packs). Such a state is refused, naming the worker and the fix: build the loader with
+    :data:`EXACT_LOADER` (a checkpoint after every micro-batch, which also restores without
+    replaying), or read the counters of a loader without workers.
+
+    With Energon's packing the cut counts samples as the packer takes them into its buffer (up
+    to ``packing_buffer_size`` ahead of the packs emitted, per worker).
+
+    Raises:
+        StateMismatchError: A worker's checkpoint lags the save (see above).
+    """
+    total: dict[str, int] = {}
+    lagging: list[tuple[int, int]] = []
+    for worker, node in enumerate(getattr(loader_state, "worker_states", None) or [loader_state]):
+        offset = getattr(node, "offset", 0)
+        if isinstance(offset, int) and offset > 0:
+            lagging.append((worker, offset))
+        for counts in _stage_counts(node):
+            for k, v in counts.items():
+                total[k] = total.get(k, 0) + int(v)
+    if lagging and total:
+        worker, offset = lagging[0]
+        raise StateMismatchError(
+            f"warmup_counts: loader worker {worker}'s saved state is its checkpoint from "
+            f"{offset} micro-batches before the save (Energon stores one every "
+            "checkpoint_every_sec, 60 s by default, and replays the rest on restore), so its "
+            f"counters miss them; build the loader with {EXACT_LOADER} for exact counts, or "
+            "read them from a loader with num_workers = 0.")
+    return total
+
+
+def _stage_counts(state: object) -> list[dict[str, Any]]:
+    """The ``_counts`` of every counting stage (:data:`COUNTING_STAGES`) inside ``state``."""
     import dataclasses
 
-    total: dict[str, int] = {}
-    stack = [loader_state]
+    found = []
+    stack = [state]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
-            if node.get("__class__") in ("SeqLenWarmupDataset", "PackCapDataset") and "_counts" in node:
-                for k, v in node["_counts"].items():
-                    total[k] = total.get(k, 0) + int(v)
+            if node.get("__class__") in COUNTING_STAGES and isinstance(node.get("_counts"), dict):
+                found.append(node["_counts"])
             stack.extend(node.values())
         elif isinstance(node, (list, tuple)):
             stack.extend(node)
         elif dataclasses.is_dataclass(node) and not isinstance(node, type):
             stack.extend(getattr(node, f.name) for f in dataclasses.fields(node))
-    return total
+    return found
 
 
 def source_histograms(batch_sources: Sequence[Sequence[str]], sources: Sequence[str]):
