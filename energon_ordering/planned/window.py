@@ -33,7 +33,8 @@ from .cursor import PlanCursor, advance, check_window_steps, draws
 from .permutation import ROUNDS
 from .sample_ids import SampleIds
 
-__all__ = ["DEFAULT_WINDOW_STEPS", "PLAN_VERSION", "WindowPlan", "plan_window", "window_weights"]
+__all__ = ["DEFAULT_WINDOW_STEPS", "PLAN_VERSION", "WindowPlan", "plan_window", "window_draws",
+           "window_weights"]
 
 #: Bumped whenever the plan of any window changes for the same inputs (permutation, counts,
 #: balancing); a planned state stamps it.
@@ -84,6 +85,37 @@ def window_weights(weights: np.ndarray | Sequence[float], window: int, window_st
             f"planned order: weights = {show(w.tolist())}; give one weight >= 0 per source, "
             "at least one > 0.")
     return np.tile(w / w.sum(), (k, 1))
+
+
+def window_draws(sizes: Sequence[int], seed: int, cursor: PlanCursor,
+                 counts: np.ndarray) -> np.ndarray:
+    """The global ids (:mod:`.sample_ids`) of the samples a window draws, source by source in
+    draw order: for each source s, its draws ``cursor.drawn[s] ..`` (:func:`~.cursor.draws`),
+    as many as ``counts`` gives it over the window's steps.
+
+    A window's plan (:func:`plan_window`, or :func:`~.packs.plan_packed_window` for its counts)
+    holds exactly these samples, each as often as here, in another arrangement: what a plan read
+    from a file is checked against (:mod:`.plan_check`).
+
+    Args:
+        sizes: Samples per source.
+        seed: The ordering seed.
+        cursor: Where the window starts.
+        counts: ``[steps, S]`` samples per step and source (or ``[S]``: per source).
+
+    Returns:
+        ``[sum(counts)]`` int64 global ids.
+    """
+    ids = SampleIds.of(sizes)
+    c = np.asarray(counts, dtype=np.int64)
+    per_source = c if c.ndim == 1 else c.sum(axis=0)
+    if per_source.shape != (len(ids.sizes),) or len(cursor.drawn) != len(ids.sizes):
+        raise OrderingConfigError(
+            f"planned order: counts of shape {c.shape} and a cursor of {len(cursor.drawn)} "
+            f"sources do not describe a window of {len(ids.sizes)} sources.")
+    parts = [draws(seed, s, n, cursor.drawn[s], int(per_source[s])) + off
+             for s, (n, off) in enumerate(zip(ids.sizes, ids.offsets.tolist()))]
+    return np.concatenate(parts)
 
 
 def plan_window(
@@ -137,11 +169,11 @@ def plan_window(
     per_source = counts.sum(axis=0)
     # the window's draws: global id, source and cost of each (arrays of K G; temporaries are
     # dropped as soon as they are used, since the peak is what a loader worker pays)
-    index = [draws(seed, s, ids.sizes[s], cursor.drawn[s], int(per_source[s])) for s in range(S)]
-    drawn = np.concatenate([np.asarray(lengths[s])[ix] for s, ix in enumerate(index)])
+    gid = window_draws(ids.sizes, seed, cursor, counts)
+    bounds = np.concatenate(([0], np.cumsum(per_source))).tolist()
+    drawn = np.concatenate([np.asarray(lengths[s])[gid[bounds[s]:bounds[s + 1]] - off]
+                            for s, off in enumerate(ids.offsets.tolist())])
     cost = sample_cost(drawn)
-    gid = np.concatenate([ix + off for ix, off in zip(index, ids.offsets.tolist())])
-    del index
     src = np.repeat(np.arange(S, dtype=np.int64), per_source)
     pos = balance_window(cost, src, counts, world_size=R, micro_batch=B,
                          micro_batches_per_step=M, lengths=drawn)  # [K, M, R, B]
