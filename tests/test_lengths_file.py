@@ -6,7 +6,9 @@ Real prepared datasets and length indexes; the join it replaces is ``ByteRangeRe
 
 from __future__ import annotations
 
+import os
 import pickle
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,8 @@ from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_datase
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
 from energon_ordering.length_index.build import build_length_index
 from energon_ordering.length_index.index import LengthIndex, length_index_files
-from energon_ordering.length_index.lengths_file import split_lengths
+from energon_ordering.length_index import lengths_file
+from energon_ordering.length_index.lengths_file import lengths_content_digest, split_lengths
 from energon_ordering.pipeline.planned_source import PlannedSourceDataset, indexed_lengths
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
 
@@ -118,3 +121,37 @@ def test_a_pickled_planned_source_maps_its_lengths_again(web):
     assert isinstance(back.lengths[0], np.memmap)
     assert np.array_equal(back.lengths[0], lengths)
     assert back.micro_batch_ids(0).tolist() == ds.micro_batch_ids(0).tolist()
+
+
+def test_the_content_digest_follows_the_values_not_the_name_or_size(tmp_path, monkeypatch):
+    """Plans a node shares are keyed by this digest: a file of the same name and size whose
+    values differ (an edit in place with its modification time put back, or another file
+    renamed over it) gets another digest; an unchanged file is read from its sidecar, never
+    hashed again."""
+    path = tmp_path / "lengths.npy"
+    out = split_lengths(path, lambda: np.arange(1000.0))
+    first = lengths_content_digest(out)
+    same = np.arange(1000.0, dtype=np.float32)  # the file's values, in memory
+    assert first == lengths_content_digest(path) == lengths_content_digest(same)
+    assert (tmp_path / "lengths.npy.digest.json").is_file()
+    hashed = []
+    real = lengths_file._array_digest
+    monkeypatch.setattr(lengths_file, "_array_digest", lambda a: (hashed.append(1), real(a))[1])
+    monkeypatch.setattr(lengths_file, "_DIGESTS", {})  # as in a fresh process: the sidecar
+    assert lengths_content_digest(path) == first and hashed == []
+    # a slice of the map is not the file's content
+    assert lengths_content_digest(out[:10]) == real(np.arange(10.0, dtype=np.float32))
+
+    st = path.stat()
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    with open(path, "r+b") as f:  # the same size, one value changed, the times put back
+        f.seek(-4, 2)
+        f.write(np.float32(7.0).tobytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    edited = lengths_content_digest(path)
+    assert edited != first and edited == real(np.load(path))
+    time.sleep(0.05)
+    np.save(tmp_path / "other.npy", np.arange(1000.0, dtype=np.float32)[::-1].copy())
+    os.replace(tmp_path / "other.npy", path)  # another file under the name
+    assert lengths_content_digest(path) not in (first, edited)

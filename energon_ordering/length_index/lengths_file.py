@@ -15,6 +15,18 @@ is written to a temporary name and renamed, so ranks that build it at once never
 file. Its values are exactly the length index's: float32 when every length is a float32 value
 (integers up to 2^24), else float64, so a plan from the file equals a plan from the join.
 Where the folder is not writable, the join's array is used in memory (one log line).
+
+What a file holds is named by :func:`lengths_content_digest` (the planned order keys the plans a
+node's processes share by it): a sha256 of the values, written when the file is, to a sidecar
+``<file>.digest.json`` beside it together with the file's identity (device, inode, size,
+modification and change times in ns). A process reads the sidecar (O(1)) and recomputes the
+digest only when the file's identity differs from the sidecar's: a file edited or replaced since
+(a sidecar cannot go stale unnoticed). Hashing is what that spares: a file of 10^8 samples is
+800 MB, 0.7 s of sha256 measured here, in each of a node's 16 loader workers at every start,
+and a read of the whole file where it is not in the page cache. Without a writable folder the
+digest is computed once per process and file identity (memoised). An edit within the file
+system's timestamp granularity (a few ms) of the hashing that keeps the size and inode is the
+one change that goes unseen.
 """
 
 from __future__ import annotations
@@ -33,13 +45,22 @@ from energon_ordering.errors import LengthIndexError, OrderingConfigError, show
 from energon_ordering.length_index.index import dataset_uuid
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
 
-__all__ = ["indexed_lengths", "lengths_file_path", "reopen", "reopened", "save_atomically",
-           "split_lengths"]
+__all__ = ["indexed_lengths", "lengths_content_digest", "lengths_file_path", "reopen", "reopened",
+           "save_atomically", "split_lengths"]
 
 logger = logging.getLogger(__name__)
 
 #: Bumped when the file's layout changes (part of its name).
 LENGTHS_FILE_VERSION = 1
+
+#: Bumped when :func:`lengths_content_digest` hashes otherwise (part of each digest).
+CONTENT_DIGEST_VERSION = 1
+
+#: Bytes hashed at once (bounds the copy of a non-contiguous array's chunk).
+_HASH_CHUNK = 1 << 24
+
+#: Digests computed or read in this process, by file identity (:func:`_identity`).
+_DIGESTS: dict[tuple[int, ...], str] = {}
 
 
 def lengths_file_path(length_index: Path, *, digest: str | None, dataset_uuid: str,
@@ -74,17 +95,32 @@ def split_lengths(path: Path, compute: Callable[[], np.ndarray]) -> np.ndarray:
                     "memory (%d bytes)", path, error, values.nbytes)
         values.setflags(write=False)
         return values
+    lengths_content_digest(path)  # its sidecar, while the pages are in the cache
     return np.load(path, mmap_mode="r")
 
 
-def save_atomically(path: Path, values: np.ndarray) -> OSError | None:
+def save_atomically(path: Path, values: np.ndarray, mode: int | None = None) -> OSError | None:
     """Writes ``values`` to ``path`` as ``.npy`` under a temporary name, then renames it (a
     reader never sees half a file). Returns the error that stopped it (nothing left behind),
-    or None."""
+    or None.
+
+    Args:
+        mode: The file's permission bits (e.g. ``0o600``); None: the default (``0o666`` less
+            the umask).
+    """
+    return _replace_with(path, lambda f: np.save(f, values), mode)
+
+
+def _replace_with(path: Path, write: Callable[[Any], None], mode: int | None) -> OSError | None:
+    """Writes ``path`` by ``write(binary file)`` under a temporary name, then renames it."""
     tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            np.save(f, values)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                     0o666 if mode is None else mode)
+        with open(fd, "wb") as f:
+            if mode is not None:
+                os.fchmod(fd, mode)  # a left-over temporary file kept its own mode
+            write(f)
         os.replace(tmp, path)
     except OSError as e:
         try:
@@ -93,6 +129,74 @@ def save_atomically(path: Path, values: np.ndarray) -> OSError | None:
             pass
         return e
     return None
+
+
+def lengths_content_digest(lengths: np.ndarray | str | os.PathLike) -> str:
+    """A digest of a lengths array's content (dtype, shape and values), the same for a file and
+    for the array it holds.
+
+    Args:
+        lengths: A lengths file (a path, or its memory map as :func:`split_lengths` returns it):
+            its sidecar's digest if the file is unchanged since it was written, else hashed
+            (and the sidecar written anew where the folder allows); any other array: hashed.
+
+    Returns:
+        32 hex digits.
+    """
+    if isinstance(lengths, (str, os.PathLike)):
+        return _file_digest(Path(lengths))
+    array = np.asarray(lengths)
+    name = getattr(lengths, "filename", None)
+    if isinstance(lengths, np.memmap) and name is not None:
+        whole = np.load(name, mmap_mode="r")  # a slice of the map is not the file's content
+        if whole.shape == array.shape and whole.dtype == array.dtype:
+            return _file_digest(Path(name))
+    return _array_digest(array)
+
+
+def _array_digest(array: np.ndarray) -> str:
+    h = hashlib.sha256(f"{CONTENT_DIGEST_VERSION}:{array.dtype.str}:{array.shape}".encode())
+    flat = array.reshape(-1)
+    step = max(1, _HASH_CHUNK // max(1, array.itemsize))
+    for lo in range(0, flat.size, step):
+        h.update(np.ascontiguousarray(flat[lo:lo + step]).data)
+    return h.hexdigest()[:32]
+
+
+def _identity(path: Path) -> tuple[int, ...]:
+    """What changes when a file is edited or replaced: device, inode, size, modification and
+    change times (ns; the change time cannot be set back by a user)."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _file_digest(path: Path) -> str:
+    """The digest of the lengths file ``path`` (see the module docstring)."""
+    sidecar = path.with_name(f"{path.name}.digest.json")
+    for _ in range(3):  # the file replaced while it was hashed: again
+        identity = _identity(path)
+        known = _DIGESTS.get(identity)
+        if known is not None:
+            return known
+        try:
+            record = json.loads(sidecar.read_text())
+            if (record.get("version") == CONTENT_DIGEST_VERSION
+                    and record.get("identity") == list(identity)):
+                _DIGESTS[identity] = known = str(record["digest"])
+                return known
+        except (OSError, ValueError, AttributeError, KeyError):
+            pass
+        digest = _array_digest(np.load(path, mmap_mode="r"))
+        if _identity(path) != identity:
+            continue
+        _DIGESTS[identity] = digest
+        text = json.dumps({"version": CONTENT_DIGEST_VERSION, "identity": list(identity),
+                           "digest": digest})
+        error = _replace_with(sidecar, lambda f: f.write(text.encode()), None)
+        if error is not None:
+            logger.debug("lengths file: cannot write %s (%s)", sidecar, error)
+        return digest
+    return digest
 
 
 def reopen(array: Any) -> Any:
