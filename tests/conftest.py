@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -12,8 +14,12 @@ import pytest
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 
 # planned runs share window plans through a node-local folder (/dev/shm by default): the tests
-# keep theirs in a folder of their own (inherited by loader workers and spawned processes)
-os.environ.setdefault("ENERGON_ORDERING_PLAN_DIR", tempfile.mkdtemp(prefix="energon-ordering-plans-"))
+# keep theirs in a folder of their own (inherited by loader workers and spawned processes),
+# removed when the session's process exits
+if "ENERGON_ORDERING_PLAN_DIR" not in os.environ:
+    _PLANS = tempfile.mkdtemp(prefix="energon-ordering-plans-")
+    os.environ["ENERGON_ORDERING_PLAN_DIR"] = _PLANS
+    atexit.register(lambda pid=os.getpid(): os.getpid() == pid and shutil.rmtree(_PLANS, True))
 
 
 @pytest.fixture(autouse=True)
