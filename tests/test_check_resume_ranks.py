@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from energon_ordering.cli import main
 from energon_ordering.inspect import inspection
-from energon_ordering.inspect.inspection import compare_elastic_steps
+from energon_ordering.inspect.model_steps import compare_model_steps, model_steps
 from energon_ordering.inspect.rank_simulation import BatchRecord
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 
@@ -58,8 +58,8 @@ def test_resume_onto_other_ranks_passes(data, tmp_path, ranks, mbps, resume_rank
     assert res.output == (
         f"resume check: cut at micro-batch {mbps} = optimizer step 1 on {ranks} ranks x {mbps} "
         f"micro-batches per step, restored from save_state_rank() onto {resume_ranks} ranks x "
-        f"{resume_mbps}: the next 7 optimizer steps hold the same {samples} samples, none lost "
-        "or twice; each plan window the same samples, each step the same count per source\n")
+        f"{resume_mbps}: the next 7 optimizer steps show the model the same {samples} samples, "
+        "each step the same ones at the same token lengths in the same packs\n")
 
 
 def test_the_check_fails_when_the_resumed_stream_differs(data, tmp_path, monkeypatch):
@@ -116,49 +116,62 @@ def test_a_cut_or_end_off_the_plan_grid_is_refused(data, tmp_path, args, match):
     assert re.search(match, res.output.strip()), res.output
 
 
-# -- the comparison itself ---------------------------------------------------------------------
+# -- the comparison itself: what the model sees --------------------------------------------------
 
 
-def _steps(*steps: str) -> list[list[tuple[str, str]]]:
-    """``"web1 code2"`` per optimizer step -> (key, source) pairs."""
-    return [[(k, k.rstrip("0123456789")) for k in step.split()] for step in steps]
+def _mb(*docs: str, packs: tuple[int, ...] = ()) -> BatchRecord:
+    """A micro-batch of ``"key:tokens"`` documents; ``packs``: documents per pack."""
+    keys = tuple(d.split(":")[0] for d in docs)
+    lengths = tuple(int(d.split(":")[1]) for d in docs)
+    at, pack_lengths = 0, []
+    for n in packs:
+        pack_lengths.append(lengths[at:at + n])
+        at += n
+    return BatchRecord(keys, lengths, (), tuple(pack_lengths))
 
 
-UNINTERRUPTED = _steps("web1 code1", "web2 web3", "web4 code2", "web5 web6")  # steps 2..5
+#: The uninterrupted run: 2 ranks x 1 micro-batch per step, steps 2 and 3 after the cut.
+RUN = [[_mb("a:5", "b:7"), _mb("e:3", "f:4")], [_mb("c:6", "d:2"), _mb("g:8", "h:1")]]
 
 
-def test_the_comparison_accepts_a_window_re_dealt_over_its_steps():
-    # window 1 = steps 2-3 and window 2 = steps 4-5 (window_steps 2): within a window the
-    # samples may move between steps as long as each step keeps its count per source
-    got = _steps("web2 code1", "web1 web3", "web6 code2", "web5 web4")
-    assert compare_elastic_steps(UNINTERRUPTED, got, first_step=2, window_steps=2) is None
+def test_the_comparison_accepts_a_step_re_dealt_over_ranks_and_micro_batches():
+    # resumed on 1 rank x 2 micro-batches: step 2's samples on other micro-batches, re-ordered
+    got = [[_mb("d:2", "a:5"), _mb("c:6", "b:7"), _mb("h:1", "g:8"), _mb("e:3", "f:4")]]
+    assert compare_model_steps(model_steps(RUN, 1), model_steps(got, 2), first_step=2) is None
 
 
-@pytest.mark.parametrize("got, reason", [
-    # one sample moved across a window boundary: each step's counts per source still agree
-    (_steps("web1 code1", "web2 web4", "web3 code2", "web5 web6"),
-     "plan window 1 (optimizer steps 2-3): 1 samples missing ['web3'], 1 extra or repeated "
-     "['web4']"),
-    # a sample twice, another lost
-    (_steps("web1 code1", "web2 web3", "web4 code2", "web5 web5"),
-     "plan window 2 (optimizer steps 4-5): 1 samples missing ['web6'], 1 extra or repeated "
-     "['web5']"),
-    # the same samples per window, but a step's mix changed
-    (_steps("web1 web2", "code1 web3", "web4 code2", "web5 web6"),
-     "optimizer step 2: samples per source {'code': 1, 'web': 1} expected, got {'web': 2}"),
-    (UNINTERRUPTED[:3], "3 optimizer steps resumed, 4 expected"),
+@pytest.mark.parametrize("got, micro_batches, where, reason", [
+    # a sample moved to the next step (each window still holds the same samples)
+    ([[_mb("a:5", "b:7"), _mb("c:6", "e:3"), _mb("d:2", "f:4"), _mb("g:8", "h:1")]], 2,
+     (2, 0, 1), "optimizer step 2: 1 samples missing ['d'], 1 extra or repeated ['e'] (rank 0 "
+     "micro-batch 1 holds e)"),
+    # the same samples, one cut to another length (another warmup cap)
+    ([[_mb("a:5", "b:7"), _mb("e:3", "f:4")], [_mb("c:6", "d:2"), _mb("g:5", "h:1")]], 1,
+     (3, 1, 0), "optimizer step 3, rank 1 micro-batch 0: sample g has 5 tokens, 8 in the "
+                "uninterrupted run (cut to another cap)"),
+    # a step missing at the end
+    ([[_mb("a:5", "b:7")], [_mb("c:6", "d:2")]], 1,
+     (3, None, None), "optimizer step 3: missing, the resumed run ends after 1 steps of 2"),
 ])
-def test_the_comparison_catches_a_different_stream(got, reason):
-    mismatch = compare_elastic_steps(UNINTERRUPTED, got, first_step=2, window_steps=2)
-    assert mismatch is not None and mismatch.reason == reason
+def test_the_comparison_names_the_first_differing_step_and_where(got, micro_batches, where,
+                                                                 reason):
+    mismatch = compare_model_steps(model_steps(RUN, 1), model_steps(got, micro_batches),
+                                   first_step=2)
+    assert mismatch is not None
+    assert (mismatch.step, mismatch.rank, mismatch.micro_batch) == where
+    assert mismatch.reason == reason
 
 
-def test_batch_records_become_steps_with_their_sources():
-    # rank 0 and 1, one micro-batch per step each: a step lists rank 0's samples, then rank 1's
-    records = [[BatchRecord(("web1",), (3,), ("web",)), BatchRecord(("code1",), (9,), ("code",))],
-               [BatchRecord(("web2",), (4,), ()), BatchRecord(("web3",), (5,), ("web",))]]
-    assert inspection._step_samples(records, 1) == [[("web1", "web"), ("web2", "-")],
-                                                    [("code1", "code"), ("web3", "web")]]
+def test_the_comparison_sees_pack_boundaries():
+    packed = [[_mb("a:5", "b:7", "c:6", packs=(2, 1))], [_mb("d:2", "e:3", packs=(1, 1))]]
+    regrouped = [[_mb("a:5", "b:7", "c:6", packs=(1, 2))], [_mb("d:2", "e:3", packs=(1, 1))]]
+    re_dealt = [[_mb("d:2", "c:6", packs=(1, 1))], [_mb("e:3", "a:5", "b:7", packs=(1, 2))]]
+    expected = model_steps(packed, 1)
+    assert compare_model_steps(expected, model_steps(re_dealt, 1), first_step=0) is None
+    mismatch = compare_model_steps(expected, model_steps(regrouped, 1), first_step=0)
+    assert mismatch is not None and (mismatch.step, mismatch.rank, mismatch.micro_batch) == (0, 0, 0)
+    assert mismatch.reason == ("optimizer step 0, rank 0 micro-batch 0: pack ['a'], the "
+                               "uninterrupted run packs a in ['a', 'b']")
 
 
 def test_ranks_without_resume_ranks_checks_each_rank_at_its_size(data, tmp_path):
@@ -167,3 +180,24 @@ def test_ranks_without_resume_ranks_checks_each_rank_at_its_size(data, tmp_path)
     assert res.exit_code == 0, res.output
     assert res.output == ("resume check: cut at micro-batch 3 on each of 2 ranks, restored from "
                           "save_state_rank(): the next 7 micro-batches are identical\n")
+
+
+# -- elastic resume under the sequence-length warmup (issue 31) --------------------------------
+
+#: Caps 64 .. 512 tokens over 8 steps: the "short" source (~200 tokens) is cut at the start,
+#: and each step's cap differs from step 0's.
+WARMUP = {"start": 64, "full": 512, "warmup_steps": 8, "multiple_of": 8}
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_an_elastic_resume_inside_the_warmup_keeps_each_steps_cuts(data, tmp_path, packing):
+    """Cut at optimizer step 2 of 8 warmup steps, resumed on 2 ranks from 4: the resumed
+    samples (and packs) carry the cap of their step, not step 0's (a warmup that restarted at
+    step 0 after the restore cut them to 64 tokens and failed this check)."""
+    fields = dict(micro_batches_per_step=1, seq_length_warmup=WARMUP)
+    if packing:
+        fields.update(packing_buffer_size=32, pack_seq_length=512)
+    res = _check(data, _recipe(tmp_path, **fields), "--ranks", "4", "--resume-ranks", "2",
+                 "--cut", "2", "--steps", "8")
+    assert res.exit_code == 0, res.output
+    assert "optimizer steps show the model the same" in res.output

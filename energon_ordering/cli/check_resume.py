@@ -2,8 +2,9 @@
 saved with ``save_state_rank()`` and restored; exit code 1 at the first difference.
 
 With ``--resume-ranks`` (planned recipes only) the run is restored onto another data-parallel
-size, and the steps after the cut are compared as the plan promises: every plan window holds
-the same samples, every step the same count per source."""
+size, and the steps after the cut are compared by what the model sees: every optimizer step
+the same samples, cut to the same token lengths (the warmup), in the same packs; only the rank
+and micro-batch a sample lands on may change."""
 
 from __future__ import annotations
 
@@ -109,9 +110,9 @@ def elastic_line(path: str, cfg: OrderingConfig, *, cut: int, steps: int | None,
     if res.mismatch is not None:
         return False, f"resume check FAILED: {res.mismatch.reason} ({cut_on}, resumed onto {onto})"
     return True, (f"resume check: {cut_on}, restored from save_state_rank() onto {onto}: the "
-                  f"next {end_step - cut_step} optimizer steps hold the same {res.samples} "
-                  "samples, none lost or twice; each plan window the same samples, each step the "
-                  "same count per source")
+                  f"next {end_step - cut_step} optimizer steps show the model the same "
+                  f"{res.samples} samples, each step the same ones at the same token lengths in "
+                  "the same packs")
 
 
 @click.command("check-resume", context_settings=CONTEXT)
@@ -129,9 +130,11 @@ def elastic_line(path: str, cfg: OrderingConfig, *, cut: int, steps: int | None,
 @click.option("--resume-ranks", type=click.IntRange(min=1), default=None,
               help="Restore onto this many ranks instead (planned recipes only), with "
                    "micro_batches_per_step scaled to keep the global batch; rank r restores "
-                   "rank r's state, ranks beyond --ranks rank 0's. Passes when every plan window "
-                   "after the cut holds the same samples and every step the same count per "
-                   "source (which step and rank a sample lands on is re-planned).")
+                   "rank r's state, ranks beyond --ranks rank 0's. Passes when every optimizer "
+                   "step after the cut shows the model the same samples at the same token "
+                   "lengths (the warmup's cuts) in the same packs (which rank and micro-batch a "
+                   "sample lands on is re-dealt); else names the first step, rank and "
+                   "micro-batch that differ, and how.")
 @click.option("--num-workers", type=click.IntRange(min=0), default=0, help="Loader workers.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, help="Micro-batch size.")
 @with_task_encoder

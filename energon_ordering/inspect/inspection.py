@@ -26,6 +26,7 @@ from energon_ordering.inspect.diagnostics import (
     straggler_idle,
 )
 from energon_ordering.errors import OrderingConfigError, show
+from energon_ordering.inspect.model_steps import StepMismatch, compare_model_steps, model_steps
 from energon_ordering.mixture.schedule import MixtureSchedule
 from energon_ordering.inspect.rank_simulation import (
     BatchRecord,
@@ -192,7 +193,8 @@ class ElasticMismatch:
 
 @dataclass(frozen=True)
 class ElasticResumeCheck:
-    """Outcome of :func:`check_elastic_resume`: ``mismatch`` is None when the streams agree.
+    """Outcome of :func:`check_elastic_resume`: ``mismatch`` is None when the model sees the
+    same after the cut (see :func:`~energon_ordering.inspect.model_steps.compare_model_steps`).
 
     Steps count optimizer steps; ``samples`` is the number of samples compared after the cut.
     """
@@ -205,7 +207,7 @@ class ElasticResumeCheck:
     resume_micro_batches_per_step: int
     window_steps: int
     samples: int
-    mismatch: ElasticMismatch | None
+    mismatch: StepMismatch | None
 
 
 def compare_elastic_steps(
@@ -261,14 +263,6 @@ def compare_elastic_steps(
     return None
 
 
-def _step_samples(records: list[list[BatchRecord]], micro_batches: int) -> list[StepSamples]:
-    """``records[rank][micro_batch]`` -> per optimizer step, (key, source) over all ranks."""
-    steps = min(len(rank) for rank in records) // micro_batches
-    return [[(k, s) for rank in records for b in rank[i * micro_batches:(i + 1) * micro_batches]
-             for k, s in zip(b.keys, b.sources or ("-",) * len(b.keys))]
-            for i in range(steps)]
-
-
 def check_elastic_resume(
     path: str | Path,
     ordering: OrderingConfig,
@@ -285,7 +279,10 @@ def check_elastic_resume(
     rank's ``save_state_rank()`` before step ``cut_step``; restores ``resume_world_size`` fresh
     ranks from those states (rank r from the saved rank r, the ranks beyond the saved size
     from rank 0's, as Megatron-LM reads them) with ``micro_batches_per_step`` scaled to keep the
-    global batch, and compares the steps after the cut with :func:`compare_elastic_steps`.
+    global batch, and compares the steps after the cut by what the model sees
+    (:func:`~energon_ordering.inspect.model_steps.compare_model_steps`: every step the same
+    samples, cut to the same token lengths, in the same packs; the rank and micro-batch a
+    sample lands on may differ).
 
     Only ``length_sort_mode = 'planned'``. ``end_step`` must end a plan window (within a window
     the samples are dealt to steps for the shape, so only whole windows are comparable).
@@ -322,12 +319,12 @@ def check_elastic_resume(
     resumed = [resume(make(resumed_cfg, rank, resume_world_size),
                       states[rank if rank < world_size else 0], (end_step - cut_step) * M2)
                for rank in range(resume_world_size)]
-    expected = _step_samples(full, M)[cut_step:]
-    got = _step_samples(resumed, M2)
+    expected = model_steps(full, M)[cut_step:]
+    got = model_steps(resumed, M2)
     return ElasticResumeCheck(
         cut_step, end_step, world_size, resume_world_size, M, M2, K,
-        sum(len(step) for step in expected),
-        compare_elastic_steps(expected, got, first_step=cut_step, window_steps=K))
+        sum(len(p.unit) for step in expected for p in step),
+        compare_model_steps(expected, got, first_step=cut_step))
 
 
 def _loaded(path: str | Path) -> list[Any]:
