@@ -83,6 +83,7 @@ CONFIGS = {
     "packs": OrderingConfig(length_sort_pool_size=8, length_sort_mode="sample", seed=3,
                             micro_batches_per_step=2, seq_length_warmup=WARMUP,
                             packing_buffer_size=16, pack_seq_length=2048),
+    "warmup": OrderingConfig(micro_batches_per_step=2, seq_length_warmup=WARMUP),
 }
 
 
@@ -133,6 +134,12 @@ def saved(indexed) -> dict[str, Any]:
     ("packs", "PackCapDataset", "_counts", "lots", r"_counts = 'lots' \(str\)"),
     ("packs", "PackCapDataset", "_epoch", {"passed": "3", "dropped": 0},
      r"_epoch\['passed'\] = '3' \(str\)"),
+    # these two stages' restores are wired by the lead (seq_warmup.py, state_stamp.py)
+    ("warmup", "SeqLenWarmupDataset", "_counts", {"truncated": -2},
+     r"SeqLenWarmupDataset: the saved _counts\['truncated'\] = -2"),
+    ("warmup", "SeqLenWarmupDataset", "_epoch", None, r"_epoch = None \(NoneType\)"),
+    ("length pool", "PipelineStampDataset", "_ended", "no", r"_ended = 'no' \(str\)"),
+    ("length pool", "PipelineStampDataset", "_epochs", -1, r"_epochs = -1 \(int\)"),
 ])
 def test_an_edited_counter_is_refused_at_restore(indexed, saved, which, stage, field, value,
                                                  match):
