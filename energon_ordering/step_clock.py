@@ -30,12 +30,17 @@ class StepClock(Protocol):
 
 
 def find_step_clock(dataset: Any) -> StepClock | None:
-    """The first stage at or below ``dataset`` (following ``.dataset``) that is a
-    :class:`StepClock`; None: the step is Energon's batch index."""
+    """The first stage at or below ``dataset`` (down its chain of single inner datasets) that is
+    a :class:`StepClock`; None: the step is Energon's batch index. The walk stops at a stage
+    over several datasets (a blend: the planned source is never below one)."""
     while dataset is not None:
         if isinstance(dataset, StepClock):
             return dataset
-        dataset = getattr(dataset, "dataset", None)
+        inner = getattr(dataset, "datasets", None)  # Energon's wrappers keep a tuple
+        if inner is not None:
+            dataset = inner[0] if len(inner) == 1 else None
+        else:
+            dataset = getattr(dataset, "dataset", None)
     return None
 
 

@@ -45,13 +45,15 @@ def _config(mbps: int, **kw) -> OrderingConfig:
         seq_length_warmup=WARMUP), **kw})
 
 
-def _loader(data, world_size, mbps, rank, num_workers=0, pack=False, **kw):
-    """Rank ``rank``'s planned loader (``pack``: micro-batches of one pack)."""
+def _loader(data, world_size, mbps, rank, num_workers=0, pack=False, loader_kwargs=None, **kw):
+    """Rank ``rank``'s planned loader (``pack``: micro-batches of one pack; ``loader_kwargs``:
+    for ``get_savable_loader``)."""
     return build_train_loader(data, ordering=_config(mbps, **kw), rank=rank,
                               world_size=world_size, num_workers=num_workers,
                               batch_size=1 if pack else B,
                               packing_buffer_size=32 if pack else None,
-                              task_encoder_factory=IndexedSyntheticTaskEncoder)
+                              task_encoder_factory=IndexedSyntheticTaskEncoder,
+                              **(loader_kwargs or {}))
 
 
 def _seen(records, mbps):
@@ -206,3 +208,22 @@ def test_elastic_resume_of_packs_keeps_their_caps_and_boundaries(data, num_worke
     rest, _ = _run(data, 1, 4, 4 * 4, state=states[4], pack=True, **kw)
     assert _packs_seen(rest, 4) == _packs_seen(whole, 2)[2:]
     assert max(n for s in _packs_seen(rest, 4)[:1] for p in s for _, n in p) <= 512
+
+
+def test_the_step_clock_is_found_below_single_wrappers_only(data):
+    """The warmup over the planned source reads its step; over a blend (several inner
+    datasets, whose ``dataset`` property asserts) it reads Energon's batch index."""
+    from megatron.energon.wrappers.blend_dataset import BlendDataset
+
+    from energon_ordering.step_clock import find_step_clock
+    from energon_ordering.warmup.seq_warmup import SeqLenWarmupDataset
+
+    loader = _loader(data, 2, 3, 0)
+    warmup = loader.dataset.dataset
+    while not isinstance(warmup, SeqLenWarmupDataset):
+        warmup = warmup.dataset
+    assert type(warmup.clock).__name__ == "PlannedSourceDataset"
+    blend = BlendDataset((warmup.dataset, 0.5), (warmup.dataset, 0.5),
+                         worker_config=warmup.worker_config)
+    assert find_step_clock(blend) is None
+    close_loader(loader)

@@ -2,14 +2,15 @@
 
 Every cycle draws a pipeline (loader workers 0-3, pool size 1-512, both modes, both placements,
 schedule on/off, warmup on/off, finite or repeating data, sequence packing on/off with either
-pack-pool placement, the default packer or a user's packer that ignores the warmup) and a cut
+pack-pool placement, the default packer or a user's packer that ignores the warmup, Energon's
+worker checkpoint interval: its default or every 1-5 samples) and a cut
 anywhere, including the last micro-batch and after the last one of a finite epoch, runs it
 uninterrupted on a real prepared dataset, restores a fresh loader from the state saved at the cut
 and asserts the identical continuation (for a finite epoch: exactly the remainder, then the end).
 Every finite epoch is also checked whole: every document exactly once, none longer than it is,
 and (in-process, where a state's counters are exact) its tokens conserved: what the batches hold
 plus what the warmup and the pack target cut under ``overflow: keep`` equals the documents' uncut
-lengths.
+lengths. The planned order's elastic chains have their own soak (``tests/test_elastic_soak.py``).
 
 ``SOAK_SEED`` reproduces a run (the seed is printed; run ``pytest -s`` to see it);
 ``SOAK_CYCLES`` sets the number of cycles (default 300, split over the parametrised chunks so
@@ -107,6 +108,9 @@ def _draw(rng: random.Random) -> dict:
         pack_target=rng.choice([1024, 2048, 4096]),
         pack_placement=pack_placement,
         packer=rng.choice(["default", "user"]),
+        # Energon's worker checkpoints: its default (at the start, then every 60 s, so restores
+        # mostly start from the first) or every n samples (mid-stream, as a long run's)
+        checkpoint_every=rng.choice([None, 1, 2, 5]),
     )
 
 
@@ -134,10 +138,13 @@ def _maker(data: dict, d: dict):
     path = data["meta"] if d["schedule"] else data["single"]
     cfg = _config(d)
     factory = UserPackerTE if d["packing"] and d["packer"] == "user" else None
+    every = d["checkpoint_every"]
+    checkpoints = {} if every is None else dict(checkpoint_every_sec=0,
+                                                checkpoint_every_min_n_samples=every)
     return lambda: build_train_loader(
         path, ordering=cfg, num_workers=d["num_workers"], batch_size=BATCH,
         shuffle_buffer_size=d["shuffle"], max_samples_per_sequence=16, repeat=d["repeat"],
-        task_encoder_factory=factory,
+        task_encoder_factory=factory, **checkpoints,
     )
 
 

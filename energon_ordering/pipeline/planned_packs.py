@@ -20,10 +20,11 @@ encoded samples of the pack being filled (their restore keys, as Energon's buffe
 A resume re-plans the window from the cursor and continues exactly.
 
 Elastic resume (another data-parallel size or micro-batch count, the same global batch of
-packs, at an optimizer step): the window's remaining steps keep their packs, dealt to the new
-ranks by attention cost (:func:`~energon_ordering.planned.packs.deal_packs`); later windows are
-planned for the new shape. With ``allow_global_batch_change`` the global batch may change at a
-plan window boundary: the windows from there on are planned for it.
+packs, at an optimizer step): every window stays planned for the run's first shape of that
+global batch, so every step keeps the packs (and caps) of the uninterrupted run, dealt to the new
+ranks by attention cost (:func:`~energon_ordering.planned.packs.deal_packs`). With
+``allow_global_batch_change`` the global batch may change at a plan window boundary: the windows
+from there on are planned for it.
 """
 
 from __future__ import annotations
@@ -96,8 +97,6 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
         self.warmup = warmup
         super().__init__(*args, **kwargs)
 
-    _v1_history_continues = True  # packs of a step were re-dealt, never moved, in version 1
-
     def _expected_stamp(self) -> dict[str, Any]:
         return {
             **super()._expected_stamp(),
@@ -129,10 +128,12 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
                 for t in range(steps)]
 
     def _plan_from(self, cursor: PlanCursor) -> PackedWindowPlan:
-        """The plan of the cursor's window, for the shape in effect at its first step."""
+        """The plan of the cursor's window, for the shape its packs are composed for
+        (:meth:`_plan_shape`: the run's shape before any elastic restore that kept the global
+        batch of packs); :meth:`_rank_step` deals a step run at another shape."""
         K = self.window_steps
         first = cursor.window * K
-        R, M, B = self._shape_at(first)
+        R, M, B = self._plan_shape(first)
         limits = None
         if self.finite:
             limits = [(self._epoch + 1) * n for n in self.ids.sizes]

@@ -78,10 +78,11 @@ __all__ = ["PLANNED_STATE_VERSION", "PlannedSourceDataset", "indexed_lengths"]
 logger = logging.getLogger(__name__)
 
 #: Bumped when the saved state of :class:`PlannedSourceDataset` changes its layout or meaning.
-#: 2: after an elastic restore every step keeps the samples of the run's first shape (dealt
-#: onto the new ranks); 1 re-balanced the restore window's tail across its steps and planned
-#: later windows for the new shape. A state of 1 without an elastic restore in its history
-#: continues alike and is taken (:meth:`PlannedSourceDataset._current_version`).
+#: 2: after an elastic restore every step keeps the samples (packs) of the run's first shape,
+#: dealt onto the new ranks; 1 re-balanced the restore window's tail across its steps (packs:
+#: re-dealt them) and planned later windows for the new shape. A state of 1 without an elastic
+#: restore in its history continues alike and is taken
+#: (:meth:`PlannedSourceDataset._current_version`).
 PLANNED_STATE_VERSION = 2
 
 #: First element of the restore key of a sample this source yields.
@@ -286,10 +287,6 @@ class PlannedSourceDataset(SavableDataset[Any]):
     def save_state(self) -> FlexState:
         return super().save_state()
 
-    #: A state of version 1 with an elastic restore in its history continues alike here (the
-    #: packed plan re-deals each step's packs in both versions).
-    _v1_history_continues = False
-
     def _current_version(self, state: Any) -> Any:
         """``state`` as the current version reads it: a version-1 state whose continuation the
         current logic keeps is taken as it is (a copy, stamped with the current version);
@@ -297,7 +294,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         stamp = state.get("_stamp") if isinstance(state, dict) else None
         if not (isinstance(stamp, dict) and stamp.get("state_version") == 1):
             return state
-        if state.get("_history") and not self._v1_history_continues:
+        if state.get("_history"):
             raise StateMismatchError(
                 f"{type(self).__name__}: the state was written by an earlier energon_ordering "
                 f"(planned state version 1) after an elastic resume (_history = "
