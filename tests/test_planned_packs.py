@@ -285,9 +285,9 @@ def test_a_nodes_loaders_share_the_packed_plans_and_read_the_same_packs(data, tm
     monkeypatch.setenv(PLAN_DIR_ENV, str(tmp_path / "plans"))
     shared = run()
     assert shared == alone
-    # 6 micro-batches of M = 2 per step, K = 2 steps per window: windows 0 and 1, one file each,
-    # written by the first rank and mapped by the second
-    assert len(list((tmp_path / "plans").glob("plan-*.npy"))) == 2
+    # closed loaders leave no plans behind (sharing between open loaders:
+    # tests/test_shared_plans.py)
+    assert not list((tmp_path / "plans").glob("plan-*.npy"))
 
 
 # --- slow: two finite epochs, workers 2-3, cuts across both, CPU contention -------------------

@@ -315,13 +315,6 @@ def test_ranks_of_a_node_share_plans_and_read_the_same_order(tmp_path, monkeypat
     assert len(list((tmp_path / "plans").glob("plan-*.npy"))) == 3
 
 
-#: The lead wires ``expected``, ``forget_stream`` and the lengths' content digest into
-#: PlannedSourceDataset (pipeline/planned_source.py); until then these fail (strict xfail).
-_WIRED = pytest.mark.xfail(strict=True, reason="issue 31: PlannedSourceDataset does not yet pass "
-                           "expected= nor key its stream by lengths_content_digest")
-
-
-@_WIRED
 def test_a_planted_plan_does_not_change_the_runs_order(tmp_path, monkeypatch):
     values, mapped = _lengths_files(tmp_path, np.random.default_rng(1))
     monkeypatch.setenv(PLAN_DIR_ENV, "off")
@@ -335,7 +328,6 @@ def test_a_planted_plan_does_not_change_the_runs_order(tmp_path, monkeypatch):
     assert _order(mapped) == alone
 
 
-@_WIRED
 def test_lengths_of_the_same_name_and_size_but_other_values_get_their_own_plans(
         tmp_path, monkeypatch):
     rng = np.random.default_rng(1)
@@ -358,7 +350,6 @@ def indexed(tmp_path_factory) -> Path:
         shard_size=32)
 
 
-@_WIRED
 @pytest.mark.parametrize("packing", [None, 32])
 def test_closed_loaders_leave_no_plans(indexed, tmp_path, monkeypatch, packing):
     """Two ranks' loaders of a node open at once share the windows' plans; closing them

@@ -43,6 +43,7 @@ from megatron.energon.worker import WorkerConfig
 from energon_ordering.errors import OrderingConfigError, show
 from energon_ordering.planned.balance import sample_cost
 from energon_ordering.planned.cursor import PlanCursor
+from energon_ordering.planned.plan_check import packed_plan_matches_inputs
 from energon_ordering.planned.packs import (
     PACKED_PLAN_VERSION,
     PackedWindowPlan,
@@ -145,7 +146,10 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
             lambda: plan_packed_window(
                 self.lengths, seed=self.seed, cursor=cursor, weights=weights, caps=caps,
                 world_size=R, micro_batch=B, micro_batches_per_step=M, epoch_limits=limits,
-            ).to_array())
+            ).to_array(),
+            check=lambda a: packed_plan_matches_inputs(
+                a, seed=self.seed, sizes=self.ids.sizes, cursor=cursor, weights=weights,
+                caps=caps, shape=(R, M, B), epoch_limits=limits))
         plan = PackedWindowPlan.from_array(flat, cursor)
         if self.finite and cursor.window == 0 and plan.steps == 0:
             raise OrderingConfigError(

@@ -49,7 +49,6 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -63,12 +62,17 @@ from energon_ordering.errors import (
     StateMismatchError,
     show,
 )
-from energon_ordering.length_index.lengths_file import indexed_lengths, reopen, reopened
+from energon_ordering.length_index.lengths_file import (
+    indexed_lengths,
+    lengths_content_digest,
+    reopen,
+    reopened,
+)
 from energon_ordering.mixture.step_counts import step_source_counts
 from energon_ordering.planned.balance import deal_step
 from energon_ordering.planned.cursor import PlanCursor, advance
 from energon_ordering.planned.sample_ids import SampleIds
-from energon_ordering.planned.window import PLAN_VERSION, WindowPlan, plan_window
+from energon_ordering.planned.window import PLAN_VERSION, WindowPlan, plan_window, window_draws
 from energon_ordering.pipeline.shared_plans import SharedPlans, plan_dir, stream_digest
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
 from energon_ordering.state_stamp import check_stamp
@@ -435,6 +439,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
             lambda: plan_window(self.lengths, seed=self.seed, cursor=cursor, weights=weights,
                                 window_steps=k, world_size=world_size, micro_batch=B,
                                 micro_batches_per_step=micro_batches).ids,
+            expected=lambda: window_draws(self.ids.sizes, self.seed, cursor, counts),
         )
         self._cursor = _cursor_state(cursor)
         return WindowPlan(ids, counts, cursor, advance(cursor, counts, carry))
@@ -444,10 +449,20 @@ class PlannedSourceDataset(SavableDataset[Any]):
         named by a file: nothing would tell two processes' lengths apart)."""
         files = [getattr(x, "filename", None) for x in self.lengths]
         folder = plan_dir() if all(files) else None
-        stream = stream_digest(PLAN_VERSION, [Path(f).name for f in files] if folder else None,
-                               [len(x) for x in self.lengths], self.seed, self.window_steps,
-                               world_size, micro_batches, batch_size)
-        return SharedPlans(folder, stream)
+        digests = [lengths_content_digest(x) for x in self.lengths] if folder else None
+        stream = stream_digest(PLAN_VERSION, digests, [len(x) for x in self.lengths], self.seed,
+                               self.window_steps, world_size, micro_batches, batch_size)
+        return SharedPlans(folder, stream, total=self.ids.total)
+
+    def _forget_shared_plans(self) -> None:
+        """Removes this stream's shared plans, of every shape it ran at (its loader is closed
+        or its epoch ended; another process still planning a window of it plans it itself)."""
+        shapes = {(int(h["world_size"]), int(h["micro_batches_per_step"]),
+                   int(h.get("batch_size", self.batch_size))) for h in self._history}
+        shapes.add((int(self.worker_config.world_size), self.micro_batches_per_step,
+                    self.batch_size))
+        for R, M, B in sorted(shapes):
+            self._shared_plans(R, M, B).forget()
 
     def _shape_at(self, step: int) -> tuple[int, int, int]:
         """(world size, micro-batches per step, micro-batch size) in effect at global optimizer
@@ -551,7 +566,8 @@ class PlannedSourceDataset(SavableDataset[Any]):
 
     def close(self) -> None:
         """Stops the prefetch threads and closes their readers and this process's (a loader
-        that is dropped; they reopen on the next read)."""
+        that is dropped; they reopen on the next read), and removes the stream's shared plans."""
+        self._forget_shared_plans()
         executor, local = self._executor, self._local
         self._executor = self._local = None
         if executor is not None:
@@ -649,6 +665,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         return ()
 
     def _start_epoch(self, epoch: int) -> None:
+        self._forget_shared_plans()
         self._ended_here = True
         self._epoch = epoch
         self._next = None
