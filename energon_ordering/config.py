@@ -13,17 +13,29 @@ from energon_ordering.mixture.policy import BLEND_POLICIES
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, show
 from energon_ordering.pool.order import POOL_ORDERS
 from energon_ordering.pool.ramp import RAMP_MIN_POOL
-from energon_ordering.mixture.schedule import MixtureSchedule
+from energon_ordering.mixture.schedule import MAX_STEPS, MixtureSchedule
 from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES
 from energon_ordering.yaml_file import load_yaml
 
-__all__ = ["PACK_POOL_PLACEMENTS", "PLACEMENTS", "PLANNED", "POOL_HOLDS", "OrderingConfig"]
+__all__ = ["MAX_PLAN_WINDOW_SAMPLES", "MAX_PLAN_WINDOW_STEPS", "PACK_POOL_PLACEMENTS",
+           "PLACEMENTS", "PLANNED", "POOL_HOLDS", "OrderingConfig"]
 
 #: ``length_sort_mode`` of the planned global order (issue 23): no pool; every rank computes the
 #: same plan of the global order from the length index (:mod:`energon_ordering.planned`).
 PLANNED = "planned"
+
+#: The largest ``plan_window_steps``. Balancing a window matches its K steps to K slots per
+#: micro-batch band (K x K distances, sorted): at K = 1,024 that is 80 MiB and 8-80 s per window
+#: on one core (tools/bench_planned.py's shapes), growing as K^2; 10^5 asked for 74.5 GiB.
+MAX_PLAN_WINDOW_STEPS = 1024
+#: The largest plan of one window, in samples: K x R x M x B (steps x data-parallel ranks x
+#: micro-batches per step x micro-batch) int64 ids, 128 MiB at 2^24; planning a window peaks at
+#: about 86 bytes per sample (1.4 GiB here) in every loader worker that plans it. Checked when
+#: the pipeline is planned (:func:`energon_ordering.pipeline.plan.plan_pipeline`), where R and
+#: B are known; the config checks K x M.
+MAX_PLAN_WINDOW_SAMPLES = 2**24
 
 #: Where the length pool can sit: after ``encode_sample`` (pooling encoded samples) or before
 #: decoding (pooling restore keys and lengths only).
@@ -120,7 +132,13 @@ class OrderingConfig:
             the plan; the ranks are balanced within each window (larger: less straggler idle
             and padding, more planning memory). Default
             :data:`~energon_ordering.planned.window.DEFAULT_WINDOW_STEPS`, measured by
-            ``tools/bench_planned.py``. Only in planned mode.
+            ``tools/bench_planned.py``. Only in planned mode. At most
+            :data:`MAX_PLAN_WINDOW_STEPS`, and the window's plan, K x R x M x B sample ids
+            (data-parallel ranks R, micro-batch B), at most :data:`MAX_PLAN_WINDOW_SAMPLES`
+            (checked when the pipeline is planned, where R and B are known). The settings of
+            the pools and the blend (``length_sort_pool_size``, ``length_sort_pool_ramp``,
+            ``blend_policy``, ``schedule_lag_compensation``) do nothing in planned mode and are
+            refused there unless left at their defaults.
         allow_global_batch_change: With ``length_sort_mode = "planned"``: let a resume change
             the global batch (or the micro-batch size) at a plan window boundary; every window
             from there on draws and balances the new global batch. False: such a state is
@@ -208,9 +226,11 @@ class OrderingConfig:
                 f"OrderingConfig.micro_batches_per_step = {self.micro_batches_per_step} must be "
                 ">= 1 (global batch / (micro batch * data-parallel size))."
             )
-        if self.total_steps is not None and self.total_steps < 1:
+        if self.total_steps is not None and not 1 <= self.total_steps <= MAX_STEPS:
             raise OrderingConfigError(
-                f"OrderingConfig.total_steps = {self.total_steps} must be >= 1."
+                f"OrderingConfig.total_steps = {show(self.total_steps)} must be >= 1 and <= "
+                f"{MAX_STEPS:,} (2^53, the last step a float64 holds exactly); give the run's "
+                "optimizer steps."
             )
         if self.blend_policy not in BLEND_POLICIES:
             raise OrderingConfigError(
@@ -347,12 +367,40 @@ class OrderingConfig:
                 "length_sort_mode = 'planned' reads every sample by its byte range when its "
                 "micro-batch is due; set length_sort_pool_holds = 'keys'."
             )
+        for name, value, default in (
+            ("length_sort_pool_ramp", self.length_sort_pool_ramp, None),
+            ("blend_policy", self.blend_policy, "random"),
+            ("schedule_lag_compensation", self.schedule_lag_compensation, True),
+        ):
+            if value != default:
+                raise OrderingConfigError(
+                    f"OrderingConfig.{name} = {show(value)} does nothing under "
+                    "length_sort_mode = 'planned': the plan has no pool to ramp or lag behind, "
+                    "and draws each step's exact source counts (no blend policy). Drop "
+                    f"{name} (or use a pool mode)."
+                )
         k = DEFAULT_WINDOW_STEPS if self.plan_window_steps is None else self.plan_window_steps
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
             raise OrderingConfigError(
                 f"OrderingConfig.plan_window_steps = {show(k)}: the plan balances ranks over "
                 "windows of this many optimizer steps; give an int >= 1 (default "
                 f"{DEFAULT_WINDOW_STEPS})."
+            )
+        if k > MAX_PLAN_WINDOW_STEPS:
+            raise OrderingConfigError(
+                f"OrderingConfig.plan_window_steps = {show(k)} is over the limit of "
+                f"{MAX_PLAN_WINDOW_STEPS:,}: balancing a window costs memory and time that "
+                "grow as its steps squared (a window of 10^5 steps asks for 75 GiB); use "
+                f"plan_window_steps <= {MAX_PLAN_WINDOW_STEPS:,} (default {DEFAULT_WINDOW_STEPS})."
+            )
+        if k * self.micro_batches_per_step > MAX_PLAN_WINDOW_SAMPLES:
+            raise OrderingConfigError(
+                f"OrderingConfig.plan_window_steps = {k} x micro_batches_per_step = "
+                f"{self.micro_batches_per_step} plans at least {k * self.micro_batches_per_step:,} "
+                f"samples per window (one micro-batch of one sample per step), over the limit "
+                f"of {MAX_PLAN_WINDOW_SAMPLES:,} a window's plan may hold in a loader worker; "
+                f"use plan_window_steps <= "
+                f"{max(1, MAX_PLAN_WINDOW_SAMPLES // self.micro_batches_per_step):,}."
             )
         object.__setattr__(self, "plan_window_steps", int(k))
 

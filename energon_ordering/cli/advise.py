@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from energon_ordering.cli.options import CONTEXT, resolve_task_encoder, with_task_encoder
-from energon_ordering.cli.preflight import check_dataset
+from energon_ordering.cli.preflight import check_dataset, check_length_index_choice
 from energon_ordering.cli.tables import advice_tables
 from energon_ordering.cli.user_error import user_errors
 from energon_ordering.errors import show
@@ -43,10 +43,14 @@ def _parse_bytes(text: str) -> float:
 @click.option("--measure/--no-measure", default=True,
               help="Measure time to first batch and memory on real loaders.")
 @click.option("--out", type=click.Path(file_okay=False), default=".", help="Folder for advise.png.")
+@click.option("--length-index", default=None, metavar="NAME",
+              help="Which length index to read where a dataset has several (the --name given "
+                   "to `energon-ordering index`; OrderingConfig.length_index) [default: the "
+                   "unnamed one, else the only one].")
 @with_task_encoder
 def command(dataset: str, ranks: int, micro_batch: int, num_workers: int, memory_per_worker: str,
             micro_batches_per_step: int, steps: int, seed: int, measure: bool, out: str,
-            task_encoder: str | None, tokens_per_media: int) -> None:
+            length_index: str | None, task_encoder: str | None, tokens_per_media: int) -> None:
     """Predicted idle, padding and source mix for pool sizes 1k..1M and the planned order at 8..1,024 ranks; recommends one setting."""
     from energon_ordering.inspect.advise import advise as run_advise
     from energon_ordering.inspect.advise import (
@@ -58,12 +62,14 @@ def command(dataset: str, ranks: int, micro_batch: int, num_workers: int, memory
 
     budget = _parse_bytes(memory_per_worker)
     check_dataset(dataset, "DATASET")
+    check_length_index_choice(dataset, length_index)
     factory = resolve_task_encoder(task_encoder, tokens_per_media)
     with user_errors():
         adv = run_advise(dataset, ranks=ranks, batch_size=micro_batch, num_workers=num_workers,
                          memory_per_worker=budget, micro_batches_per_step=micro_batches_per_step,
                          steps=steps, seed=seed, task_encoder_factory=factory, measure=measure,
-                         progress=lambda line: click.echo(f"... {line}", err=True))
+                         progress=lambda line: click.echo(f"... {line}", err=True),
+                         **({} if length_index is None else {"length_index": length_index}))
     pop = adv.population
     click.echo(f"dataset: {adv.total_samples:,} samples; lengths: {pop.origin} ({len(pop.lengths):,} "
                f"drawn), mean {pop.lengths.mean():,.0f} tokens, sources {', '.join(pop.source_names)}")

@@ -34,9 +34,10 @@ IMAGE_DECODERS = ("l8", "rgb8", "rgba8", "l", "rgb", "rgba", "torchl8", "torchrg
 @click.option("--split-part", default="train", help="The split whose samples are indexed.")
 @click.option("--workers", type=click.IntRange(min=1), default=1,
               help="Processes that decode and measure samples.")
-@click.option("--name", default=None,
-              help="Name of the index (OrderingConfig.length_index); default: named after what "
-                   "computed the lengths, so indexes of several length functions sit side by side.")
+@click.option("--name", "--length-index", "name", default=None, metavar="NAME",
+              help="Name of the index (OrderingConfig.length_index; `advise --length-index`); "
+                   "default: named after what computed the lengths, so indexes of several length "
+                   "functions sit side by side.")
 @click.option("--index-dir", default=None, type=click.Path(file_okay=False),
               help="Write the index to DIR/<index.uuid>/ instead of <dataset>/.nv-meta/ (for a "
                    "read-only dataset; set OrderingConfig.length_index_dir = DIR).")

@@ -60,6 +60,31 @@ def check_dataset(path: str, what: str, recipe_goes: str | None = None, *,
                         f"({type(e).__name__}: {e}); {how}.") from e
 
 
+def check_length_index_choice(path: str, name: str | None, option: str = "--length-index") -> None:
+    """Each prepared dataset of ``path`` that has length indexes has the one named ``name``,
+    or, without a name, one to take without asking (the unnamed one or the only one); else a
+    one-line :class:`UserError` naming the indexes found and ``option``."""
+    from megatron.energon import WorkerConfig
+    from megatron.energon.metadataset import load_dataset
+
+    from energon_ordering.length_index.index import length_index_files
+
+    loaded = load_dataset(path).get_datasets(
+        training=False, split_part="train",
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    folders = dict.fromkeys(str(e.dataset.path) for e in loaded.datasets
+                            if getattr(e.dataset, "path", None) is not None)
+    for folder in folders:
+        files = length_index_files(folder)
+        names = [("(unnamed)" if n is None else n) for n in files]
+        if name is not None and files and name not in files:
+            raise UserError(f"{option} {name}: {folder} has no length index of that name; its "
+                            f"indexes are {', '.join(names)}: choose one of them.")
+        if name is None and len(files) > 1 and None not in files:
+            raise UserError(f"{folder} has several length indexes ({', '.join(names)}) and none "
+                            f"is unnamed; choose one with {option} NAME.")
+
+
 def check_pool(cfg: OrderingConfig, batch_size: int) -> None:
     """The recipe's pool against the micro-batch size (checked without any data)."""
     if not (cfg.length_sort_enabled and cfg.length_sort_mode == "batch"):

@@ -28,7 +28,7 @@ import multiprocessing
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from itertools import islice
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from megatron.energon import DefaultTaskEncoder, WorkerConfig
 from megatron.energon.flavors.webdataset.empty_dataset_error import EmptyDatasetError
 from megatron.energon.metadataset.loader import load_dataset
@@ -299,8 +300,10 @@ def build_length_index(
     if workers < 1:
         raise LengthIndexError(f"build_length_index: workers = {workers} must be >= 1.")
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    dataset = load_dataset(path)
+    _check_split_part(dataset, path, split_part)
     try:
-        loaded = load_dataset(path).get_datasets(
+        loaded = dataset.get_datasets(
             training=False,
             split_part=split_part,
             worker_config=wc,
@@ -346,6 +349,39 @@ def build_length_index(
                             index_dir)
         built.append(BuiltIndex(label, summary, time.perf_counter() - t0, skipped))
     return built
+
+
+def split_parts(dataset: Any) -> list[str] | None:
+    """The split parts Energon knows for a loaded (meta)dataset: a metadataset's ``splits``, a
+    prepared folder's ``split_parts`` in ``.nv-meta/split.yaml`` (or ``split.json``); None if
+    they cannot be told."""
+    splits = getattr(dataset, "splits", None)
+    if isinstance(splits, Mapping):
+        return [str(k) for k in splits]
+    folder = getattr(dataset, "path", None)
+    if folder is None or not hasattr(folder, "is_local") or not folder.is_local():
+        return None
+    meta = Path(folder.local_path()) / ".nv-meta"
+    for name in (getattr(dataset, "split_config", None) or "split.yaml", "split.json"):
+        try:
+            parts = yaml.safe_load((meta / name).read_text()).get("split_parts")
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue
+        if isinstance(parts, Mapping):
+            return [str(k) for k in parts]
+    return None
+
+
+def _check_split_part(dataset: Any, path: str | Path, split_part: str) -> None:
+    """Refuses a ``split_part`` the (meta)dataset does not have (Energon's own refusal is an
+    ``assert`` or a ``KeyError`` deep in its loader: a 19-frame traceback)."""
+    parts = split_parts(dataset)
+    if parts is not None and split_part not in parts:
+        raise LengthIndexError(
+            f"length index of {path}: split_part = {show(split_part)} (--split-part) is not a "
+            f"split of it; its splits are {show(parts)}. Index the split you train on "
+            "(--split-part train)."
+        )
 
 
 def _write_lengths_file(factory: Any, name: str, index_dir: str | Path | None) -> None:

@@ -60,6 +60,13 @@ __all__ = [
 
 #: Bumped whenever the meaning of a schedule definition changes; part of the fingerprint.
 SCHEDULE_VERSION = 1
+#: The largest step (``total_steps``, an ``until``, a knot) a schedule takes: 2^53, the last
+#: integer a float64 holds exactly (fractions of ``total_steps`` are computed in float64, and
+#: steps in int64 arrays; 10^30 overflowed them).
+MAX_STEPS = 2**53
+#: Phases a schedule may have: a phase change is an event of a run (a few); a schedule that
+#: changes smoothly is written as knots.
+MAX_PHASES = 10_000
 
 
 class RepetitionWarning(UserWarning):
@@ -84,6 +91,9 @@ def _step_value(where: str, value: Any) -> int:
         value = int(value)  # JSON objects have string keys
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise _err(where, f"knot step {show(value)} must be an int >= 0.")
+    if value > MAX_STEPS:
+        raise _err(where, f"knot step {show(value)} is over the largest step {MAX_STEPS:,} "
+                          "(2^53); give a step of the run.")
     return int(value)
 
 
@@ -233,6 +243,13 @@ class MixtureSchedule:
     def _from_phases(cls, phases: Any, total: int | None) -> MixtureSchedule:
         if not isinstance(phases, Sequence) or isinstance(phases, str) or not phases:
             raise _err("phases", f"{show(phases)} must be a non-empty list of {{until, weights}}.")
+        if len(phases) > MAX_PHASES:
+            raise _err(
+                "phases",
+                f"{len(phases):,} phases, over the limit of {MAX_PHASES:,}; a phase is a change "
+                "of the mixture during the run (a few). Write a schedule that changes smoothly as "
+                "knots: sources: {name: {weight: {linear: {step: weight, ...}}}}.",
+            )
         _check_same_sources(phases)
         names: tuple[str, ...] | None = None
         parsed: list[Phase] = []
@@ -445,6 +462,9 @@ def _check_same_sources(phases: Sequence[Any]) -> None:
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise _err(name, f"{name} = {show(value)} must be an int >= 1.")
+    if value > MAX_STEPS:
+        raise _err(name, f"{name} = {show(value)} is over the limit of {MAX_STEPS:,} (2^53, "
+                         "the last integer exact in float64); give the run's real value.")
     return int(value)
 
 
@@ -452,9 +472,10 @@ def _phase_end(where: str, until: Any, total: int | None) -> int:
     if isinstance(until, bool) or not isinstance(until, numbers.Real) or not math.isfinite(until):
         raise _err(where, f"until = {show(until)} must be a fraction (float <= 1) or a step (int).")
     if isinstance(until, numbers.Integral):
-        if until < 1:
+        if until < 1 or until > MAX_STEPS:
             raise _err(
-                where, f"until = {show(until)} must be a step >= 1 (or a fraction such as 0.9)."
+                where, f"until = {show(until)} must be a step >= 1 and <= {MAX_STEPS:,} (2^53), "
+                "or a fraction such as 0.9."
             )
         return int(until)
     if not 0 < until <= 1:

@@ -14,10 +14,11 @@ their stage is instantiated; everything else is refused here, before any dataset
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from energon_ordering.config import OrderingConfig
+from energon_ordering.config import MAX_PLAN_WINDOW_SAMPLES, OrderingConfig
 from energon_ordering.errors import OrderingConfigError
 from energon_ordering.pool.order import BATCHED_MODES
 from energon_ordering.source_tag import SOURCE_KEY
@@ -120,6 +121,8 @@ class BuildArgs:
         batch_drop_last: Energon's ``batch_drop_last``.
         virtual_epoch_length: Energon's virtual epoch in batches; 0: off.
         num_workers: Loader worker processes per rank (0: in-process).
+        world_size: Data-parallel ranks (the ``WorkerConfig``'s); None: not known (the planned
+            order's window is then bounded as if there were one).
         sources: The datasets of the (meta)dataset, in Energon's order.
         encoder: The task encoder's class name, for messages.
         own_select_samples_to_pack: The encoder defines ``select_samples_to_pack``.
@@ -137,6 +140,7 @@ class BuildArgs:
     batch_drop_last: bool = False
     virtual_epoch_length: int = 0
     num_workers: int = 0
+    world_size: int | None = None
     sources: tuple[Source, ...] = (Source(),)
     encoder: str = "TaskEncoder"
     own_select_samples_to_pack: bool = False
@@ -295,6 +299,45 @@ def _validate_planned(cfg: OrderingConfig, args: BuildArgs, packing: int | None)
         raise OrderingConfigError(
             f"{mode}: the metadataset uses `blend_epochized` repetitions; the planned order "
             "draws by blend weights: use `blend:` with weights.")
+    _check_planned_weights(args)
+    _check_window_size(cfg, args)
+
+
+def _check_planned_weights(args: BuildArgs) -> None:
+    """Each metadataset weight finite and >= 0, one > 0: the plan draws about weight x G
+    samples of each source per step (a negative weight was an untyped ``negative dimensions``
+    error at the first batch)."""
+    mode = "OrderingConfig.length_sort_mode = 'planned'"
+    weights = [s.weight for s in args.sources]
+    if any(w is not None and (isinstance(w, bool) or not isinstance(w, (int, float))
+                              or not math.isfinite(w) or w < 0) for w in weights):
+        named = {(s.name or f"entry {i}"): s.weight for i, s in enumerate(args.sources)}
+        raise OrderingConfigError(
+            f"{mode}: the metadataset's blend weights are {show(named)} (Energon divides each "
+            "by their sum, so one negative weight can turn the others negative); the plan draws "
+            "each source by its weight: give every `blend:` entry a finite weight >= 0.")
+    if weights and all(w is not None and w == 0 for w in weights):
+        raise OrderingConfigError(
+            f"{mode}: every weight of the metadataset is 0; nothing would be drawn: give at "
+            "least one `blend:` entry a weight > 0.")
+
+
+def _check_window_size(cfg: OrderingConfig, args: BuildArgs) -> None:
+    """The plan of a window, K x R x M x B sample ids, within
+    :data:`~energon_ordering.config.MAX_PLAN_WINDOW_SAMPLES` (every loader worker that plans
+    a window holds it, and about 11 times as much while planning it)."""
+    K, M, B = cfg.plan_window_steps or 1, cfg.micro_batches_per_step, args.batch_size or 1
+    R = args.world_size or 1
+    samples = K * R * M * B
+    if samples > MAX_PLAN_WINDOW_SAMPLES:
+        fit = MAX_PLAN_WINDOW_SAMPLES // (R * M * B)
+        fix = (f"use plan_window_steps <= {fit:,}" if fit >= 1 else
+               "a single step is over it: lower the micro-batch size or micro-batches per step")
+        raise OrderingConfigError(
+            f"OrderingConfig.plan_window_steps = {K:,}: a window plans K x R x M x B = {K:,} "
+            f"steps x {R:,} ranks x {M:,} micro-batches x {B:,} samples = {samples:,} samples "
+            f"({samples * 8 / 2**20:,.0f} MiB of int64 ids, about 11x that while planning, in "
+            f"every loader worker), over the limit of {MAX_PLAN_WINDOW_SAMPLES:,}; {fix}.")
 
 
 def _validate(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> None:
