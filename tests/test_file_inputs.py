@@ -19,12 +19,13 @@ from click.testing import CliRunner
 from energon_ordering import MixtureSchedule, OrderingConfig, OrderingConfigError
 from energon_ordering.cli import main
 from energon_ordering.errors import LengthIndexError
-from energon_ordering.inspect.rank_simulation import run_ranks
+from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, run_ranks
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
 from energon_ordering.length_index.build import build_length_index
 from energon_ordering.length_index.index import LengthIndex, length_index_files
 from energon_ordering.length_index.lengths_check import check_lengths_file
+from energon_ordering.pipeline import failed_epoch
 from energon_ordering.pipeline.plan import BuildArgs, plan_pipeline
 from energon_ordering.yaml_file import MAX_FILE_BYTES, load_yaml
 
@@ -348,3 +349,32 @@ def test_index_takes_the_name_as_length_index_too(tmp_path):
     result = CliRunner().invoke(main, ["index", str(tmp_path / "web"), "--length-index", "est"])
     assert result.exit_code == 0, result.output
     assert list(length_index_files(tmp_path / "web")) == ["est"]
+
+
+# ---- a loader iterated again after a failed iteration ----------------------------------------
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_loader_iterated_again_after_a_length_index_error_raises(web, num_workers):
+    """Before: with a loader worker the second epoch was empty without a word (Energon keeps
+    the finished epoch generator); without workers it went on from the pool the error broke."""
+    failed_epoch.install()  # the lead installs it with the package (see the module)
+    cfg = OrderingConfig(length_sort_pool_size=16, length_sort_mode="batch",
+                         length_sort_placement="pre-encode", length_sort_pool_holds="keys")
+    loader = build_train_loader(web, ordering=cfg, batch_size=4, num_workers=num_workers,
+                                repeat=False, task_encoder_factory=IndexedSyntheticTaskEncoder)
+    try:
+        index = LengthIndex.open(web)
+        con = sqlite3.connect(index.path)  # a row lost under the running job
+        con.execute("DELETE FROM lengths WHERE sample_key = 'web-00000040'")
+        con.commit()
+        con.close()
+        with pytest.raises(LengthIndexError, match=r"sample 'web-00000040' .* is not in"):
+            list(loader)
+        for _ in range(2):
+            with pytest.raises(LengthIndexError, match=r"this loader's iteration stopped with "
+                                                       r"LengthIndexError: .*web-00000040.*build "
+                                                       r"a new loader and restore"):
+                list(loader)
+    finally:
+        close_loader(loader)
