@@ -89,7 +89,7 @@ def check_saved_counts(owner: str, field: str, value: Any, names: Collection[str
         raise saved_value_error(owner, field, value,
                                 f"a dict of the counters {sorted(names)}, each an int >= 0")
     for name in names:
-        check_saved_int(owner, f"{field}[{name!r}]", value[name])
+        check_saved_int(owner, f"{field}['{name}']", value[name])
 
 
 def check_saved_list(owner: str, field: str, value: Any, *, length: int | None = None) -> list[Any]:

@@ -40,14 +40,16 @@ from megatron.energon.state import FlexState
 from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.base import BaseWrapperDataset
 
-from energon_ordering import worker_checkpoint
+from energon_ordering import failed_epoch, worker_checkpoint
 from energon_ordering.errors import StateMismatchError, show
+from energon_ordering.saved_counters import check_saved_bool, check_saved_int
 
 logger = logging.getLogger(__name__)
 
-# Every pipeline OrderingTaskEncoder builds has a stamp (this module), so the fix is in place in
-# the main process before any of its loader workers fork.
+# Every pipeline OrderingTaskEncoder builds has a stamp (this module), so the fixes are in place
+# in the main process before any of its loader workers fork.
 worker_checkpoint.install()
+failed_epoch.install()
 
 __all__ = [
     "PIPELINE_STAMP_VERSION",
@@ -585,6 +587,7 @@ def check_loader_state(loader: Any, state: Any) -> None:
             "Restore with the configuration the state was written with, or start the data "
             "stream fresh.",
         )
+    _check_end_records(found)
     expected_entries = max(1, stage.worker_config.num_workers)
     if len(worker_states) != expected_entries:
         raise StateMismatchError(
@@ -656,6 +659,7 @@ def _restore_elastic(loader: Any, state: Any) -> bool:
     planned.restore_elastic(entries)
     # the pipeline's own end-of-epoch record carries over: a state saved after the last step
     # of a finite epoch resumes to nothing, as an exact restore does
+    _check_end_records([s for s in stamps if s is not None])
     ended = [bool(s.get("_ended")) for s in stamps if s is not None]
     stage._ended = bool(ended) and all(ended)
     stage._epochs = min(int(s.get("_epochs", 0)) for s in stamps if s is not None)
@@ -682,6 +686,16 @@ def _restore_elastic_start(loader: Any) -> None:
                                       sample_index=0),
             offset=0) for _ in range(workers)],
         worker_offset=0)
+
+
+def _check_end_records(pipeline_states: list[Any]) -> None:
+    """Refuses an edited end-of-epoch record in a saved pipeline stamp (``_ended`` a bool,
+    ``_epochs`` an int >= 0; a state from before ``_epochs`` was saved has none), read before
+    any worker restores it (:func:`start_begun_epochs`)."""
+    for saved in pipeline_states:
+        check_saved_bool("PipelineStampDataset", "_ended", saved.get("_ended", False))
+        if "_epochs" in saved:
+            check_saved_int("PipelineStampDataset", "_epochs", saved["_epochs"])
 
 
 def loader_stamp(loader: Any) -> dict[str, Any] | None:

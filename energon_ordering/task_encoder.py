@@ -280,6 +280,7 @@ class OrderingTaskEncoder:
             batch_drop_last=kwargs.get("batch_drop_last", False),
             virtual_epoch_length=kwargs.get("virtual_epoch_length", 0),
             num_workers=worker_config.num_workers if worker_config is not None else 0,
+            world_size=worker_config.world_size if worker_config is not None else None,
             sources=tuple(
                 describe_source(d, named=cfg.mixture_schedule is not None) for d in datasets
             ),

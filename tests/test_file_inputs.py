@@ -25,7 +25,7 @@ from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
 from energon_ordering.length_index.build import build_length_index
 from energon_ordering.length_index.index import LengthIndex, length_index_files
 from energon_ordering.length_index.lengths_check import check_lengths_file
-from energon_ordering.pipeline import failed_epoch
+from energon_ordering import failed_epoch
 from energon_ordering.pipeline.plan import BuildArgs, plan_pipeline
 from energon_ordering.yaml_file import MAX_FILE_BYTES, load_yaml
 
@@ -255,8 +255,6 @@ def test_a_damaged_lengths_file_is_refused(web, how):
         check_lengths_file(path, samples=70, dataset=web)
 
 
-@pytest.mark.xfail(strict=True, reason="needs check_lengths_file called in lengths_file."
-                                       "indexed_lengths (the lead's wiring, issue 31)")
 @pytest.mark.parametrize("how", ["half", "truncated"])
 def test_a_planned_run_refuses_a_damaged_lengths_file(web, how):
     """Before: half the file silently ran half an epoch; a truncated one was numpy's untyped
@@ -333,8 +331,6 @@ def test_advise_refuses_an_ambiguous_length_index_naming_the_indexes(web):
     assert "--length-index nope: " in line and "its indexes are " in line
 
 
-@pytest.mark.xfail(strict=True, reason="needs inspect.advise.advise(length_index=...) (the "
-                                       "lead's wiring, issue 31)")
 def test_advise_reads_the_length_index_it_is_given(web):
     build_length_index(web, raw_length_fn=lambda raw: 5.0, name="flat")
     result = CliRunner().invoke(main, ["advise", str(web), "--ranks", "2", "--micro-batch", "4",

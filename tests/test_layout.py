@@ -25,7 +25,7 @@ PACKAGE = Path(energon_ordering.__file__).parent
 
 BASE = {
     "errors", "state_stamp", "yaml_file", "sqlite_file", "sample_fields", "source_tag",
-    "packaged_recipes", "worker_checkpoint", "step_clock", "saved_counters",
+    "packaged_recipes", "worker_checkpoint", "step_clock", "saved_counters", "failed_epoch",
 }
 MIDDLE = {"pool", "mixture", "warmup", "length_index", "planned"}
 
@@ -33,7 +33,8 @@ MIDDLE = {"pool", "mixture", "warmup", "length_index", "planned"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "sample_fields": set(),
-    "state_stamp": {"errors", "worker_checkpoint"},
+    "state_stamp": {"errors", "worker_checkpoint", "saved_counters", "failed_epoch"},
+    "failed_epoch": {"errors"},
     "worker_checkpoint": set(),
     "step_clock": set(),
     "saved_counters": {"errors"},

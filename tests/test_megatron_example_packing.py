@@ -100,7 +100,7 @@ def _worker(rank: int, num_workers: int, data: str, out: str, planned: bool = Fa
             te.decoder = SampleDecoder(image_decode="pil")  # as the loader below decodes
             build_length_index(data, task_encoder=te)
 
-        def make():
+        def make(exact_checkpoints=False):
             te = TE()
             te.ordering = cfg
             te.ordering_token_layout = megatron_token_layout(te)
@@ -108,7 +108,10 @@ def _worker(rank: int, num_workers: int, data: str, out: str, planned: bool = Fa
                                    worker_config=WorkerConfig(rank=0, world_size=1, num_workers=num_workers),
                                    max_samples_per_sequence=16, shuffle_buffer_size=None, image_decode="pil",
                                    packing_buffer_size=args.packing_buffer_size)
-            return get_savable_loader(ds)
+            # a worker checkpoint after every micro-batch: the saved counters are current
+            # (diagnostics.EXACT_LOADER)
+            exact = dict(checkpoint_every_sec=0, checkpoint_every_min_n_samples=1)
+            return get_savable_loader(ds, **(exact if exact_checkpoints else {}))
 
         def record(batch):
             return [list(batch["__key__"]), [int(cu[-1]) for cu in batch["cu_lengths"]]]
@@ -117,7 +120,7 @@ def _worker(rank: int, num_workers: int, data: str, out: str, planned: bool = Fa
         result["full"] = full
         result["caps"] = [pack_target(b // MBPS, cfg.pack_seq_length, cfg.seq_length_warmup) for b in range(TOTAL)]
         result["resumed"] = {str(c): resume(make, s, TOTAL - c, record=record) for c, s in states.items()}
-        loader = make()
+        loader = make(exact_checkpoints=True)
         it = iter(loader)
         for _ in range(TOTAL):
             next(it)

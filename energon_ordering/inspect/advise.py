@@ -232,8 +232,9 @@ def check_inputs(
             "--micro-batch.")
 
 
-def _index_lengths(dataset_path: Any) -> np.ndarray:
-    index = LengthIndex.open(dataset_path)  # raises if stale or of another version
+def _index_lengths(dataset_path: Any, name: str | None = None) -> np.ndarray:
+    """Every sample's length from the dataset's length index ``name`` (None: its only one)."""
+    index = LengthIndex.open(dataset_path, name)  # raises if stale or of another version
     con = connect_readonly(index.path)
     try:
         return np.array([r[0] for r in con.execute("SELECT length FROM lengths")], dtype=np.float64)
@@ -248,6 +249,7 @@ def load_population(
     estimate_samples: int = 4000,
     population: int = 400_000,
     seed: int = 0,
+    length_index: str | None = None,
 ) -> LengthPopulation:
     """The length distribution of a prepared dataset or metadataset.
 
@@ -258,6 +260,8 @@ def load_population(
         estimate_samples: Samples read for the estimate.
         population: Draws that represent a blend of several sources (by blend weight).
         seed: Seed of those draws.
+        length_index: The name of the length index to read where a dataset has several
+            (None: its only one).
     """
     from energon_ordering.pipeline.sources import source_name as _source_name
 
@@ -265,7 +269,7 @@ def load_population(
     paths = [getattr(e.dataset, "path", None) for e in entries]
     if all(p is not None and length_index_files(p) for p in paths):
         names = [_source_name(e) for e in entries]
-        lengths = [_index_lengths(p) for p in paths]
+        lengths = [_index_lengths(p, length_index) for p in paths]
         if len(entries) == 1:
             order = np.argsort(lengths[0], kind="stable")
             return LengthPopulation(lengths[0][order], np.zeros(len(order), dtype=np.int64),
@@ -792,6 +796,7 @@ def measure_costs(
     pool_sizes: tuple[int, int] = (128, 512),
     check_pool: int = 0,
     repeats: int = 3,
+    length_index: str | None = None,
 ) -> list[CostPerSample]:
     """Time to first batch (fitted over ``pool_sizes``, checked at ``check_pool`` if it is
     larger) and pool memory per pooled sample, for each placement, on real in-process loaders
@@ -811,7 +816,8 @@ def measure_costs(
             return OrderingConfig(
                 length_sort_pool_size=n, length_sort_mode="batch", length_sort_placement=placement,
                 length_sort_pool_holds=holds if placement == "pre-encode" else "raw",
-                length_sort_pool_ramp=False)  # the fit models a full first pool of n
+                length_sort_pool_ramp=False,  # the fit models a full first pool of n
+                length_index=length_index)
 
         try:
             if warm:
@@ -1068,6 +1074,7 @@ def advise(
     measure: bool = True,
     progress: Callable[[str], None] | None = None,
     window_steps: int = DEFAULT_WINDOW_STEPS,
+    length_index: str | None = None,
 ) -> Advice:
     """Predicts every (mode, pool size) and the planned order, measures every placement;
     recommends one setting the package accepts.
@@ -1089,6 +1096,8 @@ def advise(
         measure: Measure time to first batch and memory on real loaders.
         progress: Called with a line of text per stage.
         window_steps: ``plan_window_steps`` of the planned order's prediction.
+        length_index: The length index to read where a dataset has several (None: its only
+            one; ``OrderingConfig.length_index``).
 
     Raises:
         OrderingConfigError: See :func:`check_inputs` (checked before anything is allocated).
@@ -1103,7 +1112,8 @@ def advise(
     total = sum(n for _, n, _ in sizes)
     share = worker_share([n for _, n, _ in sizes], ranks, num_workers)
     say("lengths")
-    pop = load_population(path, task_encoder_factory=task_encoder_factory, seed=seed)
+    pop = load_population(path, task_encoder_factory=task_encoder_factory, seed=seed,
+                          length_index=length_index)
     counts = tuple(sorted(set(rank_counts) | {ranks}))
     cache = _OrderCache()
     sizes_to_predict = sorted({max(batch_size, n // batch_size * batch_size) for n in pool_sizes})
@@ -1133,7 +1143,7 @@ def advise(
         # fit at small pools and say that there is no check.
         fit = (check // 8, check // 2) if check >= 512 else (min(128, total), min(512, total))
         costs = measure_costs(path, batch_size=batch_size, task_encoder_factory=task_encoder_factory,
-                              pool_sizes=fit, check_pool=check)
+                              pool_sizes=fit, check_pool=check, length_index=length_index)
     recommended, reason = recommend(predictions, costs, ranks=ranks,
                                     memory_budget=memory_per_worker, share=share,
                                     planned=planned)

@@ -302,7 +302,7 @@ def content_digest(con: sqlite3.Connection) -> str:
     rows = con.execute("SELECT sample_key, length FROM lengths ORDER BY sample_key")
     while chunk := rows.fetchmany(1 << 16):
         # repr(float) is what errors.show() gives a float (short: never cut)
-        h.update("".join([f"{key}\t{float(length)!r}\n" for key, length in chunk]).encode())
+        h.update("".join([f"{key}\t{repr(float(length))}\n" for key, length in chunk]).encode())
     return h.hexdigest()[:16]
 
 

@@ -43,6 +43,7 @@ import numpy as np
 
 from energon_ordering.errors import LengthIndexError, OrderingConfigError, show
 from energon_ordering.length_index.index import dataset_uuid
+from energon_ordering.length_index.lengths_check import check_lengths_file
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
 
 __all__ = ["indexed_lengths", "lengths_content_digest", "lengths_file_path", "reopen", "reopened",
@@ -246,4 +247,5 @@ def indexed_lengths(reader: ByteRangeReader, dataset: Any) -> np.ndarray:
         return join()
     path = lengths_file_path(reader.lengths, digest=reader.lengths_digest,
                              dataset_uuid=dataset_uuid(reader.base_path), shards=reader.shards)
+    check_lengths_file(path, samples=len(reader), dataset=dataset)
     return split_lengths(path, join)

@@ -38,9 +38,11 @@ import numpy as np
 from megatron.energon.flavors.base_dataset import SavableDataset, set_sample_restore_key
 from megatron.energon.wrappers.base import BaseWrapperDataset, get_sample_restore_key
 from megatron.energon.wrappers.buffer import SavableSampleBuffer
+from megatron.energon.state import FlexState
 from megatron.energon.worker import WorkerConfig
 
 from energon_ordering.errors import OrderingConfigError, show
+from energon_ordering.saved_counters import check_saved_counts
 from energon_ordering.planned.balance import sample_cost
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.plan_check import packed_plan_matches_inputs
@@ -97,6 +99,8 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
         self.pack_seq_length = pack_seq_length
         self.warmup = warmup
         super().__init__(*args, **kwargs)
+
+    _packed = True
 
     def _expected_stamp(self) -> dict[str, Any]:
         return {
@@ -292,7 +296,7 @@ class PlannedPackDataset(BaseWrapperDataset[Any, Any]):
         micro_batches_per_step: M (the step of a pack, for ``cut``).
     """
 
-    _savable_fields = ("_buffer",)
+    _savable_fields = ("_buffer", "_counts")
 
     def __init__(self, dataset: SavableDataset, *, final_packer: Callable[[list[Any]], Any],
                  layout: TokenLayout, overflow: str, micro_batches_per_step: int,
@@ -306,34 +310,53 @@ class PlannedPackDataset(BaseWrapperDataset[Any, Any]):
         self._warned = False
         self.cutter = CapCutter(overflow=overflow, layout=layout, wording=PACK_WORDING,
                                 owner=type(self).__name__)
-        #: cut / kept / dropped samples (diagnostics; not saved)
-        self.counts = {**new_counts(), "packs_over_cap": 0}
         self.micro_batches_per_step = int(micro_batches_per_step)
         self.reset_state_own()
+
+    @staticmethod
+    def _new_counts() -> dict[str, int]:
+        return {**new_counts(), "packs_over_cap": 0}
 
     def reset_state_own(self) -> None:
         # the encoded samples of the pack being filled (saved as their restore keys)
         self._buffer = SavableSampleBuffer(self.dataset, worker_config=self.worker_config)
+        # cut / kept / dropped samples and packs over their cap, of the packs emitted (saved:
+        # :func:`~energon_ordering.inspect.diagnostics.warmup_counts` sums them over workers)
+        self._counts = self._new_counts()
+
+    def restore_state(self, state: FlexState) -> None:
+        if "_counts" not in state:  # saved before the counters were: counted from here on
+            state = type(state)({**state, "_counts": self._new_counts()})
+        check_saved_counts(type(self).__name__, "_counts", state["_counts"],
+                           self._new_counts().keys())
+        super().restore_state(state)
+
+    def counts(self) -> dict[str, int]:
+        """This worker's counters: seen, truncated, truncated_tokens, kept_over_cap, dropped,
+        packs_over_cap."""
+        return dict(self._counts)
 
     def len_worker(self, worker_idx: int | None = None) -> int:
         return self.dataset.len_worker(worker_idx)
 
-    def _pack(self, samples: list[Any], keys: Sequence[Any]) -> Any:
+    def _pack(self, samples: list[Any], keys: Sequence[Any], counts: dict[str, int]) -> Any:
+        """The pack of ``samples`` (restore keys ``keys``), each cut to the pack's cap, counted
+        into ``counts``."""
         tag = pack_tag(samples[0])
         assert tag is not None
         step = tag[0] // self.micro_batches_per_step
-        kept = (self.cutter.cut(x, tag[4], step=step, counts=self.counts) for x in samples)
+        kept = (self.cutter.cut(x, tag[4], step=step, counts=counts) for x in samples)
         cut = [k[0] for k in kept if k is not None]
         if not cut:
             return None
         if self.length_fn is not None:
-            self._check_fit(cut, tag[4], step)
+            self._check_fit(cut, tag[4], step, counts)
         if self.sample_encoder is not None:  # as Energon's packer: on the selected samples
             cut = [self.sample_encoder(x) for x in cut]
         packed = self.final_packer(cut)
         return set_sample_restore_key(packed, *keys, src=self)
 
-    def _check_fit(self, samples: list[Any], cap: int, step: int) -> None:
+    def _check_fit(self, samples: list[Any], cap: int, step: int, counts: dict[str, int]) -> None:
         """Counts (and warns once per worker about) a pack whose encoded samples hold more
         tokens than its cap: the plan packed the length index's lengths, so the encoder
         measures samples longer than the index says. The pack goes out as planned (nothing is
@@ -341,7 +364,7 @@ class PlannedPackDataset(BaseWrapperDataset[Any, Any]):
         total = sum(float(self.length_fn(x)) for x in samples)  # type: ignore[misc]
         if total <= cap:
             return
-        self.counts["packs_over_cap"] += 1
+        counts["packs_over_cap"] += 1
         if not self._warned:
             self._warned = True
             logger.warning(
@@ -354,7 +377,7 @@ class PlannedPackDataset(BaseWrapperDataset[Any, Any]):
     def _emit(self) -> Iterator[Any]:
         """Packs the buffered samples (the pack being filled) and yields the pack, if any."""
         samples, keys = self._buffer.flush()
-        out = self._pack(samples, keys)
+        out = self._pack(samples, keys, self._counts)
         if out is not None:
             yield out
 
@@ -388,7 +411,7 @@ class PlannedPackDataset(BaseWrapperDataset[Any, Any]):
             raise OrderingConfigError(
                 f"PlannedPackDataset: restore key {show(restore_key)} is not ours.")
         samples = [self.dataset.restore_sample(k) for k in keys]
-        return self._pack(samples, keys)
+        return self._pack(samples, keys, self._new_counts())  # counted when it was emitted
 
     def config(self) -> dict[str, Any]:
         return {"type": type(self).__qualname__, "dataset": self.dataset.config(),

@@ -72,6 +72,11 @@ from energon_ordering.mixture.step_counts import step_source_counts
 from energon_ordering.planned.balance import deal_step
 from energon_ordering.planned.cursor import PlanCursor, advance
 from energon_ordering.planned.sample_ids import SampleIds
+from energon_ordering.planned.saved_state import (
+    check_next_in_epoch,
+    check_offset_in_micro_batch,
+    check_planned_state,
+)
 from energon_ordering.planned.window import PLAN_VERSION, WindowPlan, plan_window, window_draws
 from energon_ordering.pipeline.shared_plans import SharedPlans, plan_dir, stream_digest
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
@@ -307,6 +312,17 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 "or start the data stream fresh.")
         return type(state)({**state, "_stamp": {**stamp, "state_version": PLANNED_STATE_VERSION}})
 
+    #: Whether the plan's micro-batches are packs (their sample counts only the plan knows).
+    _packed = False
+
+    def _state_shape(self) -> dict[str, Any]:
+        """What :func:`~energon_ordering.planned.saved_state.check_planned_state` checks a saved
+        state against (besides the loader workers)."""
+        return dict(sizes=list(self.ids.sizes), micro_batches_per_step=self.micro_batches_per_step,
+                    batch_size=self.batch_size, window_steps=self.window_steps,
+                    finite=self.finite, packed=self._packed, owner=type(self).__name__,
+                    fields=self._savable_fields)
+
     def restore_state(self, state: FlexState) -> None:
         state = self._current_version(state)
         check_stamp(
@@ -314,9 +330,12 @@ class PlannedSourceDataset(SavableDataset[Any]):
             "Resume with the configuration, data and data-parallel size the state was written "
             "with, or start the data stream fresh.",
         )
+        check_planned_state(state, **self._state_shape(), workers=self._workers())
         super().restore_state(state)
         self._ended_here = False
         self._forget_plans()
+        check_next_in_epoch(type(self).__name__, self._next, self.end_step(),
+                            self.micro_batches_per_step, self._workers())
 
     def restore_elastic(self, saved: Sequence[tuple[Any, int]]) -> None:
         """Continues a planned state saved at another data-parallel size, micro-batches per
@@ -346,6 +365,9 @@ class PlannedSourceDataset(SavableDataset[Any]):
         """
         wc = self.worker_config
         known = [self._current_version(state) for state, _ in saved if state is not None]
+        for state in known:
+            check_planned_state(state, **self._state_shape(), workers=max(1, len(saved)),
+                                elastic=True)
         if not known:  # saved before any worker ran: nothing was read
             self.elastic_start = None
             self.reset_state_own()
@@ -623,6 +645,8 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 self._start_epoch(self._epoch + 1)
                 return
             ids = self.micro_batch_ids(b)
+            if j:
+                check_offset_in_micro_batch(type(self).__name__, j, len(ids), b)
             reads: list[Any] = [None] * len(ids)
             if self.prefetch_threads > 0:
                 reads = ahead.pop(b, None) or ([None] * j + self._prefetch(ids[j:]))

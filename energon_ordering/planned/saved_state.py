@@ -102,7 +102,7 @@ def check_planned_state(
         raise saved_value_error(owner, "_stamp", stamp, "the dict the stage saved")
     M, B = int(micro_batches_per_step), int(batch_size)
     if elastic:
-        _, M, B = (check_saved_int(owner, f"_stamp[{k!r}]", stamp.get(k), minimum=1)
+        _, M, B = (check_saved_int(owner, f"_stamp['{k}']", stamp.get(k), minimum=1)
                    for k in _SHAPE_FIELDS)
     epoch = check_saved_int(owner, "_epoch", state["_epoch"])
     start = check_saved_int(owner, "_start_step", state["_start_step"])
@@ -149,7 +149,7 @@ def _check_history(owner: str, history: Any, start: int) -> None:
                         maximum=start)
         for key in _SHAPE_FIELDS:
             if key in entry or key != "batch_size":
-                check_saved_int(owner, f"_history[{i}][{key!r}]", entry.get(key), minimum=1)
+                check_saved_int(owner, f"_history[{i}]['{key}']", entry.get(key), minimum=1)
 
 
 def _check_cursor(owner: str, cursor: Any, sizes: Sequence[int], window_steps: int, *,
@@ -163,7 +163,7 @@ def _check_cursor(owner: str, cursor: Any, sizes: Sequence[int], window_steps: i
     check_saved_int(owner, "_cursor['window']", cursor["window"], maximum=last_window)
     for key in ("drawn", "carry"):
         if not isinstance(cursor[key], (list, tuple)) or len(cursor[key]) != n:
-            raise saved_value_error(owner, f"_cursor[{key!r}]", cursor[key], should)
+            raise saved_value_error(owner, f"_cursor['{key}']", cursor[key], should)
     for s, (drawn, size) in enumerate(zip(cursor["drawn"], sizes)):
         check_saved_int(owner, f"_cursor['drawn'][{s}]", drawn, minimum=epoch * int(size))
     for s, carry in enumerate(cursor["carry"]):

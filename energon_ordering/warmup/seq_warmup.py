@@ -11,6 +11,7 @@ from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.base import BaseWrapperDataset
 
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError
+from energon_ordering.saved_counters import check_saved_counts
 from energon_ordering.state_stamp import check_stamp
 from energon_ordering.step_clock import current_step, find_step_clock
 from energon_ordering.warmup.cap_cut import (
@@ -174,6 +175,9 @@ class SeqLenWarmupDataset(BaseWrapperDataset[T_sample, T_sample], Generic[T_samp
             self._expected_stamp(),
             "Restore with the original seq_length_warmup settings.",
         )
+        check_saved_counts(type(self).__name__, "_counts", state.get("_counts"), new_counts().keys())
+        check_saved_counts(type(self).__name__, "_epoch", state.get("_epoch"),
+                           new_epoch_counts().keys())
         super().restore_state(state)
 
     def counts(self) -> dict[str, int]:
