@@ -91,6 +91,17 @@ def _run(data, world_size, mbps, micro_batches, *, state=None, num_workers=0, sa
     return records, states
 
 
+def _rank0_from(data, world_size, mbps, state, micro_batches, num_workers=0):
+    """Rank 0's next ``micro_batches`` records, restored from ``state``."""
+    loader = _loader(data, world_size, mbps, 0, num_workers)
+    restore_state_rank(loader, state)
+    it = iter(loader)
+    records = [record_batch(next(it)) for _ in range(micro_batches)]
+    del it
+    close_loader(loader)
+    return records
+
+
 def test_elastic_resume_keeps_the_warmup_caps(data):
     """3 ranks x 2 micro-batches saved at step 6 (inside the warmup and a plan window), resumed
     on 2 ranks x 3: every resumed sample is cut to its step's cap, as uninterrupted."""
@@ -112,13 +123,7 @@ def test_a_state_saved_after_an_elastic_restore_resumes_exactly(data, cut):
     elastic, saved = _run(data, 2, 3, n, state=states[8], save_at={cut})
     assert saved[cut] is not None
     # rank 0 of the 2x3 shape from its own state: the rest of what it saw
-    loader = _loader(data, 2, 3, 0)
-    restore_state_rank(loader, saved[cut])
-    it = iter(loader)
-    again = [record_batch(next(it)) for _ in range(n - cut)]
-    del it
-    close_loader(loader)
-    assert again == elastic[0][cut:]
+    assert _rank0_from(data, 2, 3, saved[cut], n - cut) == elastic[0][cut:]
 
 
 def test_restoring_none_into_a_planned_loader_says_it_starts_afresh(data, caplog):
@@ -144,13 +149,7 @@ def test_elastic_then_exact_with_loader_workers(data, num_workers, cut):
                           num_workers=num_workers)
     assert _seen(elastic, 3) == _seen(whole, 2)[4:]
     assert saved[cut] is not None
-    loader = _loader(data, 2, 3, 0, num_workers)
-    restore_state_rank(loader, saved[cut])
-    it = iter(loader)
-    again = [record_batch(next(it)) for _ in range(n - cut)]
-    del it
-    close_loader(loader)
-    assert again == elastic[0][cut:]
+    assert _rank0_from(data, 2, 3, saved[cut], n - cut, num_workers) == elastic[0][cut:]
 
 
 def _planned_entry(state):
@@ -227,3 +226,19 @@ def test_the_step_clock_is_found_below_single_wrappers_only(data):
                          worker_config=warmup.worker_config)
     assert find_step_clock(blend) is None
     close_loader(loader)
+
+
+def test_elastic_resume_keeps_the_schedules_steps(data):
+    """A mixture schedule switching mid-run (steps 4-8 ramp web 0.8 -> 0.2): 3 ranks x 2 saved
+    at step 5, resumed on 6 x 1, every step holds the uninterrupted run's samples and tokens,
+    so each step's mix is the schedule's at that step."""
+    schedule = {"total_steps": 16, "phases": [
+        {"until": 0.25, "weights": {"web": 0.8, "code": 0.2}},
+        {"until": 1.0, "ramp_steps": 4, "weights": {"web": 0.2, "code": 0.8}}]}
+    whole, _ = _run(data, 3, 2, 10 * 2, mixture_schedule=schedule)
+    _, states = _run(data, 3, 2, 5 * 2, save_at={10}, mixture_schedule=schedule)
+    rest, _ = _run(data, 6, 1, 5, state=states[10], mixture_schedule=schedule)
+    seen = _seen(whole, 2)
+    assert _seen(rest, 1) == seen[5:]
+    webs = [sum(k.startswith("web") for k, _ in s) for s in seen]
+    assert webs[0] > webs[-1]  # the schedule really moves the mix

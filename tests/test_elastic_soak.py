@@ -1,8 +1,8 @@
 """Soak: elastic chains of the planned order, by what the model sees (issue 31, contract 13).
 
-Every cycle draws a planned pipeline (warmup on/off, packing on/off), two data-parallel shapes
-of one global batch (ranks x micro-batches per step), loader workers 0-3 on each side, Energon's
-worker checkpoint interval, and a cut step; then:
+Every cycle draws a planned pipeline (warmup, packing, a mixture schedule: each on or off), two
+data-parallel shapes of one global batch (ranks x micro-batches per step), loader workers 0-3 on
+each side, Energon's worker checkpoint interval, and a cut step; then:
 
 1. the uninterrupted run at the first shape (every rank: per optimizer step, each sample's key
    and token length after the warmup's cut, and the packs);
@@ -48,6 +48,11 @@ SEED = int(os.environ.get("SOAK_SEED", str(random.SystemRandom().randrange(1 << 
 #: 4, or 4 packs of micro-batches of 1.
 SHAPES = {False: [(1, 6), (2, 3), (3, 2), (6, 1)], True: [(1, 4), (2, 2), (4, 1)]}
 
+#: A mixture schedule whose weights ramp across the cuts (steps 3-9).
+SCHEDULE = {"total_steps": 24, "phases": [
+    {"until": 0.125, "weights": {"web": 0.8, "code": 0.2}},
+    {"until": 1.0, "ramp_steps": 6, "weights": {"web": 0.3, "code": 0.7}}]}
+
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
@@ -65,6 +70,7 @@ def _draw(rng: random.Random) -> dict:
         before=before,
         after=after,
         warmup=rng.random() < 0.7,
+        schedule=rng.random() < 0.5,
         workers_before=rng.randint(0, 3),
         workers_after=rng.randint(0, 3),
         workers_exact=rng.randint(0, 3),
@@ -82,6 +88,8 @@ def _kwargs(d: dict) -> dict:
         kw["pack_seq_length"] = 1024
     if not d["warmup"]:
         kw["seq_length_warmup"] = None
+    if d["schedule"]:
+        kw["mixture_schedule"] = SCHEDULE
     return kw
 
 
