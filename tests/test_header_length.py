@@ -1,0 +1,147 @@
+"""Header-only raw length functions (length_index/header_length.py): a real length index built
+with ``energon-ordering index --raw-length-fn`` over a prepared dataset of JPEGs of many sizes
+equals the index built by a task encoder that decodes each image with PIL and runs the real
+``Qwen2VLImageProcessor`` on it."""
+
+from __future__ import annotations
+
+import io
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from energon_ordering.errors import SampleLengthError
+from energon_ordering.length_index import header_length as hl
+from energon_ordering.length_index.media_tokens import (
+    FixedImageTokens,
+    InternVLTokens,
+    LlavaNextTokens,
+    Qwen2VLTokens,
+)
+
+NUM_SAMPLES = 24
+
+
+def _jpeg(width: int, height: int, seed: int, **options: Any) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(out, "JPEG", quality=80, **options)
+    return out.getvalue()
+
+
+def _samples() -> list[dict[str, Any]]:
+    """Captioned JPEGs of random sizes (thin strips and tiny ones too), some progressive."""
+    rng = random.Random(33)
+    sizes = [(1, 1), (3, 200), (200, 3), (28, 28), (1001, 333)]
+    sizes += [(rng.randint(8, 900), rng.randint(8, 900)) for _ in range(NUM_SAMPLES - len(sizes))]
+    words = ["ka", "lo", "mi", "nu", "pe"]
+    return [{"__key__": f"img-{i:04d}",
+             "jpg": _jpeg(w, h, i, progressive=i % 3 == 0),
+             "txt": " ".join(rng.choice(words) for _ in range(rng.randint(1, 60))).encode()}
+            for i, (w, h) in enumerate(sizes)]
+
+
+@pytest.fixture(scope="module")
+def jpeg_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A prepared CaptioningSample dataset (``energon prepare``) in 3 shards."""
+    import webdataset as wds
+
+    from energon_ordering.inspect.synthetic import _energon_prepare
+
+    root = tmp_path_factory.mktemp("jpegs") / "photos"
+    root.mkdir()
+    with wds.ShardWriter(str(root / "shard-%06d.tar"), maxcount=8, verbose=0) as sink:
+        for sample in _samples():
+            sink.write(sample)
+    _energon_prepare(root, "jpg")
+    return root
+
+
+def _processor_encoder() -> Any:
+    """A task encoder that decodes with PIL (as Bridge's and Megatron-LM's do) and counts the
+    ``<|image_pad|>`` tokens of the real Qwen2-VL image processor, plus the caption's
+    whitespace tokens."""
+    import torchvision_cpu_shim
+
+    torchvision_cpu_shim.install()
+    pytest.importorskip("transformers")
+    from megatron.energon import SampleDecoder, stateless
+    from transformers import Qwen2VLImageProcessor
+
+    from energon_ordering.inspect.length_estimate import LengthEstimateTaskEncoder, LengthSample
+
+    class QwenProcessorLengths(LengthEstimateTaskEncoder):
+        decoder = SampleDecoder(image_decode="pil")
+        processor = Qwen2VLImageProcessor()
+
+        @stateless
+        def encode_sample(self, sample: Any) -> LengthSample:
+            grid = self.processor(images=sample.image.convert("RGB"), return_tensors="np",
+                                  input_data_format="channels_last")["image_grid_thw"][0]
+            media = int(np.prod(grid)) // self.processor.merge_size ** 2
+            return LengthSample(__key__=sample.__key__, __restore_key__=sample.__restore_key__,
+                                __subflavors__=None, __sources__=None,
+                                total_len=media + len(sample.caption.split()),
+                                media_tokens=media, source="-")
+
+    return QwenProcessorLengths()
+
+
+@pytest.mark.slow
+def test_header_index_equals_the_processor_index(jpeg_dataset: Path) -> None:
+    from energon_ordering.cli import main
+    from energon_ordering.length_index.build import build_length_index
+    from energon_ordering.length_index.index import LengthIndex
+
+    encoder = _processor_encoder()
+    build_length_index(jpeg_dataset, task_encoder=encoder, name="processor")
+    result = CliRunner().invoke(main, [
+        "index", str(jpeg_dataset), "--name", "header",
+        "--raw-length-fn", "energon_ordering.length_index.header_length:qwen2_vl_caption_length"])
+    assert result.exit_code == 0, result.output
+    by_processor = LengthIndex.open(jpeg_dataset, name="processor")
+    by_header = LengthIndex.open(jpeg_dataset, name="header")
+    assert "qwen2_vl_caption_length" in by_header.computed_by
+    keys = [s["__key__"] for s in _samples()]
+    want = {k: by_processor.length(k) for k in keys}
+    assert {k: by_header.length(k) for k in keys} == want
+    assert len(set(want.values())) > NUM_SAMPLES // 2  # the sizes really give different lengths
+
+
+@pytest.mark.parametrize("fn, media", [
+    (hl.llava_caption_length, FixedImageTokens()),
+    (hl.llava_next_caption_length, LlavaNextTokens()),
+    (hl.internvl_caption_length, InternVLTokens()),
+    (hl.qwen2_vl_caption_length, Qwen2VLTokens()),
+])
+def test_caption_lengths_count_decoded_sizes_and_caption_words(fn, media) -> None:
+    for sample in _samples()[:8]:
+        width, height = Image.open(io.BytesIO(sample["jpg"])).convert("RGB").size
+        words = len(sample["txt"].decode().split())
+        assert fn(sample) == media.image_tokens(width, height) + words
+
+
+def test_every_image_part_counts_and_others_do_not() -> None:
+    png = io.BytesIO()
+    Image.new("RGB", (640, 480)).save(png, "PNG")
+    raw = {"__key__": "k", "__url__": b"x.jpg", "0.jpg": _jpeg(28, 56, 0), "1.png": png.getvalue(),
+           "json": b"{}", "txt": b"a b c"}
+    assert hl.raw_image_sizes(raw) == [(28, 56), (640, 480)]
+    qwen = Qwen2VLTokens()
+    assert hl.qwen2_vl_caption_length(raw) == qwen.image_tokens(28, 56) + qwen.image_tokens(640, 480) + 3
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"__key__": "k", "jpg": _jpeg(8, 8, 0)}, r"sample 'k' has no part 'txt' \(it has \['jpg'\]\)"),
+    ({"__key__": "k", "jpg": _jpeg(8, 8, 0), "txt": b"\xff\xfe"}, r"part 'txt' of sample 'k' is not UTF-8"),
+    ({"__key__": "k", "jpg": b"not a jpeg at all", "txt": b"a"}, r"image header: not a JPEG, PNG"),
+    ({"__key__": "k", "jpg": _jpeg(8, 8, 0)[:40], "txt": b"a"}, r"image header: JPEG is truncated"),
+])
+def test_bad_samples_raise_a_typed_error(raw, match: str) -> None:
+    with pytest.raises(SampleLengthError, match=match):
+        hl.qwen2_vl_caption_length(raw)
