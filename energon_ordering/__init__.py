@@ -12,7 +12,10 @@ samples) and the pure ordering functions behind them, grouped by concern:
   :class:`PackCapDataset` (the cap of a pack with Energon's sequence packing).
 - packing: :class:`PackPoolSortDataset` (a pool of packs sorted by attention cost), the default
   packer :func:`first_fit_decreasing` and its :class:`SequencePack`.
-- ``length_index/``: per-sample lengths next to a prepared dataset, for the lean pool.
+- ``length_index/``: per-sample lengths next to a prepared dataset, for the lean pool, and
+  exact lengths without decoding: :func:`image_size` (from the image header) and the media
+  token rules :class:`FixedImageTokens` (LLaVA-1.5), :class:`LlavaNextTokens`,
+  :class:`InternVLTokens`, :class:`Qwen2VLTokens`, composed with text by :func:`header_length`.
 - :class:`OrderingTaskEncoder` wires the stages into Energon's training pipeline from one
   :class:`OrderingConfig`; ``integrations/`` adapts it to host frameworks (Megatron-LM,
   Megatron-Bridge; imported on their own, so the package imports without the hosts) and
@@ -42,6 +45,12 @@ _EXPORTS: dict[str, str] = {
     "SeqLenOverflowError": "energon_ordering.errors",
     "ShardReadError": "energon_ordering.errors",
     "StateMismatchError": "energon_ordering.errors",
+    "header_length": "energon_ordering.length_index.header_length",
+    "image_size": "energon_ordering.length_index.image_header",
+    "FixedImageTokens": "energon_ordering.length_index.media_tokens",
+    "InternVLTokens": "energon_ordering.length_index.media_tokens",
+    "LlavaNextTokens": "energon_ordering.length_index.media_tokens",
+    "Qwen2VLTokens": "energon_ordering.length_index.media_tokens",
     "MixtureSchedule": "energon_ordering.mixture.schedule",
     "implied_epochs": "energon_ordering.mixture.schedule",
     "ScheduledBlendDataset": "energon_ordering.mixture.scheduled_blend",
@@ -74,6 +83,14 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         ShardReadError,
         StateMismatchError,
     )
+    from energon_ordering.length_index.header_length import header_length
+    from energon_ordering.length_index.image_header import image_size
+    from energon_ordering.length_index.media_tokens import (
+        FixedImageTokens,
+        InternVLTokens,
+        LlavaNextTokens,
+        Qwen2VLTokens,
+    )
     from energon_ordering.mixture.schedule import MixtureSchedule, implied_epochs
     from energon_ordering.mixture.scheduled_blend import ScheduledBlendDataset
     from energon_ordering.packaged_recipes import recipe_names, resolve_recipe
@@ -91,9 +108,12 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
 
 
 __all__ = [
+    "FixedImageTokens",
+    "InternVLTokens",
     "KeyPoolSortDataset",
     "LengthIndexError",
     "LengthPoolSortDataset",
+    "LlavaNextTokens",
     "MixtureSchedule",
     "NotRestorableError",
     "OrderingConfig",
@@ -103,6 +123,7 @@ __all__ = [
     "OrderingTypeError",
     "PackCapDataset",
     "PackPoolSortDataset",
+    "Qwen2VLTokens",
     "SampleLengthError",
     "ScheduledBlendDataset",
     "SeqLenOverflowError",
@@ -115,6 +136,8 @@ __all__ = [
     "__version__",
     "check_loader_state",
     "first_fit_decreasing",
+    "header_length",
+    "image_size",
     "implied_epochs",
     "recipe_names",
     "resolve_recipe",
