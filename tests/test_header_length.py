@@ -145,3 +145,35 @@ def test_every_image_part_counts_and_others_do_not() -> None:
 def test_bad_samples_raise_a_typed_error(raw, match: str) -> None:
     with pytest.raises(SampleLengthError, match=match):
         hl.qwen2_vl_caption_length(raw)
+
+
+@pytest.mark.slow
+def test_verify_draws_samples_and_lists_every_mismatch(jpeg_dataset: Path) -> None:
+    """``verify_raw_length`` (what ``index --verify N`` runs): 0 mismatches for the exact
+    header-only function, every drawn sample listed for a wrong rule (LLaVA-1.5's 576)."""
+    from energon_ordering.errors import LengthIndexError
+    from energon_ordering.length_index.verify import verify_raw_length
+
+    encoder = _processor_encoder()
+    exact = verify_raw_length(jpeg_dataset, raw_length_fn=hl.qwen2_vl_caption_length,
+                              task_encoder=encoder, samples=10, seed=1)
+    assert (exact.checked, exact.mismatches) == (10, ())
+    exact.check(hl.qwen2_vl_caption_length)
+    everything = verify_raw_length(jpeg_dataset, raw_length_fn=hl.qwen2_vl_caption_length,
+                                   task_encoder=encoder, samples=1000)
+    assert (everything.checked, everything.mismatches) == (NUM_SAMPLES, ())
+    wrong = verify_raw_length(jpeg_dataset, raw_length_fn=hl.llava_caption_length,
+                              task_encoder=encoder, samples=10, seed=1)
+    assert wrong.checked == 10 and 8 <= len(wrong.mismatches) <= 10
+    again = verify_raw_length(jpeg_dataset, raw_length_fn=hl.llava_caption_length,
+                              task_encoder=encoder, samples=10, seed=1)
+    assert again == wrong  # the seed fixes the draw
+    m = wrong.mismatches[0]
+    assert m.raw_length - m.encoded_length == 576 - Qwen2VLTokens().image_tokens(
+        *hl.raw_image_sizes(next(s for s in _samples() if s["__key__"] == m.key))[0])
+    with pytest.raises(LengthIndexError, match=r"llava_caption_length differs from the task encoder "
+                                               r"on \d+ of 10 verified samples: .*photos: sample img-"):
+        wrong.check(hl.llava_caption_length)
+    with pytest.raises(LengthIndexError, match=r"verify: samples = 0 must be an integer >= 1"):
+        verify_raw_length(jpeg_dataset, raw_length_fn=hl.llava_caption_length,
+                          task_encoder=encoder, samples=0)
