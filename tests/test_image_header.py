@@ -84,6 +84,14 @@ def _gif_frame_past_screen(size: tuple[int, int]) -> bytes:
     return bytes(data)
 
 
+def _webp_scaled(size: tuple[int, int]) -> bytes:
+    """A lossy WebP whose VP8 size fields carry the (ignored) upscaling bits."""
+    data = bytearray(_encode(_image(size, "RGB"), "WEBP"))
+    data[27] |= 0x40
+    data[29] |= 0xC0
+    return bytes(data)
+
+
 #: variant name -> (encoder of a size, the sizes it is checked on)
 VARIANTS: dict[str, tuple[Callable[[tuple[int, int]], bytes], list[tuple[int, int]]]] = {
     "jpeg": (lambda s: _encode(_image(s, "RGB"), "JPEG"), EDGE_SIZES + _random_sizes(40, 1)),
@@ -100,6 +108,7 @@ VARIANTS: dict[str, tuple[Callable[[tuple[int, int]], bytes], list[tuple[int, in
     "png-interlaced": (lambda s: _interlaced_png(*s), [(1, 1), (3, 2), (9, 9)] + _random_sizes(10, 10, 300)),
     "png-animated": (lambda s: _animated("PNG", s), [(1, 1), (31, 17)]),
     "webp-lossy": (lambda s: _encode(_image(s, "RGB"), "WEBP"), EDGE_SIZES + _random_sizes(20, 11)),
+    "webp-scale-bits": (_webp_scaled, [(1, 1), (37, 23), (1000, 999)]),
     "webp-lossless": (lambda s: _encode(_image(s, "RGB"), "WEBP", lossless=True),
                       EDGE_SIZES + _random_sizes(20, 12)),
     "webp-alpha": (lambda s: _encode(_image(s, "RGBA"), "WEBP"), EDGE_SIZES[:-1] + _random_sizes(10, 13)),
