@@ -16,7 +16,6 @@ from energon_ordering.pool.ramp import RAMP_MIN_POOL
 from energon_ordering.mixture.schedule import MAX_STEPS, MixtureSchedule
 from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
 from energon_ordering.warmup.schedule import SeqLenWarmup
-from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES
 from energon_ordering.yaml_file import load_yaml
 
 __all__ = ["MAX_PLAN_WINDOW_SAMPLES", "MAX_PLAN_WINDOW_STEPS", "PACK_POOL_PLACEMENTS",
@@ -259,11 +258,6 @@ class OrderingConfig:
         object.__setattr__(self, "seq_length_warmup", warmup)
         if self.seq_length_overflow is None:
             object.__setattr__(self, "seq_length_overflow", "keep")
-        if self.seq_length_overflow not in OVERFLOW_POLICIES:
-            raise OrderingConfigError(
-                f"OrderingConfig.seq_length_overflow = {show(self.seq_length_overflow)} is "
-                f"unknown; use one of {list(OVERFLOW_POLICIES)}."
-            )
         if self.length_sort_pool_size < 0:
             raise OrderingConfigError(
                 f"OrderingConfig.length_sort_pool_size = {self.length_sort_pool_size} must be "
@@ -344,6 +338,15 @@ class OrderingConfig:
                 f"length_sort_mode = 'planned' only (length_sort_mode is "
                 f"{show(self.length_sort_mode)}); drop plan_window_steps or set "
                 "length_sort_mode = 'planned'."
+            )
+        # Last, and imported here: token_layout imports torch, and every other mistake in a
+        # recipe is reported without it (the CLI answers a bad recipe in a fraction of a second).
+        from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES
+
+        if self.seq_length_overflow not in OVERFLOW_POLICIES:
+            raise OrderingConfigError(
+                f"OrderingConfig.seq_length_overflow = {show(self.seq_length_overflow)} is "
+                f"unknown; use one of {list(OVERFLOW_POLICIES)}."
             )
 
     def _check_planned(self) -> None:
@@ -459,11 +462,18 @@ class OrderingConfig:
                 )
             d["length_sort_placement"] = placement
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - known, key=str)
         if unknown:
+            import difflib
+
+            guesses = {k: difflib.get_close_matches(str(k), known | {"placement"}, n=1)
+                       for k in unknown}
+            meant = "; ".join(f"{show(k)}: did you mean {show(g[0])}?"
+                              for k, g in guesses.items() if g)
             raise OrderingConfigError(
-                f"OrderingConfig: unknown setting(s) {show(unknown)}; known settings are "
-                f"{sorted(known)}."
+                f"OrderingConfig: unknown setting(s) {show(unknown)}"
+                + (f" ({meant})" if meant else "")
+                + f"; known settings are {sorted(known)}."
             )
         return cls(**dict(d))
 

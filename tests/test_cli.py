@@ -154,8 +154,8 @@ def test_demo_end_to_end_small(runner, tmp_path):
     assert "pool off" in res.output and "pool 256 (batch)" in res.output
     assert "Implied epochs" in res.output
     assert "are identical" in res.output
-    for term in ("straggler idle:", "source histogram dispersion:", "sawtooth at shard period:",
-                 "Why the mix is noisy with the pool"):
+    for term in ("straggler idle, per micro-batch:", "source histogram dispersion:",
+                 "sawtooth at shard period:", "Why the mix is noisy with the pool"):
         assert term in res.output
     assert "results.json" in res.output and "MB, reused by the next run" in res.output
     results = json.loads((tmp_path / "results.json").read_text())

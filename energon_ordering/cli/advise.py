@@ -4,12 +4,11 @@ the planned order at several rank counts, measured costs, and one recommended se
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
+from energon_ordering.cli.index_encoder_note import index_encoder_note
 from energon_ordering.cli.options import CONTEXT, resolve_task_encoder, with_task_encoder
-from energon_ordering.cli.preflight import check_dataset, check_length_index_choice
+from energon_ordering.cli.preflight import check_dataset, check_length_index_choice, check_out_dir
 from energon_ordering.cli.tables import advice_tables
 from energon_ordering.cli.user_error import user_errors
 from energon_ordering.errors import show
@@ -41,7 +40,11 @@ def _parse_bytes(text: str) -> float:
 @click.option("--steps", type=click.IntRange(min=16), default=1000, help="Micro-batches simulated per rank.")
 @click.option("--seed", type=int, default=0, help="Ordering seed.")
 @click.option("--measure/--no-measure", default=True,
-              help="Measure time to first batch and memory on real loaders.")
+              help="Measure time to first batch and memory per loader worker on real loaders "
+                   "(--measure), which choose the placement within --memory-per-worker; "
+                   "--no-measure skips that (seconds instead of minutes on a large dataset) and "
+                   "recommends from the predicted idle and padding alone, with the default "
+                   "placement (post-encode), and says so.")
 @click.option("--out", type=click.Path(file_okay=False), default=".", help="Folder for advise.png.")
 @click.option("--length-index", default=None, metavar="NAME",
               help="Which length index to read where a dataset has several (the --name given "
@@ -61,10 +64,11 @@ def command(dataset: str, ranks: int, micro_batch: int, num_workers: int, memory
     )
 
     budget = _parse_bytes(memory_per_worker)
+    out_dir = check_out_dir(out, "advise.png")
     check_dataset(dataset, "DATASET")
     check_length_index_choice(dataset, length_index)
     factory = resolve_task_encoder(task_encoder, tokens_per_media)
-    with user_errors():
+    with user_errors(), index_encoder_note(dataset, task_encoder):
         adv = run_advise(dataset, ranks=ranks, batch_size=micro_batch, num_workers=num_workers,
                          memory_per_worker=budget, micro_batches_per_step=micro_batches_per_step,
                          steps=steps, seed=seed, task_encoder_factory=factory, measure=measure,
@@ -94,4 +98,4 @@ def command(dataset: str, ranks: int, micro_batch: int, num_workers: int, memory
     note = source_mix_note(adv)
     if note:
         click.echo(note)
-    click.echo(f"wrote {plot_advice(Path(out) / 'advise.png', adv)}")
+    click.echo(f"wrote {plot_advice(out_dir / 'advise.png', adv)}")

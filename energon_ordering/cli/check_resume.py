@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from energon_ordering.cli.index_encoder_note import index_encoder_note
 from energon_ordering.cli.options import CONTEXT, resolve_task_encoder, with_task_encoder
-from energon_ordering.cli.preflight import check_dataset, check_pool
+from energon_ordering.cli.preflight import check_dataset, check_pool, missing_length_indexes
 from energon_ordering.cli.recipe import RECIPE, load_recipe
 from energon_ordering.cli.user_error import UserError, user_errors
+from energon_ordering.errors import LengthIndexError
 
 if TYPE_CHECKING:
     from energon_ordering.config import OrderingConfig
@@ -146,17 +148,24 @@ def command(metadataset: str, recipe: str, cut: int, steps: int | None, ranks: i
         steps = cut + DEFAULT_AFTER_CUT if steps is None else steps
         if cut >= steps:
             raise click.BadParameter(f"cut {cut} must be below --steps {steps}", param_hint="--cut")
-    check_dataset(metadataset, "METADATASET", "--recipe")
-    cfg = load_recipe(recipe)
+    cfg = load_recipe(recipe)  # before torch and Energon are imported
     check_pool(cfg, batch_size)
+    check_dataset(metadataset, "METADATASET", "--recipe")
     factory = resolve_task_encoder(task_encoder, tokens_per_media)
-    if resume_ranks is None:
-        ok, line = resume_line(metadataset, cfg, cut=cut, steps=steps, num_workers=num_workers,
-                               batch_size=batch_size, task_encoder_factory=factory, ranks=ranks)
-    else:
-        ok, line = elastic_line(metadataset, cfg, cut=cut, steps=steps, ranks=ranks,
-                                resume_ranks=resume_ranks, num_workers=num_workers,
-                                batch_size=batch_size, task_encoder_factory=factory)
+    try:
+        with index_encoder_note(metadataset, task_encoder):
+            if resume_ranks is None:
+                ok, line = resume_line(metadataset, cfg, cut=cut, steps=steps,
+                                       num_workers=num_workers, batch_size=batch_size,
+                                       task_encoder_factory=factory, ranks=ranks)
+            else:
+                ok, line = elastic_line(metadataset, cfg, cut=cut, steps=steps, ranks=ranks,
+                                        resume_ranks=resume_ranks, num_workers=num_workers,
+                                        batch_size=batch_size, task_encoder_factory=factory)
+    except UserError as e:  # the first dataset without a length index: name every one
+        if isinstance(e.__cause__, LengthIndexError):
+            missing_length_indexes(metadataset, cfg, e.__cause__)
+        raise
     click.echo(line)
     if not ok:
         sys.exit(1)

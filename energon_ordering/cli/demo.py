@@ -16,7 +16,7 @@ import click
 from energon_ordering.cli.check_resume import resume_line
 from energon_ordering.cli.inspect import run_inspection
 from energon_ordering.cli.options import CONTEXT
-from energon_ordering.cli.preflight import check_dataset, check_pool
+from energon_ordering.cli.preflight import check_dataset, check_out_dir, check_pool
 from energon_ordering.cli.recipe import RECIPE, load_recipe
 from energon_ordering.cli.tables import definitions, epochs_rows, measure_table, table
 from energon_ordering.cli.user_error import UserError, user_errors
@@ -91,13 +91,13 @@ def _planned_note(results: dict, name: str, cfg: OrderingConfig, step_samples: i
               help="Multiplies the synthetic dataset's size (5,200 samples at 1).")
 def command(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scale: float) -> None:
     """End to end on a synthetic multimodal dataset: blend, pool, planned order, warmup, diagnostics, resume."""
+    cfg = load_recipe(recipe)  # before torch and Energon are imported
+    check_pool(cfg, batch_size)
+    _check_sources(cfg, recipe)  # before the dataset is written
+    out_dir = check_out_dir(out, "the demo's dataset, plots and results.json")
     from energon_ordering.inspect.inspection import source_sizes_from_metadataset
     from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 
-    cfg = load_recipe(recipe)
-    check_pool(cfg, batch_size)
-    _check_sources(cfg, recipe)  # before the dataset is written
-    out_dir = Path(out)
     specs = [SourceSpec(n, max(1, round(c * scale)), p) for n, c, p in DEMO_SOURCES]
     meta = out_dir / f"data_{sum(s.num_samples for s in specs)}" / "metadataset.yaml"
     if not meta.is_file():

@@ -55,8 +55,10 @@ def command(dataset: str, task_encoder: str | None, tokens_per_media: int,
     """Build the length index of DATASET (a prepared folder or a metadataset: every dataset in
     it), for length_sort_placement = pre-encode. Written to <dataset>/.nv-meta/ (or --index-dir),
     tied to the dataset's index.uuid; run it again after `energon prepare`."""
-    from energon_ordering.length_index.build import build_length_index
+    from energon_ordering.length_index.build import build_length_index, check_index_name
 
+    with user_errors():
+        check_index_name(name, "--name")
     check_dataset(dataset, "DATASET", open_train_split=False)  # the split is --split-part
     fn = import_function(raw_length_fn, "--raw-length-fn") if raw_length_fn else None
     te = None if fn is not None and task_encoder is None else resolve_task_encoder(

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from energon_ordering.cli.index_encoder_note import index_encoder_note
 from energon_ordering.cli.options import CONTEXT, resolve_task_encoder, with_task_encoder
-from energon_ordering.cli.preflight import preflight
+from energon_ordering.cli.preflight import check_out_dir, preflight
 from energon_ordering.cli.recipe import RECIPE, load_recipe
 from energon_ordering.cli.tables import definitions, measure_table
 from energon_ordering.cli.user_error import user_errors
@@ -49,6 +50,10 @@ def _mix_note(cfg: OrderingConfig, results: dict[str, Any], window: int) -> str 
 _POOL_FIELDS = ("length_sort_pool_size", "length_sort_mode", "length_sort_placement",
                 "length_sort_pool_holds", "length_sort_pool_ramp", "plan_window_steps")
 
+#: Settings of a pool run the planned order refuses (it draws each step's exact counts: no
+#: blend policy, no lag behind a pool).
+_NOT_PLANNED = (*_POOL_FIELDS, "blend_policy", "schedule_lag_compensation")
+
 
 def pool_off(cfg: OrderingConfig) -> OrderingConfig:
     """``cfg`` without a length pool or a plan: Energon's own order, the reference run."""
@@ -64,7 +69,7 @@ def as_planned(cfg: OrderingConfig) -> OrderingConfig:
 
     if cfg.planned:
         return cfg
-    d = {k: v for k, v in cfg.to_dict().items() if k not in _POOL_FIELDS}
+    d = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_PLANNED}
     return OrderingConfig.from_dict({**d, "length_sort_mode": PLANNED,
                                      "length_sort_placement": "pre-encode",
                                      "length_sort_pool_holds": "keys"})
@@ -183,11 +188,13 @@ def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, nu
 def command(metadataset: str, recipe: str, ranks: int, steps: int, num_workers: int,
             batch_size: int, out: str, task_encoder: str | None, tokens_per_media: int) -> None:
     """On your prepared dataset: sync, padding, mix and overlap diagnostics, pool off vs the recipe's pool or planned order."""
-    cfg = load_recipe(recipe)
+    cfg = load_recipe(recipe)  # before torch and Energon are imported
+    out_dir = check_out_dir(out, "inspect.png")
     factory = resolve_task_encoder(task_encoder, tokens_per_media)
-    results, extra = run_inspection(metadataset, cfg, ranks=ranks, steps=steps,
-                                    num_workers=num_workers, batch_size=batch_size,
-                                    out=Path(out), task_encoder_factory=factory)
+    with index_encoder_note(metadataset, task_encoder):
+        results, extra = run_inspection(metadataset, cfg, ranks=ranks, steps=steps,
+                                        num_workers=num_workers, batch_size=batch_size,
+                                        out=out_dir, task_encoder_factory=factory)
     click.echo(measure_table(results, extra["planned"]))
     click.echo("\n" + definitions(extra))
     if extra["note"]:

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from energon_ordering.cli.options import CONTEXT
-from energon_ordering.cli.preflight import check_dataset, check_source_sizes
+from energon_ordering.cli.preflight import check_dataset, check_out_dir, check_source_sizes
 from energon_ordering.cli.recipe import RECIPE, load_recipe
 from energon_ordering.cli.tables import epochs_rows, table
 from energon_ordering.cli.user_error import UserError, user_errors
@@ -27,6 +27,10 @@ def _parse_sizes(text: str) -> dict[str, int]:
             raise UserError(
                 f"--source-sizes {show(part)}: expected NAME=SAMPLES, e.g. web=1000000,code=200000."
             ) from None
+        if sizes[name.strip()] < 1:
+            raise UserError(
+                f"--source-sizes {show(part)}: a source's size is its number of samples, at least "
+                f"1; give {name.strip()}=SAMPLES with SAMPLES >= 1.")
     if not sizes:
         raise UserError("--source-sizes: no sizes given; e.g. web=1000000,code=200000.")
     return sizes
@@ -149,9 +153,6 @@ def _schedule_marks(sched: Any, total_steps: int) -> list[tuple[int, str]]:
 def command(recipe: str, total_steps: int | None, global_batch_size: int, metadataset: str | None,
             source_sizes: str | None, doc_tokens: str | None, warn_above: float, out: str) -> None:
     """Before a run: the schedule at its boundaries, implied epochs, warmup, plan.png."""
-    from energon_ordering.inspect.inspection import source_sizes_from_metadataset
-    from energon_ordering.inspect.plots import plot_plan
-
     # Everything is checked before anything is printed.
     if metadataset and source_sizes:
         raise UserError("give either --metadataset or --source-sizes, not both.")
@@ -163,6 +164,8 @@ def command(recipe: str, total_steps: int | None, global_batch_size: int, metada
                         "or pass --total-steps N.")
     sizes = None
     if metadataset:
+        from energon_ordering.inspect.inspection import source_sizes_from_metadataset
+
         check_dataset(metadataset, "--metadataset", "RECIPE")
         with user_errors():
             sizes = source_sizes_from_metadataset(metadataset)
@@ -182,12 +185,7 @@ def command(recipe: str, total_steps: int | None, global_batch_size: int, metada
     if doc_tokens is not None and not pack_target:
         raise UserError("--doc-tokens is for packing recipes (pack_seq_length); this recipe does "
                         "not pack, so its global batch counts documents: drop --doc-tokens.")
-    try:
-        Path(out).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(
-            f"--out {out}: cannot write plan.png there ({e.strerror or e}); pass a writable folder."
-        ) from e
+    check_out_dir(out, "plan.png")
 
     name = Path(recipe).name
     if sched is not None:
@@ -231,8 +229,9 @@ def command(recipe: str, total_steps: int | None, global_batch_size: int, metada
         else:
             click.echo(f"\nLength pool: {cfg.length_sort_pool_size} samples per loader worker"
                        + (", before packing" if packing else "") + f", mode {cfg.length_sort_mode}.")
+    from energon_ordering.inspect.plots import plot_plan
+
     try:
-        Path(out).mkdir(parents=True, exist_ok=True)
         png = plot_plan(Path(out) / "plan.png", total_steps=total_steps, schedule=sched, warmup=w,
                         name=name)
     except OSError as e:

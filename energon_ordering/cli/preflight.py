@@ -56,25 +56,53 @@ def check_dataset(path: str, what: str, recipe_goes: str | None = None, *,
         raise UserError(f"{what} {path}: every blend weight of the metadataset is 0, so nothing "
                         "would be drawn; give at least one entry a positive weight.") from e
     except Exception as e:  # Energon raises ValueError, TypeError, OSError or YAML errors here
+        inside = Path(path) / "metadataset.yaml"
+        if Path(path).is_dir() and inside.is_file():  # e.g. the demo's data_5200/
+            raise UserError(f"{what} {path} is not a prepared Energon dataset but a folder "
+                            f"holding a metadataset: did you mean {what} {inside}?") from e
         raise UserError(f"{what} {path} is not a prepared Energon dataset or metadataset "
                         f"({type(e).__name__}: {e}); {how}.") from e
+
+
+def check_out_dir(out: str, writes: str, option: str = "--out") -> Path:
+    """Checks, before a command prints anything, that the output folder ``out`` can be created
+    and written to (nothing is created: a temporary file in its nearest existing folder); a
+    one-line :class:`UserError` naming ``option`` and what the command ``writes`` there
+    otherwise (e.g. ``/proc/x``, or a path below a regular file)."""
+    import tempfile
+
+    folder = Path(out)
+    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(20, f"{existing} is a file, not a folder")
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise UserError(f"{option} {out}: cannot write {writes} there ({e.strerror or e}); pass "
+                        "a folder you can write to.") from e
+    return folder
+
+
+def dataset_folders(path: str) -> list[str]:
+    """The prepared dataset folders of ``path`` (itself, or every one its metadataset lists)."""
+    from megatron.energon import WorkerConfig
+    from megatron.energon.metadataset import load_dataset
+
+    loaded = load_dataset(path).get_datasets(
+        training=False, split_part="train",
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    return list(dict.fromkeys(str(e.dataset.path) for e in loaded.datasets
+                              if getattr(e.dataset, "path", None) is not None))
 
 
 def check_length_index_choice(path: str, name: str | None, option: str = "--length-index") -> None:
     """Each prepared dataset of ``path`` that has length indexes has the one named ``name``,
     or, without a name, one to take without asking (the unnamed one or the only one); else a
     one-line :class:`UserError` naming the indexes found and ``option``."""
-    from megatron.energon import WorkerConfig
-    from megatron.energon.metadataset import load_dataset
-
     from energon_ordering.length_index.index import length_index_files
 
-    loaded = load_dataset(path).get_datasets(
-        training=False, split_part="train",
-        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
-    folders = dict.fromkeys(str(e.dataset.path) for e in loaded.datasets
-                            if getattr(e.dataset, "path", None) is not None)
-    for folder in folders:
+    for folder in dataset_folders(path):
         files = length_index_files(folder)
         names = [("(unnamed)" if n is None else n) for n in files]
         if name is not None and files and name not in files:
@@ -135,10 +163,40 @@ def preflight(path: str, configs: list[OrderingConfig], *, batch_size: int, num_
     check_dataset(path, "METADATASET", "--recipe")
     for cfg in configs:
         check_pool(cfg, batch_size)
+    from energon_ordering.errors import LengthIndexError
+
     with user_errors():
         for cfg in configs:
-            loader = build_train_loader(path, ordering=cfg, rank=world_size - 1,
-                                        world_size=world_size, num_workers=num_workers,
-                                        batch_size=batch_size,
-                                        task_encoder_factory=task_encoder_factory)
+            try:
+                loader = build_train_loader(path, ordering=cfg, rank=world_size - 1,
+                                            world_size=world_size, num_workers=num_workers,
+                                            batch_size=batch_size,
+                                            task_encoder_factory=task_encoder_factory)
+            except LengthIndexError as e:
+                missing_length_indexes(path, cfg, e)
+                raise
             close_loader(loader)
+
+
+def missing_length_indexes(path: str, cfg: OrderingConfig, error: Exception) -> None:
+    """Where building a pipeline stopped at the first dataset without a length index
+    (``error``), a one-line :class:`UserError` naming every dataset of ``path`` that lacks one,
+    and the one command that builds them all; returns for any other length index error."""
+    from energon_ordering.length_index.index import length_index_files
+
+    if "no length index for" not in str(error):
+        return
+    missing = [f for f in dataset_folders(path)
+               if not length_index_files(f, cfg.length_index_dir)
+               or (cfg.length_index is not None
+                   and cfg.length_index not in length_index_files(f, cfg.length_index_dir))]
+    if not missing:
+        return
+    named = "" if cfg.length_index is None else f" named {cfg.length_index}"
+    raise UserError(
+        f"no length index{named} for {len(missing)} dataset(s) of {path}: {', '.join(missing)}; "
+        f"{cfg.length_sort_mode} with length_sort_placement: pre-encode sorts by lengths known "
+        f"before encoding. Build them all with `energon-ordering index {path}"
+        + (f" --name {cfg.length_index}" if cfg.length_index else "")
+        + (f" --index-dir {cfg.length_index_dir}" if cfg.length_index_dir else "")
+        + "` (add --task-encoder MODULE:CLASS for your encoder).") from error

@@ -39,17 +39,25 @@ def epochs_rows(cfg: OrderingConfig, total_steps: int, global_batch: int, sizes:
     return rows, [str(w.message) for w in caught]
 
 
+def _mix(value: float, sources: int = 2) -> str:
+    """A source-mix figure, or ``-`` where there is no mix to measure (one source, or NaN)."""
+    return "-" if sources < 2 or value != value else f"{value:.2f}"
+
+
 def measure_table(results: dict[str, Any], planned: Sequence[str] = ()) -> str:
     """The diagnostics of ``inspect`` and ``demo``, one column per run; the ``planned`` runs'
     overlap figure is starred (samples drawn more often than their source's epochs allow,
     :func:`energon_ordering.cli.inspect.planned_repeats`)."""
     names = list(results)
     rows = [
-        ["straggler idle", *(f"{100 * results[n].straggler_idle:.1f}%" for n in names)],
+        ["straggler idle, per micro-batch",
+         *(f"{100 * results[n].straggler_idle:.1f}%" for n in names)],
         ["padding waste", *(f"{100 * results[n].padding_waste:.1f}%" for n in names)],
         ["tokens per step", *(f"{results[n].tokens_per_step:,.0f}" for n in names)],
-        ["source histogram dispersion (1 = iid)", *(f"{results[n].histogram_dispersion:.2f}" for n in names)],
-        ["  per optimizer step (1 = iid)", *(f"{results[n].step_histogram_dispersion:.2f}" for n in names)],
+        ["source histogram dispersion (1 = iid)",
+         *(_mix(results[n].histogram_dispersion, len(results[n].sources)) for n in names)],
+        ["  per optimizer step (1 = iid)",
+         *(_mix(results[n].step_histogram_dispersion, len(results[n].sources)) for n in names)],
         ["keys on two ranks (must be 0)", *(str(results[n].overlapping_keys)
                                              + ("*" if n in planned else "") for n in names)],
         ["sawtooth at shard period", *("yes" if results[n].sawtooth else "no" for n in names)],
@@ -62,8 +70,10 @@ def measure_table(results: dict[str, Any], planned: Sequence[str] = ()) -> str:
 def definitions(extra: dict[str, Any]) -> str:
     """One line per term of :func:`measure_table`, printed under it."""
     return "\n".join([
-        "straggler idle: share of each step the ranks wait for the slowest (cost L + L^2/4096 "
-        "per sample); lower is better.",
+        "straggler idle, per micro-batch: share of each micro-batch the ranks wait for the "
+        "slowest (cost L + L^2/4096 per sample); lower is better. inspect.png plots it per "
+        "optimizer step instead (each rank's micro-batches of the step summed), which is lower "
+        "with several micro-batches per step: their differences partly cancel.",
         "padding waste: share of a micro-batch that is padding up to its longest sample (with "
         "packing: its longest pack); lower is better.",
         "tokens per step: tokens of one micro-batch of every rank together, before padding.",
@@ -125,13 +135,13 @@ def advice_tables(adv: Any) -> str:
         accepted = ("" if p.pool_size == 0 else "yes" if p.pool_size <= adv.share
                     else f"needs {adv.samples_needed(p.pool_size):,}")
         rows.append([name, *(f"{100 * p.idle[r]:.1f}%" for r in counts),
-                     f"{100 * p.padding:.1f}%", f"{p.dispersion_batch:.2f}",
-                     f"{p.dispersion_step:.2f}", accepted])
+                     f"{100 * p.padding:.1f}%", _mix(p.dispersion_batch),
+                     _mix(p.dispersion_step), accepted])
     planned = adv.planned
     if planned is not None:
         rows.append([planned.name, *(f"{100 * planned.idle[r]:.1f}%" for r in counts),
-                     f"{100 * planned.padding:.1f}%", f"{planned.dispersion_batch:.2f}",
-                     f"{planned.dispersion_step:.2f}",
+                     f"{100 * planned.padding:.1f}%", _mix(planned.dispersion_batch),
+                     _mix(planned.dispersion_step),
                      "yes (index)" if planned.has_index else "needs a length index"])
     headers = ["order", *(f"idle {r}" + ("*" if r == adv.ranks else "") for r in counts),
                "padding", "disp/mb", "disp/step", "accepted"]

@@ -913,9 +913,11 @@ def recommend(
     than ``tolerance`` (within it, the pool: no index needed, the reading path unchanged), or
     when no pool fits the share or the budget (it needs no pool memory). Without an index it is
     never recommended (:func:`planned_note` says so).
+
+    Without ``costs`` (``advise --no-measure``) the choice rests on idle and padding alone: no
+    memory budget applies, and the placement is the default one (post-encode, raw), which the
+    reason says.
     """
-    if not costs:
-        return None, "memory and time to first batch were not measured (--no-measure)"
     rec, reason, lost = _recommend_pool(predictions, costs, ranks=ranks,
                                         memory_budget=memory_budget, share=share,
                                         tolerance=tolerance)
@@ -931,6 +933,7 @@ def recommend(
         f"({versus}); every step holds each source's weight x global batch within "
         f"{planned.worst_step_samples[ranks]:.1f} samples; no pool memory; planning takes "
         f"{1e3 * planned.plan_seconds[ranks]:,.1f} ms per step per rank"
+        + ("" if costs else " (--no-measure: from idle and padding alone)")
     )
 
 
@@ -948,6 +951,19 @@ def _recommend_pool(
     if not feasible:
         return None, (f"no pool fits a loader worker's share of the data ({share:,} samples); "
                       "add data, or lower --ranks or --num-workers"), None
+    within = f" and a loader worker's share ({share:,} samples)" if share is not None else ""
+    if not costs:  # --no-measure: idle and padding alone, the default placement
+        options = [(_lost(p, ranks), p) for p in feasible]
+        best = min(o[0] for o in options)
+        lost, p = min((o for o in options if o[0] <= best + tolerance),
+                      key=lambda o: o[1].pool_size)
+        return ("post-encode", "raw", p.mode, p.pool_size), (
+            f"--no-measure: chosen from idle and padding alone, memory and time to first batch "
+            f"not measured, so the placement is the default (measure to choose it); loses "
+            f"{100 * lost:.1f}% of compute to idle + padding at {ranks} ranks (best "
+            f"{100 * best:.1f}%), the smallest pool within {100 * tolerance:.1f} points of the "
+            f"best" + (f" within a loader worker's share ({share:,} samples)" if share else "")
+        ), lost
     options = []
     for p in feasible:
         for c in costs:
@@ -959,7 +975,6 @@ def _recommend_pool(
     best = min(o[0] for o in options)
     near = [o for o in options if o[0] <= best + tolerance]
     lost, p, c = min(near, key=lambda o: (o[1].pool_size, o[2].memory_bytes(o[1].pool_size)))
-    within = f" and a loader worker's share ({share:,} samples)" if share is not None else ""
     return (c.placement, c.holds, p.mode, p.pool_size), (
         f"loses {100 * lost:.1f}% of compute to idle + padding at {ranks} ranks (best "
         f"{100 * best:.1f}%), the smallest pool within {100 * tolerance:.1f} points of the best "

@@ -55,6 +55,12 @@ __all__ = [
 class Measurement:
     """Diagnostics of one simulated run (``records[rank][step]``).
 
+    ``straggler_idle`` is per micro-batch: the mean over micro-batch indexes of the share the
+    ranks wait for the slowest rank's micro-batch (``inspect.png`` plots it per optimizer step,
+    each rank's micro-batches of the step summed, which is lower with several per step).
+    The dispersions are NaN where they cannot be measured (no source names, too few steps) and
+    meaningless with one source (the tables print ``-`` then).
+
     ``histogram_dispersion`` is :func:`~energon_ordering.inspect.diagnostics.histogram_dispersion`
     over each rank's micro-batches (averaged over ranks); ``step_histogram_dispersion`` the same
     over optimizer steps, a step's group being every micro-batch of every rank in that step

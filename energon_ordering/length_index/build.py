@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import inspect
 import multiprocessing
+import re
 import time
 import warnings
 from collections import deque
@@ -53,7 +54,22 @@ from energon_ordering.length_index.index import (
 )
 from energon_ordering.pool.sample_length import default_sample_length
 
-__all__ = ["BuiltIndex", "build_length_index", "sample_length_of"]
+__all__ = ["BuiltIndex", "build_length_index", "check_index_name", "sample_length_of"]
+
+#: A length index's name: a plain part of its file's name (no folder, no leading dot).
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+
+
+def check_index_name(name: str | None, what: str = "build_length_index: name") -> None:
+    """Raises :class:`LengthIndexError` unless ``name`` (None: the default name) is a plain
+    name: it becomes part of the index's file name, and ``../x`` or ``a/b`` would write the
+    index outside its folder. ``what`` names the argument (``--name`` on the command line)."""
+    if name is not None and (not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name)):
+        raise LengthIndexError(
+            f"{what} {show(name)} is not a plain name: it becomes part of the index's file name "
+            "(energon_ordering_lengths.<name>.sqlite), so use only letters, digits, '.', '_' and "
+            "'-', not starting with '.' (e.g. my_encoder)."
+        )
 
 
 @dataclass(frozen=True)
@@ -289,6 +305,7 @@ def build_length_index(
     Returns:
         One :class:`BuiltIndex` per prepared dataset.
     """
+    check_index_name(name)
     if task_encoder is None:
         if raw_length_fn is None:
             raise LengthIndexError(
