@@ -1196,9 +1196,16 @@ def plot_advice(path: str | Path, advice: Advice) -> Path:
                         label=label if mode == "batch" else None)
     ax.axhline(max(floor, 100 * off.idle[advice.ranks]), color="black", lw=1, ls=":",
                label=f"no pool, {advice.ranks:,} ranks: {100 * off.idle[advice.ranks]:.1f}%")
+    # The accepted pools, from the axis' left edge to a worker's share: at least a visible band
+    # (the share is often at or near the smallest pool), edged by a line at the share.
+    x_lo, x_hi = sizes[0] / 2, sizes[-1] * 1.5
+    ax.set_xlim(x_lo, x_hi)
     if advice.share >= sizes[0]:
-        ax.axvspan(sizes[0], min(advice.share, sizes[-1]), color="green", alpha=0.08,
-                   label=f"accepted: pool <= {advice.share:,} (a worker's share)")
+        ax.axvspan(x_lo, min(advice.share, x_hi), color="green", alpha=0.2, lw=0,
+                   label=f"accepted pools: up to {advice.share:,} samples (a worker's share)")
+        ax.axvline(min(advice.share, x_hi), color="green", lw=1.5)
+    else:
+        ax.plot([], [], " ", label=f"no pool accepted: a worker's share is {advice.share:,} samples")
     planned = advice.planned
     if planned is not None and advice.ranks in planned.idle:
         ax.axhline(max(floor, 100 * planned.idle[advice.ranks]), color="black", lw=1, ls="--",
@@ -1225,6 +1232,9 @@ def plot_advice(path: str | Path, advice: Advice) -> Path:
     ax.grid(True, which="both", alpha=0.3)
 
     mem_ax = cost_ax.twinx()
+    if not advice.costs:
+        cost_ax.text(0.5, 0.5, "not measured (--no-measure)", ha="center", va="center",
+                     transform=cost_ax.transAxes)
     for i, c in enumerate(advice.costs):
         if c.note:
             continue

@@ -123,10 +123,12 @@ def run_figure(
     warmup: SeqLenWarmup | None = None,
     window_steps: int = 10,
 ) -> Any:
-    """Per optimizer step: straggler idle of each run; the realised source shares of every run
-    (up to three; else the first, pool off, and the last) side by side against the schedule,
-    per step and as a centred mean over ``window_steps`` steps; and the longest sample of the
-    last run against the warmup cap."""
+    """Per optimizer step: straggler idle of each run (each rank's micro-batches of the step
+    summed, labelled as such: the tables of ``inspect`` and ``demo`` give it per micro-batch);
+    the realised source shares of every run (up to three; else the first, pool off, and the
+    last) side by side against the schedule, per step and as a centred mean over
+    ``window_steps`` steps; and the longest sample of the last run, against the warmup cap
+    when there is a warmup."""
     plt = _plt()
     m = micro_batches_per_step
     names = list(runs)
@@ -142,10 +144,13 @@ def run_figure(
                     for k in range(steps)]
         idle = np.array(step_idle(per_rank)) if per_rank else np.zeros(1)
         ax_idle.plot(np.arange(len(idle)), 100 * idle, lw=0.8,
-                     label=f"{name} (mean {100 * idle.mean():.1f}%)")
-    ax_idle.set_title("straggler idle per step: share of the step the ranks wait for the slowest")
+                     label=f"{name} (mean {100 * idle.mean():.1f}% per optimizer step)")
+    summed = (f"each rank's {m} micro-batches summed; the table's idle is per micro-batch"
+              if m > 1 else "one micro-batch per rank per step, as in the table")
+    ax_idle.set_title(f"straggler idle per optimizer step ({summed}): share of the step the "
+                      "ranks wait for the slowest", fontsize=10)
     ax_idle.set_xlabel("optimizer step")
-    ax_idle.set_ylabel("straggler idle (%)")
+    ax_idle.set_ylabel("idle per optimizer step (%)")
     ax_idle.legend(**_LEGEND_OUTSIDE)
 
     seen = {s for recs in runs.values() for r in recs for b in r for s in b.sources}
@@ -203,7 +208,9 @@ def run_figure(
     if warmup is not None:
         ax_len.plot(np.arange(steps), [warmup.max_seq_len(k) for k in range(steps)], "--",
                     label="warmup cap (max_seq_len)")
-    ax_len.set_title("longest sample of each step, against the sequence-length warmup cap")
+    ax_len.set_title("longest sample of each step, against the sequence-length warmup cap"
+                     if warmup is not None else
+                     "longest sample of each step (no sequence-length warmup in this recipe)")
     ax_len.set_xlabel("optimizer step")
     ax_len.set_ylabel("tokens")
     ax_len.legend(**_LEGEND_OUTSIDE)
