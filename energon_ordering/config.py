@@ -15,6 +15,7 @@ from energon_ordering.pool.order import POOL_ORDERS
 from energon_ordering.pool.ramp import RAMP_MIN_POOL
 from energon_ordering.mixture.schedule import MAX_STEPS, MixtureSchedule
 from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
+from energon_ordering.warmup.overflow import OVERFLOW_POLICIES
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.yaml_file import load_yaml
 
@@ -339,10 +340,6 @@ class OrderingConfig:
                 f"{show(self.length_sort_mode)}); drop plan_window_steps or set "
                 "length_sort_mode = 'planned'."
             )
-        # Last, and imported here: token_layout imports torch, and every other mistake in a
-        # recipe is reported without it (the CLI answers a bad recipe in a fraction of a second).
-        from energon_ordering.warmup.token_layout import OVERFLOW_POLICIES
-
         if self.seq_length_overflow not in OVERFLOW_POLICIES:
             raise OrderingConfigError(
                 f"OrderingConfig.seq_length_overflow = {show(self.seq_length_overflow)} is "

@@ -177,3 +177,24 @@ def test_verify_draws_samples_and_lists_every_mismatch(jpeg_dataset: Path) -> No
     with pytest.raises(LengthIndexError, match=r"verify: samples = 0 must be an integer >= 1"):
         verify_raw_length(jpeg_dataset, raw_length_fn=hl.llava_caption_length,
                           task_encoder=encoder, samples=0)
+
+
+def test_index_verify_lists_mismatches_and_stops_unless_allowed(jpeg_dataset: Path) -> None:
+    """``index --raw-length-fn F --verify N``: the task encoder (here the CLI's estimate, which
+    counts a fixed number of tokens per image) measures N samples beside F; every mismatch is
+    listed and the build stops with exit 2, unless ``--allow-mismatch``."""
+    from energon_ordering.cli import main
+
+    fn = "energon_ordering.length_index.header_length:qwen2_vl_caption_length"
+    args = ["index", str(jpeg_dataset), "--name", "verified", "--raw-length-fn", fn,
+            "--verify", "5"]
+    stopped = CliRunner().invoke(main, args)
+    assert stopped.exit_code == 2, stopped.output
+    assert "differs from the task encoder on 5 of 5 verified samples" in stopped.output
+    assert not list(jpeg_dataset.glob(".nv-meta/*verified*"))
+    allowed = CliRunner().invoke(main, [*args, "--allow-mismatch"])
+    assert allowed.exit_code == 0, allowed.output
+    assert "verified 5 samples: 5 mismatch(es)" in allowed.output
+    assert list(jpeg_dataset.glob(".nv-meta/*verified*"))  # built now (the pattern finds it)
+    refused = CliRunner().invoke(main, ["index", str(jpeg_dataset), "--verify", "3"])
+    assert refused.exit_code == 2 and "give --raw-length-fn" in refused.output

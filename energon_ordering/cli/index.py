@@ -17,7 +17,7 @@ from energon_ordering.cli.options import (
 )
 from energon_ordering.cli.preflight import check_dataset
 from energon_ordering.cli.tables import index_table
-from energon_ordering.cli.user_error import user_errors
+from energon_ordering.cli.user_error import UserError, user_errors
 
 #: Energon's image decoders (``SampleDecoder(image_decode=...)``).
 IMAGE_DECODERS = ("l8", "rgb8", "rgba8", "l", "rgb", "rgba", "torchl8", "torchrgb8",
@@ -49,9 +49,16 @@ IMAGE_DECODERS = ("l8", "rgb8", "rgba8", "l", "rgb", "rgba", "torchl8", "torchrg
               help="Decode images as get_train_dataset(image_decode=...) does in your loader "
                    "(Megatron-LM's examples/multimodal passes pil); default: the task "
                    "encoder's own decoder.")
+@click.option("--verify", "verify", type=click.IntRange(min=1), default=None, metavar="N",
+              help="With --raw-length-fn: first run the task encoder on N random samples of each "
+                   "dataset and compare; every mismatch is listed and the build stops (exit 2) "
+                   "unless --allow-mismatch.")
+@click.option("--allow-mismatch", is_flag=True,
+              help="With --verify: list the mismatches and build the index anyway.")
 def command(dataset: str, task_encoder: str | None, tokens_per_media: int,
             raw_length_fn: str | None, split_part: str, workers: int, name: str | None,
-            index_dir: str | None, skip_bad_samples: bool, image_decode: str | None) -> None:
+            index_dir: str | None, skip_bad_samples: bool, image_decode: str | None,
+            verify: int | None, allow_mismatch: bool) -> None:
     """Build the length index of DATASET (a prepared folder or a metadataset: every dataset in
     it), for length_sort_placement = pre-encode. Written to <dataset>/.nv-meta/ (or --index-dir),
     tied to the dataset's index.uuid; run it again after `energon prepare`."""
@@ -61,12 +68,29 @@ def command(dataset: str, task_encoder: str | None, tokens_per_media: int,
         check_index_name(name, "--name")
     check_dataset(dataset, "DATASET", open_train_split=False)  # the split is --split-part
     fn = import_function(raw_length_fn, "--raw-length-fn") if raw_length_fn else None
-    te = None if fn is not None and task_encoder is None else resolve_task_encoder(
-        task_encoder, tokens_per_media)()
-    if image_decode is not None and te is not None:
+    if verify is not None and fn is None:
+        raise UserError(f"--verify {verify} compares --raw-length-fn with the task encoder; "
+                        "give --raw-length-fn MODULE:FUNCTION (and --task-encoder), or drop "
+                        "--verify.")
+    encoder = resolve_task_encoder(task_encoder, tokens_per_media)()
+    if image_decode is not None:
         from megatron.energon import SampleDecoder
 
-        te.decoder = SampleDecoder(image_decode=image_decode)
+        encoder.decoder = SampleDecoder(image_decode=image_decode)
+    # the task encoder measures unless a raw length function does (then it only verifies it)
+    te = None if fn is not None and task_encoder is None else encoder
+    if verify is not None:
+        from energon_ordering.length_index.verify import verify_raw_length
+
+        with user_errors():
+            report = verify_raw_length(dataset, raw_length_fn=fn, task_encoder=encoder,
+                                       samples=verify, split_part=split_part)
+            for mismatch in report.mismatches:
+                click.echo(str(mismatch), err=True)
+            click.echo(f"verified {report.checked} samples: {len(report.mismatches)} "
+                       "mismatch(es)", err=True)
+            if not allow_mismatch:
+                report.check(fn)
     with contextlib.ExitStack() as bars, user_errors():
 
         def progress(name: str, total: int) -> Callable[[int], None]:

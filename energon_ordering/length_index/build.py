@@ -83,7 +83,7 @@ class BuiltIndex:
     skipped: list[str] = dataclasses.field(default_factory=list)
 
 
-class _Measure:
+class SampleMeasure:
     """Length of one raw sample: ``raw_length_fn`` on its files, or load + encode + length."""
 
     def __init__(
@@ -156,7 +156,7 @@ def sample_length_of(task_encoder: Any, sample: Any) -> float:
 #: Samples per task of a measuring process.
 CHUNK = 64
 
-_WORKER_MEASURE: _Measure | None = None
+_WORKER_MEASURE: SampleMeasure | None = None
 
 
 def _measure_chunk(raws: list[Any]) -> list[tuple[str, float | None]]:
@@ -247,7 +247,7 @@ def _replacement_pool(pending: deque[_Chunk], workers: int, ctx: Any) -> Process
 
 def _measured(
     raws: Iterator[Any],
-    measure: _Measure,
+    measure: SampleMeasure,
     workers: int,
     progress: Callable[[int], None] | None,
     skipped: list[str],
@@ -318,7 +318,7 @@ def build_length_index(
         raise LengthIndexError(f"build_length_index: workers = {workers} must be >= 1.")
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
     dataset = load_dataset(path)
-    _check_split_part(dataset, path, split_part)
+    check_split_part(dataset, path, split_part)
     try:
         loaded = dataset.get_datasets(
             training=False,
@@ -346,7 +346,7 @@ def build_length_index(
                 "split you train on (--split-part train)."
             )
         raw_ds, load_fns = split_loader(DefaultTaskEncoder._load_dataset(task_encoder, entry, 0, wc))
-        measure = _Measure(task_encoder, load_fns, raw_length_fn, skip_bad_samples)
+        measure = SampleMeasure(task_encoder, load_fns, raw_length_fn, skip_bad_samples)
         advance = progress(label, len(factory)) if progress is not None else None
         computed_by = _describe(task_encoder, raw_length_fn)
         skipped: list[str] = []
@@ -389,7 +389,7 @@ def split_parts(dataset: Any) -> list[str] | None:
     return None
 
 
-def _check_split_part(dataset: Any, path: str | Path, split_part: str) -> None:
+def check_split_part(dataset: Any, path: str | Path, split_part: str) -> None:
     """Refuses a ``split_part`` the (meta)dataset does not have (Energon's own refusal is an
     ``assert`` or a ``KeyError`` deep in its loader: a 19-frame traceback)."""
     parts = split_parts(dataset)

@@ -21,7 +21,7 @@ from megatron.energon import DefaultTaskEncoder, WorkerConfig
 from megatron.energon.metadataset.loader import load_dataset
 
 from energon_ordering.errors import LengthIndexError, show
-from energon_ordering.length_index.build import _check_split_part, _Measure
+from energon_ordering.length_index.build import check_split_part, SampleMeasure
 from energon_ordering.pool.deferred_load import split_loader
 
 __all__ = ["LengthMismatch", "VerifyReport", "verify_raw_length"]
@@ -90,7 +90,7 @@ def verify_raw_length(
         raise LengthIndexError(f"verify: samples = {show(samples)} must be an integer >= 1 (--verify N).")
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
     dataset = load_dataset(path)
-    _check_split_part(dataset, path, split_part)
+    check_split_part(dataset, path, split_part)
     loaded = dataset.get_datasets(training=False, split_part=split_part, worker_config=wc,
                                   decoder=getattr(task_encoder, "decoder", None))
     checked, mismatches, seen = 0, [], set()
@@ -102,8 +102,8 @@ def verify_raw_length(
         seen.add(label)
         raw_ds, load_fns = split_loader(DefaultTaskEncoder._load_dataset(task_encoder, entry, 0, wc))
         drawn = set(rng.sample(range(len(entry.dataset)), min(samples, len(entry.dataset))))
-        by_raw = _Measure(task_encoder, load_fns, raw_length_fn)
-        by_encoder = _Measure(task_encoder, load_fns, None)
+        by_raw = SampleMeasure(task_encoder, load_fns, raw_length_fn)
+        by_encoder = SampleMeasure(task_encoder, load_fns, None)
         for index, raw in enumerate(raw_ds):
             if index in drawn:
                 key, raw_length = by_raw(raw)

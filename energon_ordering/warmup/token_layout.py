@@ -34,12 +34,10 @@ import torch
 from energon_ordering.errors import OrderingTypeError
 from energon_ordering.sample_fields import sample_field, sample_key
 from energon_ordering.errors import show
+from energon_ordering.warmup.overflow import OVERFLOW_POLICIES
 
 __all__ = ["OVERFLOW_POLICIES", "TokenLayout", "TruncationResult", "truncate_sample"]
 
-#: What to do with a sample whose media tokens alone exceed the cap: emit it uncut (``keep``),
-#: skip it (``drop``) or raise (``error``).
-OVERFLOW_POLICIES = ("keep", "drop", "error")
 
 
 @dataclass(frozen=True)
