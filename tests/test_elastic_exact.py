@@ -15,6 +15,7 @@ from pathlib import Path
 import sys
 
 import pytest
+from megatron.energon import stateless
 
 from energon_ordering import OrderingConfig, restore_state_rank
 from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, record_batch
@@ -242,3 +243,35 @@ def test_elastic_resume_keeps_the_schedules_steps(data):
     assert _seen(rest, 1) == seen[5:]
     webs = [sum(k.startswith("web") for k, _ in s) for s in seen]
     assert webs[0] > webs[-1]  # the schedule really moves the mix
+
+
+#: (pack target the packer was told, tokens it was handed) per pack, in-process loaders only.
+_TOLD: list[tuple[int, int]] = []
+
+
+class _AskingPacker(IndexedSyntheticTaskEncoder):
+    """A user's packer that asks ``ordering_pack_target()`` while it packs."""
+
+    @stateless
+    def pack_selected_samples(self, samples):
+        _TOLD.append((self.ordering_pack_target(), sum(s.total_len for s in samples)))
+        return self.ordering_pack_selected_samples(samples)
+
+
+def test_a_packer_asking_for_its_target_after_an_elastic_resume_gets_the_plans_cap(data):
+    """Planned packs under the warmup, resumed elastically at step 2 (Energon's batch index
+    restarts at 0): a packer calling ``ordering_pack_target()`` is told its pack's cap, never
+    step 0's, so what it packs fits what it was told."""
+    cfg = dict(pack_seq_length=1024, plan_window_steps=K)
+    _, states = _run(data, 2, 2, 2 * 2, save_at={4}, pack=True, **cfg)
+    loader = build_train_loader(data, ordering=_config(4, **cfg), rank=0, world_size=1,
+                                batch_size=1, packing_buffer_size=32,
+                                task_encoder_factory=_AskingPacker)
+    restore_state_rank(loader, states[4])
+    _TOLD.clear()
+    it = iter(loader)
+    for _ in range(4):  # step 2: cap 512
+        next(it)
+    del it
+    close_loader(loader)
+    assert _TOLD and all(tokens <= told == 512 for told, tokens in _TOLD), _TOLD

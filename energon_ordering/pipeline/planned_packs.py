@@ -53,7 +53,7 @@ from energon_ordering.planned.packs import (
     plan_packed_window,
 )
 from energon_ordering.warmup.cap_cut import CapCutter, new_counts
-from energon_ordering.warmup.pack_cap import PACK_WORDING, pack_target
+from energon_ordering.warmup.pack_cap import PACK_WORDING, pack_target, packing_round
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.token_layout import TokenLayout
 
@@ -353,7 +353,8 @@ class PlannedPackDataset(BaseWrapperDataset[Any, Any]):
             self._check_fit(cut, tag[4], step, counts)
         if self.sample_encoder is not None:  # as Energon's packer: on the selected samples
             cut = [self.sample_encoder(x) for x in cut]
-        packed = self.final_packer(cut)
+        with packing_round(tag[4]):  # ordering_pack_target() answers the plan's cap
+            packed = self.final_packer(cut)
         return set_sample_restore_key(packed, *keys, src=self)
 
     def _check_fit(self, samples: list[Any], cap: int, step: int, counts: dict[str, int]) -> None:

@@ -63,7 +63,8 @@ from energon_ordering.warmup.cap_cut import LOG_FIRST, CapCutter, CapWording, ne
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.token_layout import TokenLayout, truncate_sample
 
-__all__ = ["PACK_WORDING", "PackCapDataset", "PackCapPrePacker", "pack_target", "round_target"]
+__all__ = ["PACK_WORDING", "PackCapDataset", "PackCapPrePacker", "pack_target", "packing_round",
+           "round_target"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,10 @@ def round_target() -> int | None:
 
 
 @contextlib.contextmanager
-def _round(target: int | None) -> Iterator[None]:
+def packing_round(target: int | None) -> Iterator[None]:
+    """While the block runs, :func:`round_target` (and so
+    ``OrderingTaskEncoder.ordering_pack_target()``) answers ``target``: the packs being made
+    must fit it."""
     token = _ROUND_TARGET.set(target)
     try:
         yield
@@ -493,7 +497,7 @@ class PackCapPrePacker:
     @contextlib.contextmanager
     def _packer_reads(self, target: int | None) -> Iterator[None]:
         """The round's target where the user's packer reads it, for the duration of its call."""
-        with _round(target):
+        with packing_round(target):
             if self.target_attribute is None or target is None:
                 yield
                 return
