@@ -18,7 +18,12 @@ import pytest
 from megatron.energon import stateless
 
 from energon_ordering import OrderingConfig, restore_state_rank
-from energon_ordering.inspect.rank_simulation import build_train_loader, close_loader, record_batch
+from energon_ordering.inspect.rank_simulation import (
+    build_train_loader,
+    close_loader,
+    record_batch,
+    resume,
+)
 from energon_ordering.inspect.synthetic import SourceSpec
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
 
@@ -94,13 +99,7 @@ def _run(data, world_size, mbps, micro_batches, *, state=None, num_workers=0, sa
 
 def _rank0_from(data, world_size, mbps, state, micro_batches, num_workers=0):
     """Rank 0's next ``micro_batches`` records, restored from ``state``."""
-    loader = _loader(data, world_size, mbps, 0, num_workers)
-    restore_state_rank(loader, state)
-    it = iter(loader)
-    records = [record_batch(next(it)) for _ in range(micro_batches)]
-    del it
-    close_loader(loader)
-    return records
+    return resume(lambda: _loader(data, world_size, mbps, 0, num_workers), state, micro_batches)
 
 
 def test_elastic_resume_keeps_the_warmup_caps(data):
