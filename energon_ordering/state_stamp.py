@@ -675,9 +675,9 @@ def _restore_elastic_start(loader: Any) -> None:
     micro-batch answered ``None`` for it: a state that restarts the epoch. With it, every state
     the loader saves is an exact state of its own shape. Without workers the in-process dataset
     is the state already."""
-    workers = max(1, int(getattr(loader, "num_workers", 0) or 0))
+    workers = int(getattr(loader, "num_workers", 0) or 0)
     wrapper = getattr(loader, "dataset", None)
-    if not getattr(loader, "num_workers", 0) or not hasattr(wrapper, "restore_checkpoint"):
+    if workers == 0 or not hasattr(wrapper, "restore_checkpoint"):
         return
     snapshot = wrapper.dataset.save_state()
     wrapper.restore_checkpoint(
