@@ -19,8 +19,14 @@ from energon_ordering.warmup.overflow import OVERFLOW_POLICIES
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.yaml_file import load_yaml
 
-__all__ = ["MAX_PLAN_WINDOW_SAMPLES", "MAX_PLAN_WINDOW_STEPS", "PACK_POOL_PLACEMENTS",
-           "PLACEMENTS", "PLANNED", "POOL_HOLDS", "OrderingConfig"]
+__all__ = ["DEFAULT_PLANNED_MIX", "MAX_PLAN_WINDOW_SAMPLES", "MAX_PLAN_WINDOW_STEPS",
+           "PACK_POOL_PLACEMENTS", "PLACEMENTS", "PLANNED", "PLANNED_MIXES", "POOL_HOLDS",
+           "OrderingConfig"]
+
+#: ``planned_mix`` values: the blend's mix held per optimizer step or per plan window.
+PLANNED_MIXES = ("step", "window")
+#: The default ``planned_mix``.
+DEFAULT_PLANNED_MIX = "step"
 
 #: ``length_sort_mode`` of the planned global order (issue 23): no pool; every rank computes the
 #: same plan of the global order from the length index (:mod:`energon_ordering.planned`).
@@ -143,6 +149,13 @@ class OrderingConfig:
             the global batch (or the micro-batch size) at a plan window boundary; every window
             from there on draws and balances the new global batch. False: such a state is
             refused, naming this setting. Only in planned mode.
+        planned_mix: With ``length_sort_mode = "planned"``: where the blend's mix holds.
+            ``"step"`` (default): every optimizer step within one sample per source of weight x
+            global batch. ``"window"``: every plan window of ``plan_window_steps`` steps within
+            one sample per source of its weights' sum over the window, the window's samples free
+            to move between its steps (each step one band of lengths: less idle and padding at
+            one or two micro-batches per step); the schedule and the warmup still hold per step.
+            A state saved with one is refused by the other. Only in planned mode.
     """
 
     length_sort_pool_size: int = 0
@@ -166,6 +179,7 @@ class OrderingConfig:
     length_index_dir: str | None = None
     plan_window_steps: int | None = None
     allow_global_batch_change: bool = False
+    planned_mix: str = DEFAULT_PLANNED_MIX
 
     def __post_init__(self) -> None:
         for name in ("length_sort_pool_size", "seed", "micro_batches_per_step", "total_steps"):
@@ -179,6 +193,7 @@ class OrderingConfig:
                 )
         for name in (
             "length_sort_mode", "length_sort_placement", "length_sort_pool_holds", "blend_policy",
+            "planned_mix",
         ):
             value = getattr(self, name)
             if not isinstance(value, str):
@@ -319,6 +334,12 @@ class OrderingConfig:
                     f"OrderingConfig.{name} = {show(value)} ({type(value).__name__}) must be a "
                     "string or None."
                 )
+        if self.planned_mix not in PLANNED_MIXES:
+            raise OrderingConfigError(
+                f"OrderingConfig.planned_mix = {show(self.planned_mix)} is unknown; use one of "
+                f"{list(PLANNED_MIXES)} (the blend's mix held per optimizer step or per plan "
+                "window)."
+            )
         if self.length_sort_mode == PLANNED:
             self._check_planned()
         elif self.length_sort_mode not in POOL_ORDERS:
@@ -338,6 +359,13 @@ class OrderingConfig:
                 f"OrderingConfig.plan_window_steps = {show(self.plan_window_steps)} applies to "
                 f"length_sort_mode = 'planned' only (length_sort_mode is "
                 f"{show(self.length_sort_mode)}); drop plan_window_steps or set "
+                "length_sort_mode = 'planned'."
+            )
+        elif self.planned_mix != DEFAULT_PLANNED_MIX:
+            raise OrderingConfigError(
+                f"OrderingConfig.planned_mix = {show(self.planned_mix)} applies to "
+                f"length_sort_mode = 'planned' only (length_sort_mode is "
+                f"{show(self.length_sort_mode)}); drop planned_mix or set "
                 "length_sort_mode = 'planned'."
             )
         if self.seq_length_overflow not in OVERFLOW_POLICIES:

@@ -137,3 +137,36 @@ def test_recipe_may_point_to_a_schedule_file(tmp_path):
 def test_bad_schedule_settings(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         OrderingConfig(**kwargs)
+
+
+PLANNED = dict(length_sort_mode="planned", length_sort_placement="pre-encode",
+               length_sort_pool_holds="keys")
+
+
+@pytest.mark.parametrize("mix", ["step", "window"])
+def test_planned_mix_is_a_recipe_key(tmp_path, mix):
+    recipe = tmp_path / "planned.yaml"
+    recipe.write_text("length_sort_mode: planned\nplacement: pre-encode\n"
+                      f"length_sort_pool_holds: keys\nplanned_mix: {mix}\n")
+    cfg = OrderingConfig.from_yaml(recipe)
+    assert cfg.planned_mix == mix
+    assert OrderingConfig.from_dict(cfg.to_dict()) == cfg
+    assert OrderingConfig(**PLANNED).planned_mix == "step"
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(PLANNED, planned_mix="epoch"), OrderingConfigError,
+         r"^OrderingConfig.planned_mix = 'epoch' is unknown; use one of \['step', 'window'\]"),
+        (dict(planned_mix="window"), OrderingConfigError,
+         r"^OrderingConfig.planned_mix = 'window' applies to length_sort_mode = 'planned' only "
+         r"\(length_sort_mode is 'sample'\); drop planned_mix or set length_sort_mode"),
+        (dict(planned_mix="bogus"), OrderingConfigError, r"planned_mix = 'bogus' is unknown"),
+        (dict(PLANNED, planned_mix=1), OrderingTypeError, r"planned_mix = 1 \(int\) must be a"),
+    ],
+)
+def test_bad_planned_mix(kwargs, exc, match):
+    with pytest.raises(exc, match=match) as e:
+        OrderingConfig(**kwargs)
+    assert "\n" not in str(e.value)
