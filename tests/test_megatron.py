@@ -245,6 +245,24 @@ def test_restore_checks_the_iteration(small_dataset, tmp_path):
     close_loader(loader)
 
 
+def test_changed_micro_batch_size_is_refused_naming_it(small_dataset, tmp_path):
+    """Half the micro-batch size at the same global batch doubles the micro-batches per step:
+    the count check alone said "saved after 6 micro-batches, but iteration 3 x 4 = 12"."""
+    from energon_ordering.integrations.megatron_lm import DataloaderRestoreError, _restore, dataloader_state_path
+
+    state = _saved_state(small_dataset, 6)  # micro-batches of 4, 3 iterations of 2
+    path = dataloader_state_path(tmp_path / "dl", 3, 0)
+    path.parent.mkdir(parents=True)
+    torch.save({"dataloader_state_dict": state}, path)
+    loader = build_train_loader(small_dataset, ordering=OrderingConfig(length_sort_pool_size=16),
+                                batch_size=2)
+    with pytest.raises(DataloaderRestoreError,
+                       match=r"saved with --micro-batch-size 4, but this run has --micro-batch-size 2.*"
+                             r"Resume with --micro-batch-size 4"):
+        _restore(loader, args=_restore_args(tmp_path, micro_batch_size=2), dp_rank=0)
+    close_loader(loader)
+
+
 def test_state_path_matches_megatron_get_checkpoint_name(tmp_path):
     from energon_ordering.integrations.megatron_lm import dataloader_state_path
 

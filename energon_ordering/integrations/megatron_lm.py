@@ -493,6 +493,15 @@ def _restore(loader: Any, *, args: Any, dp_rank: int) -> None:
             from None
     saved = saved_stamp(state) or {}
     elastic = planned and elastic_shape_change(saved, stamp)
+    changed = None if planned else micro_batch_size_change(saved, stamp)
+    if changed is not None:
+        raise DataloaderRestoreError(
+            f"The dataloader state for data-parallel rank {dp_rank} was saved with "
+            f"--micro-batch-size {changed[0]}, but this run has --micro-batch-size {changed[1]}: "
+            "the micro-batch size decides which samples meet in a micro-batch and the step every "
+            f"stage counts by. Resume with --micro-batch-size {changed[0]} (length_sort_mode "
+            "planned resumes at another one)."
+        )
     # an elastic state counts the micro-batches of the data-parallel size it was saved at
     expected = (expected_at_saved_size(args, iteration, saved) if elastic
                 else expected_consumed_micro_batches(args, iteration))
@@ -524,6 +533,17 @@ def expected_at_saved_size(args: Any, iteration: int, saved: dict[str, Any]) -> 
     old = argparse.Namespace(**vars(args))
     old.data_parallel_size = int(saved["world_size"])
     return expected_consumed_micro_batches(old, iteration)
+
+
+def micro_batch_size_change(saved: Mapping[str, Any], here: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(saved, this run's) micro-batch size if a state of stamp ``saved`` restores into a loader
+    of stamp ``here`` with another one (both known), else None. Checked before the count of
+    consumed micro-batches, which a changed micro-batch size also changes, so the refusal names
+    the micro-batch size and not only the count."""
+    old, new = saved.get("batch_size"), here.get("batch_size")
+    if old is None or new is None or old == new:
+        return None
+    return int(old), int(new)
 
 
 def elastic_shape_change(saved: Mapping[str, Any], here: Mapping[str, Any]) -> bool:
