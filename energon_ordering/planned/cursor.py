@@ -51,11 +51,16 @@ class PlanCursor:
         window: Index of the next window (0 at the start of training).
         drawn: Draws of each source before it (over all source epochs).
         carry: ``counted - integral`` per source (see ``step_counts``), in samples.
+        deferred: ``planned_mix="window"`` only: global ids of drawn samples that fit no step
+            of an earlier window (the warmup's caps), oldest first; the next windows place them
+            before new draws of their source (:mod:`.window_mix`). Empty otherwise, so a cursor
+            saved without it (three fields) loads as before.
     """
 
     window: int
     drawn: tuple[int, ...]
     carry: tuple[float, ...]
+    deferred: tuple[int, ...] = ()
 
     @classmethod
     def start(cls, n_sources: int) -> PlanCursor:
@@ -72,7 +77,7 @@ def advance(cursor: PlanCursor, counts: np.ndarray, carry: np.ndarray) -> PlanCu
     total = np.asarray(counts, dtype=np.int64).sum(axis=0)
     return PlanCursor(cursor.window + 1,
                       tuple(int(d + n) for d, n in zip(cursor.drawn, total)),
-                      tuple(float(c) for c in carry))
+                      tuple(float(c) for c in carry), cursor.deferred)
 
 
 def cursor_at(window: int, *, window_steps: int, draws_per_step: int,

@@ -38,8 +38,9 @@ import numpy as np
 from energon_ordering.errors import OrderingConfigError, show
 from energon_ordering.mixture.step_counts import step_source_counts
 
-from .balance import _deal, radix_keys, sample_cost
+from .balance import radix_keys, sample_cost
 from .cursor import PlanCursor, check_window_steps, draws
+from .lpt import deal_tuples
 from .sample_ids import SampleIds
 
 __all__ = ["PACKED_PLAN_VERSION", "PackedWindowPlan", "deal_packs", "fill_packs",
@@ -93,7 +94,7 @@ def fill_packs(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: i
         # every pack starts with one of the R P longest items, dealt in tuples of R (the
         # costliest to the cheapest rank): no pack stays empty, whatever the dealing below
         first, queue = queue[:R * P], queue[R * P:]
-        seat = _deal(np.arange(R * P)[None], cost[first], R, P)[0]  # [R, P] -> position
+        seat = deal_tuples(np.arange(R * P), cost[first], R, P)  # [R, P] -> position
         items = first[seat]
         out[items] = np.arange(R * P).reshape(R, P)
         load[:] = L[items]
@@ -128,7 +129,7 @@ def deal_packs(pack_costs: np.ndarray, world_size: int, packs_per_rank: int) -> 
     """``[R, P]`` pack indices: one step's ``R P`` packs dealt to R ranks of P packs each.
 
     Used when a resume continues a step's packs at another data-parallel size (same global
-    batch): the window balance's last step (:func:`~.balance._deal`) on packs: costliest first,
+    batch): the window balance's last step (:func:`~.lpt.deal_tuples`) on packs: costliest first,
     in tuples of R neighbours, each tuple's packs going costliest first to the ranks with the
     smallest running cost (ties by rank), so rank costs agree to within a tuple's spread."""
     R, P = int(world_size), int(packs_per_rank)
@@ -136,7 +137,7 @@ def deal_packs(pack_costs: np.ndarray, world_size: int, packs_per_rank: int) -> 
     if len(c) != R * P:
         raise OrderingConfigError(
             f"planned packing: {len(c)} packs cannot be dealt to {R} ranks x {P} packs.")
-    return _deal(np.arange(R * P)[None], c, R, P)[0]
+    return deal_tuples(np.arange(R * P), c, R, P)
 
 
 class _Draws:

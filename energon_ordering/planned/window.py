@@ -30,16 +30,20 @@ from energon_ordering.mixture.step_counts import step_source_counts
 
 from .balance import balance_window, sample_cost
 from .cursor import PlanCursor, advance, check_window_steps, draws
+from .mix import PlannedMix, check_planned_mix
 from .permutation import ROUNDS
 from .sample_ids import SampleIds
+from .window_mix import deal_bands, mix_window
 
-__all__ = ["DEFAULT_WINDOW_STEPS", "PLAN_VERSION", "WindowPlan", "plan_window", "window_draws",
-           "window_weights"]
+__all__ = ["DEFAULT_WINDOW_STEPS", "PLAN_VERSION", "WINDOW_MIX_PLAN_VERSION", "WindowPlan",
+           "check_caps", "plan_samples", "plan_window", "window_draws", "window_weights"]
 
 #: Bumped whenever the plan of any window changes for the same inputs (permutation, counts,
 #: balancing); a planned state stamps it.
 PLAN_VERSION = 1
 assert ROUNDS == 6  # part of PLAN_VERSION 1
+#: The same for ``mix="window"`` plans (:mod:`.window_mix`); a window-mix state stamps it too.
+WINDOW_MIX_PLAN_VERSION = 1
 
 #: The default ``plan_window_steps``, measured by ``tools/bench_planned.py`` (8, 64, 256 and
 #: 1,024 ranks, micro-batch 4, 8 micro-batches per step, a trimodal mix and a heavy-tailed two-
@@ -128,6 +132,8 @@ def plan_window(
     world_size: int,
     micro_batch: int,
     micro_batches_per_step: int,
+    mix: PlannedMix = "step",
+    caps: np.ndarray | Sequence[int] | None = None,
 ) -> WindowPlan:
     """Plans window ``cursor.window``.
 
@@ -141,14 +147,24 @@ def plan_window(
             (:func:`window_weights`).
         window_steps: K, ``plan_window_steps`` (>= 1).
         world_size: R. micro_batch: B. micro_batches_per_step: M.
+        mix: ``"step"``: every step holds each source within one sample of ``weight x G``
+            (the plans of PLAN_VERSION); ``"window"``: the window does, and each step holds one
+            band of lengths (:mod:`.window_mix`, WINDOW_MIX_PLAN_VERSION).
+        caps: ``"window"`` only: ``[window_steps]`` most tokens a sample of each step may have
+            (the sequence-length warmup's caps), or None (no cap). A sample fitting no step is
+            deferred to a later window (``next_cursor.deferred``). ``"step"`` ignores it (the
+            warmup cuts a step's samples to its cap).
 
     Returns:
-        The :class:`WindowPlan`.
+        The :class:`WindowPlan`. ``counts`` are the realised samples per step and source
+        (with ``"window"`` only the window's sum follows the weights).
 
     Raises:
         OrderingConfigError: ``plan_window_steps`` < 1, weights of the wrong shape, a source
-            without samples, or a step shape < 1.
+            without samples, a step shape < 1, a ``mix`` other than ``"step"``/``"window"``
+            (named ``planned_mix``), or caps that are not ``window_steps`` ints >= 1.
     """
+    mix = check_planned_mix(mix)
     k = check_window_steps(window_steps)
     for name, v in (("world_size", world_size), ("micro_batch", micro_batch),
                     ("micro_batches_per_step", micro_batches_per_step)):
@@ -165,6 +181,14 @@ def plan_window(
         raise OrderingConfigError(
             f"planned order: the cursor has {len(cursor.drawn)} sources, the plan {S}.")
     R, B, M = int(world_size), int(micro_batch), int(micro_batches_per_step)
+    if mix == "window":
+        gid, step_lengths, counts, nxt = mix_window(
+            lengths, seed=seed, cursor=cursor, weights=w, caps=check_caps(caps, k),
+            draws_per_step=R * M * B)
+        pos = deal_bands(step_lengths, world_size=R, micro_batch=B, micro_batches_per_step=M)
+        del step_lengths
+        flat = np.take_along_axis(gid, pos.reshape(k, -1), axis=1).reshape(pos.shape)
+        return WindowPlan(flat, counts, cursor, nxt)
     counts, carry = step_source_counts(w, R * M * B, cursor.carry)
     per_source = counts.sum(axis=0)
     # the window's draws: global id, source and cost of each (arrays of K G; temporaries are
@@ -180,3 +204,40 @@ def plan_window(
     del cost, src, drawn
     flat = np.take(gid, pos.transpose(0, 2, 1, 3))  # [K, R, M, B], C-contiguous
     return WindowPlan(flat, counts, cursor, advance(cursor, counts, carry))
+
+
+def check_caps(caps: np.ndarray | Sequence[int] | None, window_steps: int) -> np.ndarray | None:
+    """``caps`` as ``[window_steps]`` int64 (tokens per step), or None; a typed error naming
+    the step and its value otherwise."""
+    if caps is None:
+        return None
+    c = np.asarray(caps)
+    if c.shape != (window_steps,) or c.dtype.kind not in "iu" or (c.size and c.min() < 1):
+        raise OrderingConfigError(
+            f"planned order: caps = {show(c.tolist())}; give one int >= 1 per step of the window "
+            f"({window_steps}): the sequence-length warmup's most tokens per sample, or None.")
+    return c.astype(np.int64)
+
+
+def plan_samples(sizes: Sequence[int], seed: int, cursor: PlanCursor,
+                 next_cursor: PlanCursor) -> np.ndarray:
+    """The global ids a window's plan holds, as a multiset, from its two cursors: the samples the
+    cursor deferred, plus the draws between the cursors, less the samples the next cursor
+    defers. Without deferred samples (always with ``mix="step"``) it is :func:`window_draws` of
+    the window's counts; with ``mix="window"`` a plan read from a file is checked against it.
+    """
+    ids = SampleIds.of(sizes)
+    fresh = [draws(seed, s, n, cursor.drawn[s], next_cursor.drawn[s] - cursor.drawn[s]) + off
+             for s, (n, off) in enumerate(zip(ids.sizes, ids.offsets.tolist()))]
+    held = np.asarray(cursor.deferred, dtype=np.int64)
+    every = np.sort(np.concatenate([held, *fresh]))
+    later = np.sort(np.asarray(next_cursor.deferred, dtype=np.int64))
+    if not later.size:
+        return every
+    # remove one occurrence per deferred id: the k-th copy of x in ``later`` removes the k-th
+    # copy of x in ``every``
+    first = np.searchsorted(every, later, "left")
+    copy = np.arange(len(later)) - np.searchsorted(later, later, "left")
+    keep = np.ones(len(every), dtype=bool)
+    keep[first + copy] = False
+    return every[keep]

@@ -1,0 +1,46 @@
+"""Longest-processing-time dealing in tuples: the last step of every planned layout.
+
+``R B`` items (samples, packs, micro-batches) of one slot go to R ranks, B each: sorted by cost
+(descending, ties in slot order), cut into B tuples of R neighbours, and tuple by tuple the
+costliest item goes to the rank with the smallest running cost (ties by rank). Every rank takes
+one item per tuple, so the ranks' costs agree to within a tuple's spread. Used by the packed
+plan (:mod:`.packs`: packs to ranks, a pack's seed samples) and the window mix
+(:mod:`.window_mix`: micro-batches or samples to ranks); vectorised over many slots at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["deal_tuples"]
+
+
+def deal_tuples(slots: np.ndarray, costs: np.ndarray, world_size: int, per_rank: int,
+                chunk_items: int = 1 << 16) -> np.ndarray:
+    """``[..., R P]`` slots of item indices -> ``[..., R, P]``: each slot's items dealt to R
+    ranks of P items (column j of a rank: its item of tuple j, the j-th costliest tuple).
+
+    Args:
+        slots: Item indices into ``costs``, the last axis ``R P`` long.
+        costs: Cost of every item.
+        world_size: R. per_rank: P.
+        chunk_items: Items dealt at once (bounds the temporaries).
+    """
+    R, P = int(world_size), int(per_rank)
+    shape = slots.shape[:-1]
+    every = np.asarray(slots).reshape(-1, R * P)
+    out = np.empty((every.shape[0], R, P), dtype=np.int64)
+    step = max(1, chunk_items // (R * P))
+    for lo in range(0, every.shape[0], step):
+        flat = every[lo: lo + step]
+        n = flat.shape[0]
+        desc = np.take_along_axis(flat, np.argsort(-costs[flat], axis=1, kind="stable"), axis=1)
+        tuples = desc.reshape(n, P, R)
+        part = out[lo: lo + step]
+        totals = np.zeros((n, R))
+        rows = np.arange(n)[:, None]
+        for j in range(P):
+            ranks = np.argsort(totals, axis=1, kind="stable")  # cheapest rank first
+            part[rows, ranks, j] = tuples[:, j, :]
+            totals[rows, ranks] += costs[tuples[:, j, :]]
+    return out.reshape(*shape, R, P)

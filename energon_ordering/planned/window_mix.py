@@ -1,0 +1,349 @@
+"""``planned_mix="window"``: a window's samples banded by length over its steps.
+
+The step mix (:func:`~.window.plan_window` with ``mix="step"``) gives every optimizer step each
+source's exact share, so every step spans every source's lengths. Here the window of K steps
+holds each source's share of the whole window, and its samples move between its steps:
+
+1. **Counts.** Source s places ``T_s`` samples in the window: the carry rounding of
+   :func:`~energon_ordering.mixture.step_counts.step_source_counts` applied to the window's
+   total ``sum over steps of w_s x G`` (:func:`window_totals`): within one sample of it, and the
+   cumulative counts within one sample of the integral across windows (the carry).
+2. **Schedule groups.** Steps whose drawn sources have the same zero weights form a group (one
+   group unless the schedule switches a source on or off inside the window). The window's counts
+   are split into per-group counts near each group's share, zero where a source's weight is 0
+   (a rounding with exact row and column sums, :func:`_split_counts`); a source's candidates go
+   to its groups in draw order.
+3. **Bands.** In each group, the steps are put in band order (by cap, ties in a seeded shuffle
+   of the window's steps, so long bands are spread over the window), the group's samples sorted
+   by length, and sample i placed at slot ``u_i = i + max over j <= i of (a_j G - j)``, where
+   ``a_j`` is the first band whose step's cap fits sample j: band p takes the samples ranked
+   ``[p G, (p + 1) G)`` when nothing is capped, and under caps the earliest band each fits in
+   ascending order (optimal: if a sample overflows, no placement of these samples fits them
+   all).
+4. **Deferral.** A sample that overflows (it fits no band with room left, the warmup's caps) is
+   deferred: it leaves the window and the next draw of its source takes its place (swept again,
+   up to :data:`DEFER_ROUNDS` rounds); it stays in the cursor (``PlanCursor.deferred``, oldest
+   first) and a later window places it before new draws of its source. At most
+   :data:`MAX_DEFERRED` samples wait at once; beyond that, or after the last round, an
+   overflowing sample takes a free slot anyway (longest to the largest cap), and the warmup cuts
+   it as it cuts the step mix's samples. Nothing is lost or drawn twice.
+5. **Micro-batches** (:func:`deal_bands`). Each step's G samples, sorted, are dealt the cheapest
+   of a few ways, scored by the step's share of the lost compute (idle per step + padding by
+   tokens): ``R M`` micro-batches of B neighbours dealt whole to the ranks (longest-processing-
+   time in tuples of R, M per rank: no padding, the ranks apart by the band's spread), or each
+   micro-batch index's R B neighbours cut into h parts dealt sample by sample to R/h ranks
+   (h = 1: ranks level, a micro-batch spans the slice). Narrow bands (most of them) come out
+   both level and padding-free; the widest (a heavy tail's longest) trade one for the other.
+
+Trade-off against the step mix: each step is one band of lengths, so at one or two micro-batches
+per step the ranks are balanced and micro-batches padding-free, but a single step's source mix
+follows its band, not the weights (a window's mix is exact to one sample, a step's is not).
+Everything is a pure function of (lengths, seed, cursor, weights, caps, shape): every rank plans
+the same window. Memory and time O(K G log(K G)) per window.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from energon_ordering.mixture.step_counts import step_source_counts
+
+from .balance import sample_cost
+from .lpt import deal_tuples
+from .cursor import PlanCursor, draws
+from .permutation import permutation_key, permute
+from .sample_ids import SampleIds
+
+__all__ = ["DEFER_ROUNDS", "MAX_DEFERRED", "band_order", "deal_bands", "mix_window",
+           "window_totals"]
+
+#: Most samples a cursor holds back for later windows (8 KiB of ids); beyond it an
+#: overflowing sample is placed over its step's cap (the warmup cuts it, as in the step mix).
+MAX_DEFERRED = 1024
+#: Sweeps of a group per window: the replacements of deferred samples may overflow again.
+DEFER_ROUNDS = 8
+#: Weight of padding against idle when :func:`deal_bands` picks a step's dealing: padding by
+#: tokens has its own target (<= 2%, issue 32) beside the lost compute, so it counts twice
+#: (measured, 8 ranks, M = 1, K = 64, heavy-tailed mix: padding 2.14% -> 1.68% for a lost
+#: compute of 4.55% -> 4.76%).
+PADDING_WEIGHT = 2.0
+#: Samples :func:`deal_bands` deals at once (its temporaries are a few times this, in int64).
+CHUNK_SAMPLES = 1 << 17
+#: Most parts a micro-batch index's slice is cut into when dealt (:func:`deal_bands`).
+MAX_PARTS = 64
+#: ``permutation_key`` source of the band order (no real source has a negative index).
+_BAND_KEY_SOURCE = -1
+
+
+def window_totals(weights: np.ndarray, draws_per_step: int,
+                  carry: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """``(T [S], carry)``: each source's samples in a window of ``weights`` ``[K, S]`` steps of
+    ``draws_per_step`` draws, rounded with the carry on the window's total (within one sample
+    of ``sum_t w[t, s] x G``; cumulative counts within one sample of the integral)."""
+    w = np.asarray(weights, dtype=np.float64)
+    k = w.shape[0]
+    counts, out = step_source_counts(w.sum(axis=0)[None, :] / k, k * int(draws_per_step), carry)
+    return counts[0], out
+
+
+def band_order(caps: np.ndarray | None, steps: np.ndarray, seed: int, window: int,
+               window_steps: int) -> np.ndarray:
+    """``steps`` (indices into the window) in band order, shortest band first: by cap, ties in a
+    seeded shuffle of the window's steps (the same for every rank)."""
+    key = permute(np.asarray(steps, dtype=np.int64), window_steps,
+                  permutation_key(seed, _BAND_KEY_SOURCE, window))
+    cap = np.zeros(len(steps)) if caps is None else np.asarray(caps)[steps]
+    return np.asarray(steps)[np.lexsort((key, cap))]
+
+
+def _split_counts(x: np.ndarray, rows: np.ndarray, cols: np.ndarray,
+                  allowed: np.ndarray) -> np.ndarray | None:
+    """An int matrix ``n`` near ``x`` ``[groups, S]`` with row sums ``rows``, column sums
+    ``cols`` and zeros outside ``allowed``: the floors, then the largest fractional parts,
+    then unit augmenting paths (a transportation problem of a few cells). None if none
+    exists."""
+    n = np.where(allowed, np.floor(x), 0).astype(np.int64)
+    need_g = rows - n.sum(axis=1)
+    need_s = cols - n.sum(axis=0)
+    if (need_g < 0).any() or (need_s < 0).any():
+        return None
+    frac = np.where(allowed, x - np.floor(x), -1.0)
+    for flat in np.argsort(-frac, axis=None, kind="stable"):
+        g, s = divmod(int(flat), x.shape[1])
+        if frac[g, s] > 0 and need_g[g] > 0 and need_s[s] > 0:
+            n[g, s] += 1
+            need_g[g] -= 1
+            need_s[s] -= 1
+    while need_s.sum() > 0:  # a unit path source -> group (-> source -> group ...)
+        start = [s for s in range(len(cols)) if need_s[s] > 0]
+        came: dict[tuple[str, int], tuple[str, int] | None] = {("s", s): None for s in start}
+        todo = deque(("s", s) for s in start)
+        end = None
+        while todo and end is None:
+            kind, i = todo.popleft()
+            nxt = ([("g", g) for g in np.flatnonzero(allowed[:, i])] if kind == "s"
+                   else [("s", s) for s in np.flatnonzero(n[i] > 0)])
+            for node in nxt:
+                node = (node[0], int(node[1]))
+                if node not in came:
+                    came[node] = (kind, i)
+                    if node[0] == "g" and need_g[node[1]] > 0:
+                        end = node
+                        break
+                    todo.append(node)
+        if end is None:
+            return None
+        need_g[end[1]] -= 1
+        node = end
+        while came[node] is not None:
+            prev = came[node]
+            if node[0] == "g":
+                n[node[1], prev[1]] += 1  # prev is a source
+            else:
+                n[prev[1], node[1]] -= 1  # prev is a group giving up a sample of node's source
+            node = prev
+        need_s[node[1]] -= 1
+    return n
+
+
+class _Candidates:
+    """A source's samples for the window, in order: its deferred samples (oldest first), then
+    its next draws. Each has an age (deferred: place in the old queue; draws after them)."""
+
+    def __init__(self, seed: int, source: int, size: int, offset: int, first: int,
+                 deferred: list[tuple[int, int]]):
+        self.seed, self.source, self.size, self.offset = seed, source, size, offset
+        self.first = int(first)
+        self.pulled = 0
+        self.old = deferred  # (age, gid)
+        self.used_old = 0
+
+    def take(self, count: int, age_base: int) -> tuple[np.ndarray, np.ndarray]:
+        """The next ``count`` samples: ``(gid, age)``."""
+        k = min(count, len(self.old) - self.used_old)
+        part = self.old[self.used_old: self.used_old + k]
+        self.used_old += k
+        fresh = count - k
+        gid = draws(self.seed, self.source, self.size, self.first + self.pulled, fresh) \
+            + self.offset
+        age = age_base + self.first + self.pulled + np.arange(fresh, dtype=np.int64)
+        self.pulled += fresh
+        return (np.concatenate((np.array([g for _, g in part], dtype=np.int64), gid)),
+                np.concatenate((np.array([a for a, _ in part], dtype=np.int64), age)))
+
+    def left_over(self) -> list[tuple[int, int]]:
+        return self.old[self.used_old:]
+
+
+def _sweep(L: np.ndarray, band_caps: np.ndarray | None, G: int) -> np.ndarray:
+    """Slot of each sample in the bands (band ``slot // G``), or -1 where it overflows (see the
+    module docstring, step 3)."""
+    n = len(L)
+    order = np.argsort(L, kind="stable")
+    slot = np.empty(n, dtype=np.int64)
+    if band_caps is None:
+        slot[order] = np.arange(n, dtype=np.int64)
+        return slot
+    i = np.arange(n, dtype=np.int64)
+    u = np.searchsorted(band_caps, L[order], "left").astype(np.int64)  # a_i, then u_i in place
+    u *= G
+    u -= i
+    np.maximum.accumulate(u, out=u)
+    u += i
+    u[u >= n] = -1
+    slot[order] = u
+    return slot
+
+
+def mix_window(lengths: Sequence[np.ndarray], *, seed: int, cursor: PlanCursor,
+               weights: np.ndarray, caps: np.ndarray | None, draws_per_step: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, PlanCursor]:
+    """The window's samples per step, each step one band of lengths (module docstring, 1-4).
+
+    Args:
+        lengths: Per source, every sample's length (the length index).
+        seed: The ordering seed. cursor: Where the window starts.
+        weights: ``[K, S]`` normalised weights of the window's steps.
+        caps: ``[K]`` most tokens a sample of each step may have (the sequence-length warmup),
+            or None.
+        draws_per_step: G.
+
+    Returns:
+        ``(gid [K, G], length [K, G], counts [K, S], next cursor)``: each step's samples sorted
+        by length (ascending), the realised per-step source counts, and the next window's
+        cursor (draws, carry, deferred samples).
+    """
+    ids = SampleIds.of([len(x) for x in lengths])
+    S = len(ids.sizes)
+    offsets = ids.offsets.tolist()
+    w = np.asarray(weights, dtype=np.float64)
+    K, G = w.shape[0], int(draws_per_step)
+    totals, carry = window_totals(w, G, cursor.carry)
+    # schedule groups: the steps with the same zero weights among the drawn sources
+    active = totals > 0
+    mask = (w > 0) & active[None, :]
+    patterns, group_of_step = np.unique(mask, axis=0, return_inverse=True)
+    group_of_step = np.asarray(group_of_step).reshape(-1)
+    n_groups = len(patterns)
+    sizes_g = np.bincount(group_of_step, minlength=n_groups) * G
+    x = np.stack([(w[group_of_step == g] * G).sum(axis=0) for g in range(n_groups)])
+    split = totals[None, :] if n_groups == 1 else _split_counts(x, sizes_g, totals, patterns)
+    if split is None:  # no split within one sample exists: the step mix's counts, per group
+        step_counts, carry = step_source_counts(w, G, cursor.carry)
+        split = np.stack([step_counts[group_of_step == g].sum(axis=0) for g in range(n_groups)])
+    owner, _ = ids.split(np.asarray(cursor.deferred, dtype=np.int64))
+    D = len(cursor.deferred)
+    streams = [_Candidates(seed, s, ids.sizes[s], offsets[s], cursor.drawn[s],
+                           [(a, g) for a, (g, o) in enumerate(zip(cursor.deferred, owner))
+                            if o == s]) for s in range(S)]
+    out_gid = np.empty((K, G), dtype=np.int64)
+    out_len = np.empty((K, G), dtype=np.float64)
+    counts = np.zeros((K, S), dtype=np.int64)
+    deferred: list[tuple[int, int]] = []  # (age, gid) of samples held back by this window
+    for g in range(n_groups):
+        steps = band_order(caps, np.flatnonzero(group_of_step == g), seed, cursor.window, K)
+        band_caps = None if caps is None else np.asarray(caps, dtype=np.float64)[steps]
+        gid, age, src, L = _gather(streams, split[g], D, lengths)
+        over = np.zeros(0, dtype=np.int64)
+        for round_ in range(DEFER_ROUNDS + 1):
+            slot = _sweep(L, band_caps, G)
+            over = np.flatnonzero(slot < 0)
+            room = MAX_DEFERRED - len(deferred) - sum(len(c.left_over()) for c in streams)
+            if not len(over) or round_ == DEFER_ROUNDS or room <= 0:
+                break
+            over = over[np.argsort(age[over], kind="stable")][:room]
+            deferred += list(zip(age[over].tolist(), gid[over].tolist()))
+            keep = np.ones(len(gid), dtype=bool)
+            keep[over] = False
+            more = _gather(streams, np.bincount(src[over], minlength=S), D, lengths)
+            gid, age, src, L = (np.concatenate((a[keep], b))
+                                for a, b in zip((gid, age, src, L), more))
+        pos = np.empty(len(L), dtype=np.int64)
+        if len(over):  # forced: longest into the free slot of the largest cap
+            free = np.setdiff1d(np.arange(len(L)), slot[slot >= 0], assume_unique=True)
+            slot[over[np.argsort(L[over], kind="stable")]] = free
+            pos[:] = np.lexsort((slot, L, slot // G))  # by band, then by length within it
+        else:
+            pos[slot] = np.arange(len(L))  # the sweep's slots follow the lengths in each band
+        out_gid[steps] = gid[pos].reshape(-1, G)
+        out_len[steps] = L[pos].reshape(-1, G)
+        counts[steps] = np.stack([np.bincount(src[pos[b * G:(b + 1) * G]], minlength=S)
+                                  for b in range(len(steps))])
+    left = [item for c in streams for item in c.left_over()] + deferred
+    left.sort()
+    nxt = PlanCursor(cursor.window + 1,
+                     tuple(int(cursor.drawn[s] + streams[s].pulled) for s in range(S)),
+                     tuple(float(c) for c in carry), tuple(int(g) for _, g in left))
+    return out_gid, out_len, counts, nxt
+
+
+def _gather(streams: list[_Candidates], counts: np.ndarray, age_base: int,
+            lengths: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """The next ``counts[s]`` candidates of every source: ``(gid, age, source, length)``."""
+    parts = []
+    for s, k in enumerate(np.asarray(counts).tolist()):
+        gid, age = streams[s].take(int(k), age_base)
+        ln = np.asarray(lengths[s])[gid - streams[s].offset].astype(np.float64)
+        parts.append((gid, age, np.full(len(gid), s, dtype=np.int16), ln))
+    return tuple(np.concatenate(p) for p in zip(*parts))
+
+
+def deal_bands(step_lengths: np.ndarray, *, world_size: int, micro_batch: int,
+               micro_batches_per_step: int) -> np.ndarray:
+    """Positions ``[K, R, M, B]`` into each step's samples (sorted by length, ``[K, G]``), each
+    step dealt the cheapest of a few ways (module docstring, step 5).
+
+    The ways: micro-batches of B neighbours dealt whole (no padding; ranks apart by the band's
+    spread), or each micro-batch index's R B neighbours cut into h parts, each part dealt
+    sample by sample to R/h ranks in tuples of R/h (h = 1: ranks level, a micro-batch spans the
+    slice; larger h: narrower micro-batches, ranks apart by the parts' spread). Cheapest: the
+    lowest ``idle / K + PADDING_WEIGHT x padding tokens / window tokens``, the step's share of
+    the lost compute (DESIGN.md: straggler idle per optimizer step plus padding weighted by
+    tokens), padding weighted by :data:`PADDING_WEIGHT`.
+    """
+    L = np.asarray(step_lengths, dtype=np.float64)
+    K = L.shape[0]
+    R, B, M = int(world_size), int(micro_batch), int(micro_batches_per_step)
+    tokens = max(float(L.sum()), 1.0)
+    out = np.empty((K, R, M, B), dtype=np.int64)
+    chunk = max(1, CHUNK_SAMPLES // L.shape[1])  # steps at once: bounds the temporaries
+    for lo in range(0, K, chunk):
+        out[lo:lo + chunk] = _deal_steps(L[lo:lo + chunk], K, tokens, R, B, M)
+    return out
+
+
+def _deal_steps(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int) -> np.ndarray:
+    """:func:`deal_bands` of some of the window's K steps (``L`` ``[steps, G]``), scored with
+    the window's K and ``tokens``."""
+    n = L.shape[0]
+    cost = sample_cost(L).reshape(-1)
+
+    def share(pos: np.ndarray) -> np.ndarray:
+        ln = np.take_along_axis(L, pos.reshape(n, -1), axis=1).reshape(pos.shape)
+        rank = np.take(cost, pos + (np.arange(n) * pos[0].size)[:, None, None, None]
+                       ).sum(axis=(2, 3))
+        idle = 1 - rank.mean(axis=1) / np.maximum(rank.max(axis=1), 1e-300)
+        pad = (B * ln.max(axis=3) - ln.sum(axis=3)).sum(axis=(1, 2))
+        return idle / K + PADDING_WEIGHT * pad / tokens
+
+    mb_cost = cost.reshape(n * R * M, B).sum(axis=1)
+    dealt = deal_tuples(np.arange(n * R * M).reshape(n, R * M), mb_cost, R, M)  # [K, R, M]
+    best = ((dealt % (R * M)) * B)[..., None] + np.arange(B)
+    score = share(best)
+    h = 1
+    while h < R and R % h == 0 and h <= MAX_PARTS:
+        r = R // h
+        slots = np.arange(n * M * R * B).reshape(n, M, h, r * B)
+        pos = deal_tuples(slots, cost, r, B) % (M * R * B)  # [K, M, h, r, B]
+        pos[:, 1::2] = pos[:, 1::2, ::-1]  # odd micro-batches: parts to ranks the other way
+        pos = pos.reshape(n, M, R, B).transpose(0, 2, 1, 3)
+        got = share(pos)
+        better = got < score
+        best[better] = pos[better]
+        score[better] = got[better]
+        del pos
+        h *= 2
+    return best
