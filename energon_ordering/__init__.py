@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "SeqLenOverflowError": "energon_ordering.errors",
     "ShardReadError": "energon_ordering.errors",
     "StateMismatchError": "energon_ordering.errors",
+    "build_length_index": "energon_ordering.length_index.build",
     "header_length": "energon_ordering.length_index.header_length",
     "image_size": "energon_ordering.length_index.image_header",
     "FixedImageTokens": "energon_ordering.length_index.media_tokens",
@@ -83,6 +84,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         ShardReadError,
         StateMismatchError,
     )
+    from energon_ordering.length_index.build import build_length_index
     from energon_ordering.length_index.header_length import header_length
     from energon_ordering.length_index.image_header import image_size
     from energon_ordering.length_index.media_tokens import (
@@ -134,6 +136,7 @@ __all__ = [
     "StateMismatchError",
     "TokenLayout",
     "__version__",
+    "build_length_index",
     "check_loader_state",
     "first_fit_decreasing",
     "header_length",

@@ -4,6 +4,8 @@ metadataset), which the lean pool (``length_sort_placement: pre-encode``) sorts 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 import sys
 from collections.abc import Callable
 
@@ -55,17 +57,34 @@ IMAGE_DECODERS = ("l8", "rgb8", "rgba8", "l", "rgb", "rgba", "torchl8", "torchrg
                    "unless --allow-mismatch.")
 @click.option("--allow-mismatch", is_flag=True,
               help="With --verify: list the mismatches and build the index anyway.")
+@click.option("--no-reuse", is_flag=True,
+              help="Measure every sample, also of the shards whose content is unchanged since "
+                   "the index of the data before `energon prepare` ran again.")
+# -- distributed builds (under torchrun or srun) --
+@click.option("--rendezvous", default=None, metavar="HOST:PORT",
+              help="Under srun: the rendezvous rank 0 hosts (HOST: the step's first node); "
+                   "default MASTER_ADDR:MASTER_PORT. torchrun names its own.")
+@click.option("--rendezvous-timeout", type=click.FloatRange(min=1), default=300.0,
+              metavar="SECONDS", help="Seconds for every process to join the rendezvous.")
+@click.option("--stall-timeout", type=click.FloatRange(min=1), default=1800.0,
+              metavar="SECONDS",
+              help="Fail when no process of a distributed build made progress for this long.")
 def command(dataset: str, task_encoder: str | None, tokens_per_media: int,
             raw_length_fn: str | None, split_part: str, workers: int, name: str | None,
             index_dir: str | None, skip_bad_samples: bool, image_decode: str | None,
-            verify: int | None, allow_mismatch: bool) -> None:
+            verify: int | None, allow_mismatch: bool, no_reuse: bool, rendezvous: str | None,
+            rendezvous_timeout: float, stall_timeout: float) -> None:
     """Build the length index of DATASET (a prepared folder or a metadataset: every dataset in
     it), for length_sort_placement = pre-encode. Written to <dataset>/.nv-meta/ (or --index-dir),
-    tied to the dataset's index.uuid; run it again after `energon prepare`."""
+    tied to the dataset's index.uuid; run it again after `energon prepare` (shards whose content
+    is unchanged keep their lengths). Under torchrun or srun every process measures a share of
+    the shards and rank 0 writes the index."""
     from energon_ordering.length_index.build import build_length_index, check_index_name
+    from energon_ordering.length_index.launcher import launch_from_env
 
     with user_errors():
         check_index_name(name, "--name")
+        launch = launch_from_env(os.environ, rendezvous)
     check_dataset(dataset, "DATASET", open_train_split=False)  # the split is --split-part
     fn = import_function(raw_length_fn, "--raw-length-fn") if raw_length_fn else None
     if verify is not None and fn is None:
@@ -92,16 +111,35 @@ def command(dataset: str, task_encoder: str | None, tokens_per_media: int,
             if not allow_mismatch:
                 report.check(fn)
     with contextlib.ExitStack() as bars, user_errors():
+        from energon_ordering.length_index.distributed import joined
+
+        coord = bars.enter_context(joined(launch, rendezvous_timeout, stall_timeout))
+        prefix = f"[rank {coord.rank}] " if coord.distributed else ""
+        lines = itertools.count()  # each bar on its own line (rank 0: its own and all ranks')
 
         def progress(name: str, total: int) -> Callable[[int], None]:
-            return bars.enter_context(click.progressbar(
-                length=total, label=f"indexing {name}", file=sys.stderr)).update
+            from tqdm import tqdm
+
+            bar = bars.enter_context(tqdm(total=total, desc=f"indexing {name}", file=sys.stderr,
+                                          unit="sample", position=next(lines),
+                                          dynamic_ncols=True, mininterval=0.5))
+            return bar.update
+
+        def log(message: str) -> None:
+            click.echo(f"{prefix}{message}", err=True)
 
         built = build_length_index(dataset, task_encoder=te, raw_length_fn=fn,
                                    split_part=split_part, workers=workers, progress=progress,
                                    name=name, index_dir=index_dir,
-                                   skip_bad_samples=skip_bad_samples)
+                                   skip_bad_samples=skip_bad_samples, reuse=not no_reuse,
+                                   log=log, coordinator=coord)
+    if coord.rank != 0:
+        return
     click.echo(index_table(built))
+    for b in built:
+        if b.measured < b.summary.samples:
+            click.echo(f"{b.dataset}: measured {b.measured} of {b.summary.samples} samples; the "
+                       "others kept their lengths (shards unchanged since the previous index)")
     for b in built:
         if b.skipped:
             click.echo(f"{b.dataset}: skipped {len(b.skipped)} sample(s) that failed to decode "

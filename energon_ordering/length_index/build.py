@@ -11,6 +11,13 @@ come from, in order of preference:
   post-encode pool sorts by). ``energon-ordering index`` passes
   :class:`~energon_ordering.inspect.length_estimate.LengthEstimateTaskEncoder` when given neither.
 
+A prepared dataset whose samples Energon's index locates (every dataset of Energon >= 7.4) is
+measured shard by shard (:mod:`.shard_build`): by every process of a distributed build when
+``torch.distributed`` is initialised (``energon-ordering index`` under torchrun or srun, or a
+training script calling this), each writing its part beside the index and rank 0 merging them
+into the bytes a one-process build writes; and after ``energon prepare`` ran again, shards whose
+content is unchanged keep the previous index's lengths (:mod:`.reuse`).
+
 With ``workers > 1`` the samples are read in this process and measured in a fork-started
 process pool, :data:`CHUNK` samples per task, in order. A measuring process that dies (killed by
 the OOM killer, a crash in native code) breaks the pool; the build then warns, starts a new pool
@@ -24,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
 import multiprocessing
 import re
 import time
@@ -44,17 +52,26 @@ from megatron.energon.metadataset.loader import load_dataset
 
 from energon_ordering.pool.deferred_load import split_loader
 from energon_ordering.errors import LengthIndexError, show
+from energon_ordering.length_index.distributed import Coordinator
 from energon_ordering.length_index.index import (
     IndexSummary,
     LengthIndex,
+    dataset_uuid,
     index_name,
+    index_path,
     local_dataset_path,
     task_encoder_label,
     write_length_index,
 )
+from energon_ordering.length_index.parts import PartOwner
+from energon_ordering.length_index.reuse import previous_index
+from energon_ordering.length_index.shard_build import DatasetJob, build_dataset
+from energon_ordering.pool.index_fill import index_fill_problem, loader_byte_reader
 from energon_ordering.pool.sample_length import default_sample_length
 
 __all__ = ["BuiltIndex", "build_length_index", "check_index_name", "sample_length_of"]
+
+logger = logging.getLogger(__name__)
 
 #: A length index's name: a plain part of its file's name (no folder, no leading dot).
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
@@ -81,6 +98,9 @@ class BuiltIndex:
     seconds: float
     #: Samples that failed to decode or measure, indexed with length 0 (``skip_bad_samples``).
     skipped: list[str] = dataclasses.field(default_factory=list)
+    #: Samples measured by this build (by every process); the others were reused from the
+    #: index of the data before ``energon prepare`` ran again (shards with unchanged content).
+    measured: int = 0
 
 
 class SampleMeasure:
@@ -245,6 +265,23 @@ def _replacement_pool(pending: deque[_Chunk], workers: int, ctx: Any) -> Process
     return pool
 
 
+def _results(raws: Iterator[Any], measure: SampleMeasure,
+             workers: int) -> Iterator[tuple[str, float | None]]:
+    """``measure`` of every raw sample, in order: in this process, or by ``workers``
+    processes (the pool ends with the generator)."""
+    global _WORKER_MEASURE
+    if workers <= 1:
+        yield from map(measure, raws)
+        return
+    _WORKER_MEASURE = measure
+    results = _in_processes(raws, workers)
+    try:
+        yield from results
+    finally:
+        results.close()  # ends the pool now
+        _WORKER_MEASURE = None
+
+
 def _measured(
     raws: Iterator[Any],
     measure: SampleMeasure,
@@ -252,12 +289,7 @@ def _measured(
     progress: Callable[[int], None] | None,
     skipped: list[str],
 ) -> Iterator[tuple[str, float]]:
-    global _WORKER_MEASURE
-    if workers <= 1:
-        results: Iterator[tuple[str, float | None]] = map(measure, raws)
-    else:
-        _WORKER_MEASURE = measure
-        results = _in_processes(raws, workers)
+    results = _results(raws, measure, workers)
     try:
         for key, length in results:
             if progress is not None:
@@ -267,9 +299,7 @@ def _measured(
                 length = 0.0
             yield key, length
     finally:
-        if workers > 1:
-            results.close()  # type: ignore[union-attr]  # ends the pool now
-        _WORKER_MEASURE = None
+        results.close()
 
 
 def build_length_index(
@@ -283,8 +313,17 @@ def build_length_index(
     name: str | None = None,
     index_dir: str | Path | None = None,
     skip_bad_samples: bool = False,
+    reuse: bool = True,
+    log: Callable[[str], None] | None = None,
+    coordinator: Coordinator | None = None,
 ) -> list[BuiltIndex]:
     """Writes the length index of every prepared dataset under ``path``.
+
+    Distributed when ``torch.distributed`` is initialised with more than one process (every
+    rank calls it with the same arguments; gloo is used for the build, whatever the default
+    group's backend): each process measures its share of the shards, rank 0 merges, and every
+    rank returns the same summaries. So an encoder defined in a training script needs no
+    importable module.
 
     Args:
         path: A prepared dataset folder or a metadataset YAML.
@@ -293,14 +332,21 @@ def build_length_index(
             is required.
         raw_length_fn: Computes lengths from the raw files instead (no decoding).
         split_part: The split whose samples are indexed (the training split).
-        workers: Processes that measure samples (1 = in this process).
-        progress: ``progress(dataset_name, num_samples)`` returns a callback ``advance(n)``.
+        workers: Processes that measure samples (1 = in this process), per build process.
+        progress: ``progress(label, num_samples)`` returns a callback ``advance(n)`` (a
+            distributed build asks for this process's bar, and on rank 0 the combined one).
         name: The index's name; None names it after what computed the lengths
             (:func:`~energon_ordering.length_index.index.index_name`), so indexes of different
             length functions sit side by side.
         index_dir: Write to ``<index_dir>/<index.uuid>/`` instead of ``<dataset>/.nv-meta/``.
         skip_bad_samples: Index a sample that fails to decode or measure with length 0 and
             report it (``BuiltIndex.skipped``) instead of raising.
+        reuse: After ``energon prepare`` ran again, keep the previous index's lengths of the
+            shards whose content is unchanged (:mod:`~energon_ordering.length_index.reuse`);
+            False measures every sample.
+        log: Receives the build's notes (parts reused or recomputed); None: logged (INFO).
+        coordinator: The build's processes (the command line's, after its rendezvous); None:
+            :meth:`Coordinator.current`.
 
     Returns:
         One :class:`BuiltIndex` per prepared dataset.
@@ -316,6 +362,7 @@ def build_length_index(
         task_encoder = DefaultTaskEncoder()
     if workers < 1:
         raise LengthIndexError(f"build_length_index: workers = {workers} must be >= 1.")
+    coord = coordinator if coordinator is not None else Coordinator.current()
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
     dataset = load_dataset(path)
     check_split_part(dataset, path, split_part)
@@ -331,6 +378,8 @@ def build_length_index(
             f"length index of {path}: its split {show(split_part)} has no samples ({e}); index the "
             "split you train on (--split-part train)."
         ) from None
+    computed_by = _describe(task_encoder, raw_length_fn)
+    name = index_name(computed_by) if name is None else name
     built: list[BuiltIndex] = []
     seen: set[str] = set()
     for entry in loaded.datasets:
@@ -347,25 +396,87 @@ def build_length_index(
             )
         raw_ds, load_fns = split_loader(DefaultTaskEncoder._load_dataset(task_encoder, entry, 0, wc))
         measure = SampleMeasure(task_encoder, load_fns, raw_length_fn, skip_bad_samples)
-        advance = progress(label, len(factory)) if progress is not None else None
-        computed_by = _describe(task_encoder, raw_length_fn)
-        skipped: list[str] = []
-        summary = write_length_index(
-            factory.path,
-            _measured(iter(raw_ds), measure, workers, advance, skipped),
-            computed_by=computed_by,
-            name=index_name(computed_by) if name is None else name,
-            index_dir=index_dir,
-        )
-        if summary.samples != len(factory):
+
+        def write_index(pairs: Iterator[tuple[str, float]],
+                        shards: list[tuple[str, str, int]] | None = None) -> IndexSummary:
+            summary = write_length_index(factory.path, pairs, computed_by=computed_by,
+                                         name=name, index_dir=index_dir, shards=shards)
+            if summary.samples != len(factory):
+                raise LengthIndexError(
+                    f"length index of {label}: read {summary.samples} samples, but the dataset's "
+                    f"split {show(split_part)} has {len(factory)}; is the dataset being prepared "
+                    "again?"
+                )
+            _write_lengths_file(factory, name, index_dir)
+            return summary
+
+        problem = index_fill_problem(raw_ds)
+        if problem is None:
+            job = _job(factory, label, raw_ds, write_index, split_part=split_part,
+                       computed_by=computed_by, name=name, index_dir=index_dir, coord=coord,
+                       tag=str(len(seen)))
+            previous = (previous_index(_previous_candidates(job.target, index_dir),
+                                       uuid=job.owner.dataset_uuid, computed_by=computed_by)
+                        if reuse else None)
+            try:
+                outcome = build_dataset(
+                    job, coord, lambda raws: _results(raws, measure, workers),
+                    previous=previous, progress=progress,
+                    log=log if log is not None else logger.info)
+            finally:
+                if previous is not None:
+                    previous.close()
+            built.append(BuiltIndex(label, outcome.summary, time.perf_counter() - t0,
+                                    outcome.skipped, outcome.measured))
+            continue
+        if coord.distributed:  # the parts need shards read by byte range
             raise LengthIndexError(
-                f"length index of {label}: read {summary.samples} samples, but the dataset's "
-                f"split {show(split_part)} has {len(factory)}; is the dataset being prepared again?"
+                f"length index of {label}: a distributed build reads each process's shards by "
+                f"byte range, but {problem}; build its index with one process."
             )
-        _write_lengths_file(factory, index_name(computed_by) if name is None else name,
-                            index_dir)
-        built.append(BuiltIndex(label, summary, time.perf_counter() - t0, skipped))
+        advance = progress(label, len(factory)) if progress is not None else None
+        skipped: list[str] = []
+        summary = write_index(_measured(iter(raw_ds), measure, workers, advance, skipped))
+        built.append(BuiltIndex(label, summary, time.perf_counter() - t0, skipped,
+                                summary.samples))
     return built
+
+
+def _job(factory: Any, label: str, raw_ds: Any, write_index: Callable[..., IndexSummary], *,
+         split_part: str, computed_by: str, name: str, index_dir: str | Path | None,
+         coord: Coordinator, tag: str) -> DatasetJob:
+    """What every process of the build knows of one dataset (its index folder created)."""
+    folder = local_dataset_path(factory.path)
+    target = index_path(folder, name, index_dir)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LengthIndexError(
+            f"length index: cannot write {target} ({e}); write the index elsewhere with "
+            "`energon-ordering index --index-dir DIR` and set OrderingConfig.length_index_dir = "
+            "DIR."
+        ) from e
+    owner = PartOwner(package_version(), dataset_uuid(folder), split_part, computed_by,
+                      coord.world_size, coord.rank)
+    return DatasetJob(label, folder, target, loader_byte_reader(raw_ds), owner, tag, write_index)
+
+
+def _previous_candidates(target: Path, index_dir: str | Path | None) -> list[Path]:
+    """Where the index of the data before ``energon prepare`` ran again may be: the same file
+    in ``.nv-meta``, or under ``--index-dir`` the same name in another ``index.uuid``'s folder."""
+    if index_dir is None:
+        return [target]
+    return sorted(Path(index_dir).glob(f"*/{target.name}"))
+
+
+def package_version() -> str:
+    """This package's installed version (recorded in the parts of a distributed build)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("energon-ordering")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def split_parts(dataset: Any) -> list[str] | None:

@@ -211,6 +211,7 @@ def write_length_index(
     computed_by: str,
     name: str | None = None,
     index_dir: str | Path | None = None,
+    shards: Iterable[tuple[str, str, int]] | None = None,
 ) -> IndexSummary:
     """Writes the length index of ``dataset`` from ``(sample key, length)`` pairs.
 
@@ -227,6 +228,9 @@ def write_length_index(
         name: The index's name (see :func:`index_name`); None writes the unnamed index.
         index_dir: Write to ``<index_dir>/<index.uuid>/`` instead of ``<dataset>/.nv-meta/``
             (for a read-only dataset).
+        shards: ``(name, content digest, samples)`` of the split's shards, in order, read when
+            ``lengths`` is consumed (table ``shards``: what an incremental build after ``energon
+            prepare`` reuses, see :mod:`energon_ordering.length_index.reuse`).
     """
     uuid = dataset_uuid(dataset)
     target = index_path(dataset, name, index_dir)
@@ -264,6 +268,11 @@ def write_length_index(
                 count, total = _insert(con, batch, count, total)
                 batch = []
         count, total = _insert(con, batch, count, total)
+        if shards is not None:
+            con.execute("CREATE TABLE shards (position INTEGER PRIMARY KEY, name TEXT NOT NULL, "
+                        "digest TEXT NOT NULL, samples INTEGER NOT NULL)")
+            con.executemany("INSERT INTO shards VALUES (?, ?, ?, ?)",
+                            [(i, *shard) for i, shard in enumerate(shards)])
         digest = content_digest(con)
         con.commit()
         counter = change_counter(tmp)
