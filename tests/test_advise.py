@@ -65,6 +65,23 @@ def test_vector_idle_equals_the_diagnostics_definition():
     assert vector_straggler_idle(lengths) == pytest.approx(straggler_idle(steps), rel=1e-12)
 
 
+@pytest.mark.parametrize("m", [1, 5])
+def test_advise_measures_lost_compute_as_inspect_does(m):
+    """advise's idle per optimizer step and padding by tokens of ``lengths[rank, mb, i]`` are
+    inspect's (inspection.measure over the same micro-batches as records)."""
+    from energon_ordering.inspect.advise import step_straggler_idle
+    from energon_ordering.inspect.lost_compute import padding_by_tokens
+    from energon_ordering.inspect.rank_simulation import BatchRecord
+
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 6000, size=(8, 50, 4)).astype(float)
+    records = [[BatchRecord(tuple(map(str, range(4))), tuple(int(x) for x in b), ("x",) * 4)
+                for b in rank] for rank in lengths]
+    got = measure(records, period_batches=8, micro_batches_per_step=m)
+    assert step_straggler_idle(lengths, m) == pytest.approx(got.idle_per_step, rel=1e-12)
+    assert padding_by_tokens(lengths) == pytest.approx(got.padding_by_tokens, rel=1e-12)
+
+
 def _brute_force_idle(pop, mode, pool, ranks, steps, b, seed=0):
     """Each rank fills real pools with iid draws and applies the real order function."""
     rng = np.random.default_rng(seed)
@@ -136,7 +153,9 @@ def test_eight_rank_prediction_matches_what_inspect_measures(two_sources, mode, 
     predicted = predict_order(pop, mode=mode, pool_size=pool, batch_size=4, ranks=(8,),
                               step_ranks=8, steps=4000)
     assert abs(predicted.idle[8] - measured.straggler_idle) <= 0.01, (predicted, measured)
+    assert abs(predicted.idle_step[8] - measured.idle_per_step) <= 0.01
     assert abs(predicted.padding - measured.padding_waste) <= 0.02
+    assert abs(predicted.padding_tokens - measured.padding_by_tokens) <= 0.02
     assert abs(predicted.dispersion_batch - measured.histogram_dispersion) <= 0.35
 
 
@@ -163,8 +182,13 @@ def test_advise_cli_prints_the_table_recommends_and_plots(advise_run):
     for row in ("pool off", "batch 800", "batch 1,000", "sample 1,000", "stratified 1,000",
                 "batch 1,000,000"):
         assert row in out
-    for col in ("idle 8*", "idle 64", "idle 256", "idle 1024", "disp/step", "accepted"):
-        assert col in out
+    header = next(line for line in out.splitlines() if line.startswith("order  "))
+    assert header.split() == ["order", "lost", "8*", "idle/step", "idle/mb", "pad/tok",
+                              "pad/mb", "disp/mb", "disp/step", "accepted"]
+    assert "idle per optimizer step at each rank count (* requested):" in out
+    assert re.search(r"order +8\* +64 +256 +1024\n", out)
+    for mix in ("step", "window"):
+        assert re.search(rf"planned \(K=32, {mix}\) .* yes \(index\)", out)
     assert "pre-encode/keys" in out and "post-encode/encoded" in out
     assert "recommended: length_sort_pool_size:" in out
     # Absolute per-step mix, defined, and stratified described by what it does.

@@ -215,3 +215,44 @@ def test_a_worker_checkpoint_that_lags_the_save_is_refused(planned_data):
                        r"checkpoint_every_sec=0, checkpoint_every_min_n_samples=1\)") as info:
         _counts_after(planned_data, 1, 12, False)
     assert "\n" not in str(info.value)
+
+
+def _record(*lengths: int, packs: tuple[tuple[int, ...], ...] = ()):
+    from energon_ordering.inspect.rank_simulation import BatchRecord
+
+    return BatchRecord(tuple(f"k{i}" for i in range(len(lengths))), tuple(lengths),
+                       ("web",) * len(lengths), packs)
+
+
+def test_measure_reports_idle_per_step_and_padding_by_tokens():
+    """inspect's table (issue 32): idle per optimizer step beside per micro-batch, padding by
+    tokens beside the mean of ratios, lost compute = idle per step + padding by tokens."""
+    from energon_ordering.inspect.inspection import measure
+
+    # each rank: one short and one long micro-batch, in opposite order: per micro-batch the
+    # ranks wait, per step of 2 micro-batches they do not
+    records = [[_record(100, 100), _record(300, 100)], [_record(300, 100), _record(100, 100)]]
+    two = measure(records, period_batches=4, micro_batches_per_step=2)
+    assert two.idle_per_step == 0.0
+    assert two.straggler_idle == pytest.approx(straggler_idle([[[100, 100], [300, 100]],
+                                                               [[300, 100], [100, 100]]]))
+    assert two.straggler_idle > 0.1
+    # padded 1,600 tokens for 1,200 real ones; the mean of the ratios (0, 1/3, 1/3, 0) is lower
+    assert two.padding_by_tokens == pytest.approx(0.25)
+    assert two.padding_waste == pytest.approx(1 / 6)
+    assert two.lost_compute == pytest.approx(0.25)
+    one = measure(records, period_batches=4, micro_batches_per_step=1)
+    assert one.idle_per_step == pytest.approx(one.straggler_idle)
+    assert one.lost_compute == pytest.approx(one.straggler_idle + 0.25)
+
+
+def test_measure_pads_packs_to_the_longest_pack_by_tokens():
+    from energon_ordering.inspect.inspection import measure
+
+    # rank 0: packs of 300 and 100 tokens (padded to 300 each); rank 1: one pack of 400
+    records = [[_record(200, 100, 100, packs=((200, 100), (100,)))],
+               [_record(400, packs=((400,),))]]
+    m = measure(records, period_batches=4)
+    assert m.padding_by_tokens == pytest.approx(200 / 1000)
+    assert m.padding_waste == pytest.approx((1 - 400 / 600) / 2)
+    assert m.docs_per_pack == pytest.approx(4 / 3)

@@ -1,5 +1,7 @@
-"""``energon-ordering advise``: predicted idle, padding and source mix of pool settings and of
-the planned order at several rank counts, measured costs, and one recommended setting
+"""``energon-ordering advise``: predicted lost compute (idle per optimizer step + padding by
+tokens, beside idle per micro-batch and the mean padding per micro-batch) and source mix of pool
+settings and of the planned order at both mix granularities (``planned_mix: step`` and
+``window``) at several rank counts, measured costs, and one recommended setting
 (``advise.png``)."""
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def _parse_bytes(text: str) -> float:
 def command(dataset: str, ranks: int, micro_batch: int, num_workers: int, memory_per_worker: str,
             micro_batches_per_step: int, steps: int, seed: int, measure: bool, out: str,
             length_index: str | None, task_encoder: str | None, tokens_per_media: int) -> None:
-    """Predicted idle, padding and source mix for pool sizes 1k..1M and the planned order at 8..1,024 ranks; recommends one setting."""
+    """Predicted idle, padding and mix of pools 1k..1M and the planned order (mix per step or per window) at 8..1,024 ranks; recommends the setting that loses the least compute."""
     from energon_ordering.inspect.advise import advise as run_advise
     from energon_ordering.inspect.advise import (
         planned_note,
@@ -81,9 +83,9 @@ def command(dataset: str, ranks: int, micro_batch: int, num_workers: int, memory
     if adv.recommended is None:
         click.echo(f"\nrecommended: none ({adv.reason})")
     elif adv.recommended[2] == "planned":
-        click.echo("\nrecommended: length_sort_mode: planned, length_sort_placement: pre-encode, "
-                   "length_sort_pool_holds: keys (no length_sort_pool_size)"
-                   f"\n  ({adv.reason})\n  {planned_requirements()}")
+        click.echo(f"\nrecommended: length_sort_mode: planned, planned_mix: {adv.planned.mix}, "
+                   "length_sort_placement: pre-encode, length_sort_pool_holds: keys (no "
+                   f"length_sort_pool_size)\n  ({adv.reason})\n  {planned_requirements()}")
     else:
         placement, holds, mode, size = adv.recommended
         click.echo(f"\nrecommended: length_sort_pool_size: {size}, length_sort_mode: {mode}, "

@@ -1,7 +1,9 @@
 """``energon-ordering demo``: end to end on a synthetic multimodal dataset it writes itself:
 blend, pool, warmup, diagnostics, the resume check, ``plan.png`` and ``results.json``; three runs
 side by side: no pool, the recipe's pool, and the planned global order (from the length indexes
-the demo builds with its own task encoder)."""
+the demo builds with its own task encoder) at the mix granularity (``planned_mix``) that loses
+the least compute at the demo's shape (:func:`winning_mix`). The table leads with lost compute:
+idle per optimizer step + padding by tokens."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import TYPE_CHECKING
 import click
 
 from energon_ordering.cli.check_resume import resume_line
-from energon_ordering.cli.inspect import run_inspection
+from energon_ordering.cli.inspect import as_planned, run_inspection
 from energon_ordering.cli.options import CONTEXT
 from energon_ordering.cli.preflight import check_dataset, check_out_dir, check_pool
 from energon_ordering.cli.recipe import RECIPE, load_recipe
@@ -60,22 +62,65 @@ def _index(root: Path, sources: list[str], task_encoder: type) -> None:
             build_length_index(folder, task_encoder=task_encoder())
 
 
-def _planned_note(results: dict, name: str, cfg: OrderingConfig, step_samples: int) -> str:
-    """What the planned run shows beside the pool: its per-step mix, and what its idle depends on."""
+def winning_mix(meta: Path, cfg: OrderingConfig, *, ranks: int, batch_size: int,
+                steps: int) -> tuple[str, dict[str, float]]:
+    """The ``planned_mix`` that loses the least compute (idle per optimizer step + padding by
+    tokens) at the demo's shape, as ``advise`` predicts it from the length indexes, and each
+    mix's predicted lost compute (``{mix: share}``)."""
+    from energon_ordering.config import PLANNED_MIXES
+    from energon_ordering.inspect.advise import best_planned, load_population, predict_planned
+
+    with user_errors():
+        plan_cfg = as_planned(cfg)
+        pop = load_population(meta)
+        mixes = [predict_planned(pop, batch_size=batch_size, ranks=(ranks,), step_ranks=ranks,
+                                 micro_batches_per_step=cfg.micro_batches_per_step, steps=steps,
+                                 window_steps=plan_cfg.plan_window_steps, seed=cfg.seed, mix=mix)
+                 for mix in PLANNED_MIXES]
+    best = best_planned(mixes, ranks)
+    assert best is not None  # PLANNED_MIXES is not empty
+    return best.mix, {p.mix: p.lost(ranks) for p in mixes}
+
+
+def _mix_line(mix: str | None, lost: dict[str, float], ranks: int, batch_size: int,
+              m: int) -> str:
+    """Which mix granularity the planned run uses, and why."""
+    if mix is None:
+        return ("planned run: the recipe's planned_mix (with packing the plan builds the packs; "
+                "the prediction that picks the mix models padded micro-batches)")
+    figures = ", ".join(f"{k} {100 * v:.1f}%" for k, v in sorted(lost.items(), key=lambda kv: kv[1]))
+    return (f"planned run: planned_mix: {mix}, the granularity that loses the least compute at "
+            f"this shape ({ranks} ranks x {m} micro-batch(es) of {batch_size} per step; "
+            f"predicted from the length indexes as `energon-ordering advise` does: {figures} "
+            "idle per optimizer step + padding by tokens)")
+
+
+def _planned_note(results: dict, name: str, plan_cfg: OrderingConfig, step_samples: int) -> str:
+    """What the planned run shows beside the pool: its mix, and the compute each loses."""
     pool = next((n for n in results if n not in ("pool off", name)), None)
-    plan, m = results[name], cfg.micro_batches_per_step
-    text = (f"The planned run: every step holds each source's scheduled share of its samples "
-            f"within one sample (dispersion per step {plan.step_histogram_dispersion:.2f}"
+    plan, m = results[name], plan_cfg.micro_batches_per_step
+    unit = "packs" if plan_cfg.packing_buffer_size is not None else "samples"
+    held = ("every step holds each source's scheduled share of its samples within one sample"
+            if plan_cfg.planned_mix == "step" else
+            f"every plan window of {plan_cfg.plan_window_steps} steps holds each source's "
+            "scheduled share within one sample, and each of its steps takes one band of "
+            "lengths, as a pool's steps do")
+    text = (f"The planned run: {held} (dispersion per step {plan.step_histogram_dispersion:.2f}"
             + (f", {results[pool].step_histogram_dispersion:.2f} with the pool" if pool else "")
-            + f"); ranks are balanced within that exact mix, over {m} micro-batch(es) per rank "
-            + (f"per step ({step_samples * m} packs per step here, each built to its step's cap)."
-               if cfg.packing_buffer_size is not None else
-               f"per step ({step_samples * m} samples per step here)."))
-    if pool and plan.straggler_idle > results[pool].straggler_idle:
-        text += (" Steps this small leave little to balance under an exact mix, so the pool "
-                 "idles less here; with more micro-batches per step (micro_batches_per_step) the "
-                 "plan balances far better (`energon-ordering advise --micro-batches-per-step M` "
-                 "predicts both).")
+            + f"); ranks are balanced over {m} micro-batch(es) per rank per step "
+            f"({step_samples * m} {unit} per step here"
+            + (", each pack built to its step's cap)." if unit == "packs" else ")."))
+    if pool:
+        other = results[pool]
+        text += (f" It loses {100 * plan.lost_compute:.1f}% of compute (idle per optimizer step "
+                 f"{100 * plan.idle_per_step:.1f}% + padding by tokens "
+                 f"{100 * plan.padding_by_tokens:.1f}%), the pool "
+                 f"{100 * other.lost_compute:.1f}% ({100 * other.idle_per_step:.1f}% + "
+                 f"{100 * other.padding_by_tokens:.1f}%).")
+        if plan.lost_compute > other.lost_compute:
+            text += (" Here the pool loses less; with more micro-batches per step "
+                     "(micro_batches_per_step) the plan has more to balance "
+                     "(`energon-ordering advise --micro-batches-per-step M` predicts both).")
     return text
 
 
@@ -107,7 +152,11 @@ def command(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scal
     from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
 
     _index(meta.parent, [s.name for s in specs], SyntheticTaskEncoder)
-    click.echo(f"recipe {recipe}: {ranks} ranks x {steps} micro-batches of {batch_size}\n")
+    click.echo(f"recipe {recipe}: {ranks} ranks x {steps} micro-batches of {batch_size}")
+    mix, lost = None, {}
+    if cfg.packing_buffer_size is None:
+        mix, lost = winning_mix(meta, cfg, ranks=ranks, batch_size=batch_size, steps=steps)
+    click.echo(_mix_line(mix, lost, ranks, batch_size, cfg.micro_batches_per_step) + "\n")
 
     epochs = None
     total = cfg.total_steps or (cfg.mixture_schedule.total_steps if cfg.mixture_schedule else None) or steps
@@ -119,10 +168,12 @@ def command(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scal
                              warn_above=4.0)
     results, extra = run_inspection(str(meta), cfg, ranks=ranks, steps=steps, num_workers=0,
                                     batch_size=batch_size, out=out_dir,
-                                    task_encoder_factory=SyntheticTaskEncoder, planned=True)
+                                    task_encoder_factory=SyntheticTaskEncoder, planned=True,
+                                    planned_mix=mix)
     click.echo(measure_table(results, extra["planned"]))
     click.echo("\n" + definitions(extra))
-    click.echo("\n" + _planned_note(results, extra["planned"][0], cfg, ranks * batch_size))
+    click.echo("\n" + _planned_note(results, extra["planned"][0], as_planned(cfg, mix),
+                                    ranks * batch_size))
     if extra["note"]:
         click.echo("\n" + extra["note"])
     if epochs is not None:
@@ -142,6 +193,7 @@ def command(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scal
     results_json.write_text(json.dumps(
         {name: dataclasses.asdict(m) for name, m in results.items()}
         | {"resume_identical": ok, "micro_batches_per_step": cfg.micro_batches_per_step,
+           "planned_mix": extra["planned_mix"], "predicted_lost_compute": lost,
            "mix_window_steps": extra["window_steps"], "mix_note": extra["note"]},
         indent=2))
     data_mb = sum(f.stat().st_size for f in meta.parent.rglob("*") if f.is_file()) / 1e6

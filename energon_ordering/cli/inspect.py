@@ -46,9 +46,11 @@ def _mix_note(cfg: OrderingConfig, results: dict[str, Any], window: int) -> str 
             f"schedule on average over a pool's worth of steps ({window}).")
 
 
-#: Settings a pool recipe's planned run replaces (the planned order has no pool).
+#: Settings a pool recipe's planned run replaces (the planned order has no pool), and the
+#: planned order's own (a pool-off run of a planned recipe drops them).
 _POOL_FIELDS = ("length_sort_pool_size", "length_sort_mode", "length_sort_placement",
-                "length_sort_pool_holds", "length_sort_pool_ramp", "plan_window_steps")
+                "length_sort_pool_holds", "length_sort_pool_ramp", "plan_window_steps",
+                "planned_mix", "allow_global_batch_change")
 
 #: Settings of a pool run the planned order refuses (it draws each step's exact counts: no
 #: blend policy, no lag behind a pool).
@@ -63,21 +65,23 @@ def pool_off(cfg: OrderingConfig) -> OrderingConfig:
     return OrderingConfig.from_dict({**d, "length_sort_pool_size": 0})
 
 
-def as_planned(cfg: OrderingConfig) -> OrderingConfig:
-    """``cfg`` in the planned global order (the settings it needs; the default window)."""
+def as_planned(cfg: OrderingConfig, mix: str | None = None) -> OrderingConfig:
+    """``cfg`` in the planned global order (the settings it needs; the default window), with
+    ``planned_mix = mix`` (None: the recipe's, else the default)."""
     from energon_ordering.config import PLANNED, OrderingConfig
 
     if cfg.planned:
-        return cfg
+        return cfg if mix is None else dataclasses.replace(cfg, planned_mix=mix)
     d = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_PLANNED}
     return OrderingConfig.from_dict({**d, "length_sort_mode": PLANNED,
                                      "length_sort_placement": "pre-encode",
-                                     "length_sort_pool_holds": "keys"})
+                                     "length_sort_pool_holds": "keys",
+                                     **({} if mix is None else {"planned_mix": mix})})
 
 
 def planned_name(cfg: OrderingConfig) -> str:
-    """A planned run's column name: the mode and its window."""
-    return f"planned (K={cfg.plan_window_steps})"
+    """A planned run's column name: the mode, its window and its mix granularity."""
+    return f"planned (K={cfg.plan_window_steps}, {cfg.planned_mix})"
 
 
 def planned_repeats(path: str, cfg: OrderingConfig, records: list[list[Any]], *,
@@ -125,10 +129,12 @@ def planned_repeats(path: str, cfg: OrderingConfig, records: list[list[Any]], *,
 
 def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, num_workers: int,
                    batch_size: int, out: Path, task_encoder_factory: Any = None,
-                   planned: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+                   planned: bool = False, planned_mix: str | None = None,
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Runs ``ranks`` simulated ranks for ``steps`` micro-batches with the pool off and with the
     recipe's pool or planned order; with ``planned`` also the recipe in the planned order (the
-    dataset needs a length index); measures each run and writes ``out/inspect.png``.
+    dataset needs a length index), at ``planned_mix`` (None: the recipe's); measures each run
+    and writes ``out/inspect.png``.
 
     A planned run's "keys on two ranks" counts the samples drawn more often than their
     source's epochs allow instead (:func:`planned_repeats`; ``extra["planned"]`` names those
@@ -136,7 +142,8 @@ def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, nu
 
     Returns:
         ``({run name: Measurement}, {"png", "period", "note", "window_steps", "packed",
-        "planned"})``.
+        "planned", "planned_mix"})``: ``planned`` names the planned runs, ``planned_mix`` maps
+        each to its mix granularity.
     """
     from energon_ordering.inspect.inspection import measure, shard_length
     from energon_ordering.inspect.plots import plot_run
@@ -147,7 +154,7 @@ def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, nu
         if cfg.length_sort_enabled:
             configs[f"pool {cfg.length_sort_pool_size} ({cfg.length_sort_mode})"] = cfg
         if cfg.planned or planned:
-            plan_cfg = as_planned(cfg)
+            plan_cfg = as_planned(cfg, planned_mix)
             configs[planned_name(plan_cfg)] = plan_cfg
     preflight(path, list(configs.values())[::-1], batch_size=batch_size, num_workers=num_workers,
               world_size=ranks, task_encoder_factory=task_encoder_factory)
@@ -170,10 +177,11 @@ def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, nu
     note = _mix_note(cfg, results, window)
     png = plot_run(out / "inspect.png", runs=records, micro_batches_per_step=mbps,
                    schedule=cfg.mixture_schedule, warmup=cfg.seq_length_warmup,
-                   window_steps=window, note=note)
+                   window_steps=window, note=note, measurements=results)
     packed = any(r.docs_per_pack == r.docs_per_pack for r in results.values())
+    mixes = {n: c.planned_mix for n, c in configs.items() if c.planned}
     return results, {"png": png, "period": period, "note": note, "window_steps": window,
-                     "packed": packed, "planned": [n for n, c in configs.items() if c.planned]}
+                     "packed": packed, "planned": list(mixes), "planned_mix": mixes}
 
 
 @click.command("inspect", context_settings=CONTEXT)

@@ -44,15 +44,24 @@ def _mix(value: float, sources: int = 2) -> str:
     return "-" if sources < 2 or value != value else f"{value:.2f}"
 
 
+def _pct(value: float) -> str:
+    """A share in percent, or ``-`` where it was not measured (NaN)."""
+    return "-" if value != value else f"{100 * value:.1f}%"
+
+
 def measure_table(results: dict[str, Any], planned: Sequence[str] = ()) -> str:
     """The diagnostics of ``inspect`` and ``demo``, one column per run; the ``planned`` runs'
     overlap figure is starred (samples drawn more often than their source's epochs allow,
     :func:`energon_ordering.cli.inspect.planned_repeats`)."""
     names = list(results)
     rows = [
-        ["straggler idle, per micro-batch",
-         *(f"{100 * results[n].straggler_idle:.1f}%" for n in names)],
-        ["padding waste", *(f"{100 * results[n].padding_waste:.1f}%" for n in names)],
+        ["lost compute (idle/step + padding/tokens)",
+         *(_pct(results[n].lost_compute) for n in names)],
+        ["straggler idle, per optimizer step", *(_pct(results[n].idle_per_step) for n in names)],
+        ["straggler idle, per micro-batch", *(_pct(results[n].straggler_idle) for n in names)],
+        ["padding waste, by tokens", *(_pct(results[n].padding_by_tokens) for n in names)],
+        ["padding waste, mean per micro-batch",
+         *(_pct(results[n].padding_waste) for n in names)],
         ["tokens per step", *(f"{results[n].tokens_per_step:,.0f}" for n in names)],
         ["source histogram dispersion (1 = iid)",
          *(_mix(results[n].histogram_dispersion, len(results[n].sources)) for n in names)],
@@ -63,19 +72,24 @@ def measure_table(results: dict[str, Any], planned: Sequence[str] = ()) -> str:
         ["sawtooth at shard period", *("yes" if results[n].sawtooth else "no" for n in names)],
     ]
     if any(results[n].docs_per_pack == results[n].docs_per_pack for n in names):
-        rows.insert(3, ["documents per pack", *(f"{results[n].docs_per_pack:.2f}" for n in names)])
+        rows.insert(6, ["documents per pack", *(f"{results[n].docs_per_pack:.2f}" for n in names)])
     return table(["", *names], rows)
 
 
 def definitions(extra: dict[str, Any]) -> str:
     """One line per term of :func:`measure_table`, printed under it."""
     return "\n".join([
-        "straggler idle, per micro-batch: share of each micro-batch the ranks wait for the "
-        "slowest (cost L + L^2/4096 per sample); lower is better. inspect.png plots it per "
-        "optimizer step instead (each rank's micro-batches of the step summed), which is lower "
-        "with several micro-batches per step: their differences partly cancel.",
-        "padding waste: share of a micro-batch that is padding up to its longest sample (with "
-        "packing: its longest pack); lower is better.",
+        "lost compute: the share of GPU time an order loses, straggler idle per optimizer step "
+        "+ padding waste by tokens; lower is better.",
+        "straggler idle: share of the time the ranks wait for the slowest (cost L + L^2/4096 "
+        "per sample). per optimizer step: each rank's micro-batches of the step summed, as the "
+        "ranks wait once a step at the gradient reduction (data parallelism pays this; "
+        "inspect.png plots it); per micro-batch: the ranks wait at every micro-batch (expert "
+        "parallelism pays this); equal with one micro-batch per step.",
+        "padding waste: padding up to each micro-batch's longest sample (with packing: its "
+        "longest pack). by tokens: padding tokens over all computed tokens, what the GPU "
+        "computes in vain; mean per micro-batch: the mean of each micro-batch's share, which "
+        "understates it when the long micro-batches hold most tokens.",
         "tokens per step: tokens of one micro-batch of every rank together, before padding.",
         *(["documents per pack: mean number of documents packed into one sequence; idle, "
            "tokens and the source mix count documents."] if extra.get("packed") else []),
@@ -85,11 +99,13 @@ def definitions(extra: dict[str, Any]) -> str:
         "(worse: the mix swings from batch to batch).",
         "keys on two ranks: samples drawn by more than one rank; anything but 0 means ranks "
         "train on the same data.",
-        *([f"{name}: length_sort_mode: planned, every rank computes the same plan of the global "
-           "order from the length index (no pool); * its keys on two ranks counts samples drawn "
+        *([f"{name}: length_sort_mode: planned, planned_mix: {mix}, every rank computes the "
+           "same plan of the global order from the length index (no pool); each "
+           + ("optimizer step" if mix == "step" else "plan window") + " holds each source's "
+           "scheduled share within one sample; * its keys on two ranks counts samples drawn "
            "more often than their source's epochs allow (a source's next epoch is a new "
            "permutation dealt over all ranks, so its samples return on other ranks)."
-           for name in extra.get("planned", ())]),
+           for name, mix in extra.get("planned_mix", {}).items()]),
         f"sawtooth at shard period: 'yes' if each source's share repeats every shard "
         f"({extra['period']} micro-batches) while batches are clumped by source (shards read in "
         "blocks: a sawtooth in the per-source loss); 'no' is good.",
@@ -125,33 +141,49 @@ def _mib(n: float) -> str:
     return "n/a" if n != n else f"{n / 2**20:,.1f} MiB"
 
 
+def _planned_rows(adv: Any) -> list[Any]:
+    """The planned order's predictions, one per mix granularity (older Advice: the one)."""
+    return list(adv.planned_mixes) or ([adv.planned] if adv.planned is not None else [])
+
+
 def advice_tables(adv: Any) -> str:
-    """The predictions of ``advise`` per pool setting and rank count, whether the package
-    accepts each pool at the requested ranks and workers, and the measured costs."""
-    counts = adv.rank_counts
-    rows = []
+    """The predictions of ``advise`` per pool setting and the planned order at each mix
+    granularity: lost compute, idle (per optimizer step and per micro-batch), padding (by
+    tokens and mean per micro-batch) and mix at the requested ranks, whether the package
+    accepts each pool at the requested ranks and workers; idle per optimizer step at every rank
+    count; and the measured costs."""
+    counts, r = adv.rank_counts, adv.ranks
+    rows, by_ranks = [], []
     for p in adv.predictions:
-        name = "pool off" if p.pool_size == 0 else f"{p.mode} {p.pool_size:,}"
         accepted = ("" if p.pool_size == 0 else "yes" if p.pool_size <= adv.share
                     else f"needs {adv.samples_needed(p.pool_size):,}")
-        rows.append([name, *(f"{100 * p.idle[r]:.1f}%" for r in counts),
-                     f"{100 * p.padding:.1f}%", _mix(p.dispersion_batch),
+        rows.append([p.name, *_lost_cells(p, r), _mix(p.dispersion_batch),
                      _mix(p.dispersion_step), accepted])
-    planned = adv.planned
-    if planned is not None:
-        rows.append([planned.name, *(f"{100 * planned.idle[r]:.1f}%" for r in counts),
-                     f"{100 * planned.padding:.1f}%", _mix(planned.dispersion_batch),
+        by_ranks.append([p.name, *(_pct(p.idle_step[n]) for n in counts)])
+    for planned in _planned_rows(adv):
+        rows.append([planned.name, *_lost_cells(planned, r), _mix(planned.dispersion_batch),
                      _mix(planned.dispersion_step),
                      "yes (index)" if planned.has_index else "needs a length index"])
-    headers = ["order", *(f"idle {r}" + ("*" if r == adv.ranks else "") for r in counts),
-               "padding", "disp/mb", "disp/step", "accepted"]
+        by_ranks.append([planned.name, *(_pct(planned.idle_step[n]) for n in counts)])
+    headers = ["order", f"lost {r}*", "idle/step", "idle/mb", "pad/tok", "pad/mb", "disp/mb",
+               "disp/step", "accepted"]
+    text = [f"at {r:,} ranks (requested), micro-batch {adv.batch_size}, "
+            f"{adv.micro_batches_per_step} micro-batch(es) per step:",
+            table(headers, rows, left=("accepted",)),
+            "  lost = idle/step + pad/tok, shares of GPU time summed (the recommendation ranks "
+            "by it); idle/step = straggler idle per optimizer step (ranks wait at the gradient "
+            "reduction); idle/mb = per micro-batch (ranks wait at every micro-batch: expert "
+            "parallelism); pad/tok = padding weighted by tokens; pad/mb = mean of each "
+            "micro-batch's padding share; disp = source dispersion per micro-batch / per step.",
+            "",
+            "idle per optimizer step at each rank count (* requested):",
+            table(["order", *(f"{n:,}" + ("*" if n == r else "") for n in counts)], by_ranks)]
     workers = max(1, adv.num_workers)
-    text = [table(headers, rows, left=("accepted",)),
-            f"\naccepted: the package accepts a pool up to a loader worker's share of the data, "
+    text += [f"\naccepted: the package accepts a pool up to a loader worker's share of the data, "
             f"{adv.share:,} samples here ({adv.total_samples:,} samples / ({adv.ranks:,} ranks x "
             f"{workers} worker(s))); a larger pool needs the data size shown (pool x ranks x "
             "workers)."]
-    if planned is not None:
+    for planned in _planned_rows(adv):
         text.append(_planned_lines(adv, planned))
     if adv.costs:
         sizes = sorted({p.pool_size for p in adv.predictions if p.pool_size})
@@ -173,7 +205,7 @@ def advice_tables(adv: Any) -> str:
                 f"  pools of {RAMP_MIN_POOL:,} or more ramp up ({RAMP_RULE}): their first batch "
                 f"waits for the first pool only, {pool_size_at(0, ramped[0], ramp=True):,} "
                 "samples (length_sort_pool_ramp = false: the whole pool)")
-        if planned is not None:
+        for planned in _planned_rows(adv):
             text.append(_planned_cost(adv, planned))
         for c in adv.costs:
             if c.note:
@@ -191,6 +223,12 @@ def advice_tables(adv: Any) -> str:
     return "\n".join(text)
 
 
+def _lost_cells(p: Any, ranks: int) -> list[str]:
+    """Lost compute, idle per step and per micro-batch, padding by tokens and per micro-batch."""
+    return [_pct(p.lost(ranks)), _pct(p.idle_step[ranks]), _pct(p.idle[ranks]),
+            _pct(p.padding_tokens), _pct(p.padding)]
+
+
 def _worst_pool_step(adv: Any, p: Any) -> float:
     """A pool's worst per-step deviation of a source's count, in samples (from its worst share
     deviation in percentage points, times the global batch)."""
@@ -199,24 +237,28 @@ def _worst_pool_step(adv: Any, p: Any) -> float:
 
 
 def _planned_lines(adv: Any, planned: Any) -> str:
-    """What the planned row means: the plan itself, computed from the lengths, and its per-step
-    mix in samples beside the pools'."""
+    """What a planned row means: the plan itself, computed from the lengths, and its mix in
+    samples (per step, and per window with ``planned_mix: window``) beside the pools'."""
     r = adv.ranks
+    held = ("every optimizer step" if planned.mix == "step" else
+            "every plan window, its steps free to take one band of lengths each")
     lines = [
-        f"{planned.name}: length_sort_mode: planned, windows of {planned.window_steps} steps; "
-        f"not modelled but planned from the same lengths (plan_window, {planned.steps[r]:,} "
-        f"steps at {r:,} ranks); needs a length index for every dataset."]
+        f"{planned.name}: length_sort_mode: planned, planned_mix: {planned.mix} (the mix held in "
+        f"{held}), windows of {planned.window_steps} steps; not modelled but planned from the "
+        f"same lengths (plan_window, {planned.steps[r]:,} steps at {r:,} ranks); needs a length "
+        "index for every dataset."]
     if planned.step_share_pp:
         pools = [p for p in adv.predictions if p.step_share_pp]
         accepted = [p for p in pools if 0 < p.pool_size <= adv.share]
         shown = [p for p in pools if p.pool_size == 0]
-        shown += [min(accepted, key=lambda p: p.idle[r])] if accepted else []
-        pool_text = ", ".join(
-            f"{'pool off' if p.pool_size == 0 else f'{p.mode} {p.pool_size:,}'}: "
-            f"{_worst_pool_step(adv, p):,.0f}" for p in shown)
+        shown += [min(accepted, key=lambda p: p.lost(r))] if accepted else []
+        pool_text = ", ".join(f"{p.name}: {_worst_pool_step(adv, p):,.0f}" for p in shown)
+        window = (f"; worst window: {planned.worst_window_samples[r]:.2f} from the sum of its "
+                  "steps' (exact: below 1)" if planned.mix == "window" else "")
         lines.append(
             f"  worst step at {r:,} ranks: a source's count {planned.worst_step_samples[r]:.2f} "
-            "samples from weight x global batch (exact: below 1)"
+            "samples from weight x global batch"
+            + (" (exact: below 1)" if planned.mix == "step" else "") + window
             + (f"; the pools' ({pool_text} samples)" if pool_text else ""))
     return "\n".join(lines)
 

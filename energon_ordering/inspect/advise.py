@@ -21,10 +21,15 @@ package's own order functions (:data:`energon_ordering.pool.order.POOL_ORDERS`):
    at those positions are drawn exactly (sums of exponential spacings, i.e. Gamma increments)
    and mapped through the population's quantile function. A million-sample pool on 1,024 ranks
    costs a few thousand draws per rank instead of a sort of a million.
-4. **Measures.** The same definitions as :mod:`energon_ordering.inspect.diagnostics`: straggler
-   idle per micro-batch index over the ranks, padding waste per micro-batch, and the source
-   histogram dispersion per micro-batch and per optimizer step (all micro-batches of all ranks
-   of a step, :func:`~energon_ordering.inspect.diagnostics.sources_by_step`).
+4. **Measures.** The same definitions as ``inspect``'s
+   (:mod:`energon_ordering.inspect.lost_compute`, :mod:`energon_ordering.inspect.diagnostics`):
+   straggler idle per optimizer step (each rank's micro-batches of a step summed: the ranks
+   wait at the gradient reduction) and per micro-batch index (the ranks wait at every
+   micro-batch: expert parallelism), padding weighted by tokens and the mean of each
+   micro-batch's padding share, and the source histogram dispersion per micro-batch and per
+   optimizer step (all micro-batches of all ranks of a step,
+   :func:`~energon_ordering.inspect.diagnostics.sources_by_step`). A setting's **lost compute**
+   is idle per optimizer step + padding by tokens; the recommendation ranks by it.
 
 **Feasible pools.** The package refuses a pool larger than a loader worker's share of repeating
 data (``_check_pool_share`` in :mod:`energon_ordering.task_encoder`): Energon splits every source
@@ -44,12 +49,14 @@ need more memory than ``advise`` allows itself are refused with a typed error.
 **The planned order** (``length_sort_mode: planned``) is a pure function of the lengths, so it
 is not modelled but computed: :func:`planned_run` splits the population by source and runs the
 plan itself (:func:`energon_ordering.planned.window.plan_window`, windows of
-:data:`~energon_ordering.planned.window.DEFAULT_WINDOW_STEPS` steps) at each rank count, and
-:func:`predict_planned` measures it with the same definitions, plus the worst per-step
-deviation of a source's count from ``weight x global batch`` (in samples) and the seconds
-``plan_window`` takes per step. It needs a length index for every dataset: ``advise``
-recommends it only then (:func:`recommend`), and says so in one line otherwise
-(:func:`planned_note`).
+:data:`~energon_ordering.planned.window.DEFAULT_WINDOW_STEPS` steps) at each rank count and at
+each mix granularity (``planned_mix``: the mix held per optimizer step, or per plan window
+with the window's samples free to move between its steps), and :func:`predict_planned`
+measures it with the same definitions, plus the worst per-step and per-window deviation of a
+source's count from ``weight x global batch`` (in samples) and the seconds ``plan_window``
+takes per step. The granularity that loses less compute is compared with the pools
+(:func:`best_planned`). It needs a length index for every dataset: ``advise`` recommends it
+only then (:func:`recommend`), and says so in one line otherwise (:func:`planned_note`).
 
 The model's assumptions: lengths independent of their position in the stream (Energon shuffles
 shard slices and samples), a stream longer than the pool (each worker's pool is filled from its
@@ -69,12 +76,18 @@ from typing import Any
 
 import numpy as np
 
-from energon_ordering.config import OrderingConfig
+from energon_ordering.config import PLANNED_MIXES, OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingError
 from energon_ordering.inspect.diagnostics import (
     ATTENTION_CROSSOVER_TOKENS,
     histogram_dispersion,
     sources_by_step,
+)
+from energon_ordering.inspect.lost_compute import (
+    idle_per_step,
+    lost_compute,
+    micro_batch_costs,
+    padding_by_tokens,
 )
 from energon_ordering.length_index.index import LengthIndex, length_index_files
 from energon_ordering.pool.order import POOL_ORDERS, pool_seed
@@ -94,6 +107,7 @@ __all__ = [
     "PlannedPrediction",
     "PlannedRun",
     "advise",
+    "best_planned",
     "check_inputs",
     "fit_first_batch",
     "step_share_deviation",
@@ -109,6 +123,7 @@ __all__ = [
     "predict_planned",
     "recommend",
     "source_mix_note",
+    "step_straggler_idle",
     "vector_straggler_idle",
     "worker_share",
 ]
@@ -343,6 +358,22 @@ def vector_straggler_idle(lengths: np.ndarray) -> float:
     return float(idle.mean())
 
 
+def step_straggler_idle(lengths: np.ndarray, micro_batches_per_step: int) -> float:
+    """Idle per optimizer step
+    (:func:`~energon_ordering.inspect.lost_compute.idle_per_step`) of ``lengths[rank,
+    micro-batch, i]``, micro-batch ``k`` of a rank in step ``k // micro_batches_per_step``
+    (the whole steps only)."""
+    r, n, _ = lengths.shape
+    m = micro_batches_per_step
+    steps = n // m
+    if steps == 0:
+        raise OrderingConfigError(
+            f"advise: {n} micro-batches per rank fill no optimizer step of "
+            f"{m} micro-batches; simulate more steps.")
+    costs = micro_batch_costs(lengths[:, : steps * m]).reshape(r, steps, m)
+    return idle_per_step(costs.transpose(1, 0, 2))
+
+
 def _padding(lengths: np.ndarray) -> float:
     peak = lengths.max(axis=2)
     b = lengths.shape[2]
@@ -357,13 +388,19 @@ class OrderPrediction:
     Attributes:
         mode: Pool mode (``"off"`` for no pool).
         pool_size: Samples per pool per worker (0 = off).
-        idle: ``{ranks: straggler idle fraction}``.
-        padding: Padding waste fraction (rank-independent).
+        idle: ``{ranks: straggler idle per micro-batch}`` (the ranks wait at every
+            micro-batch, as with expert parallelism).
+        padding: Padding waste, the mean over micro-batches of their padding share
+            (rank-independent).
         dispersion_batch: Source histogram dispersion per micro-batch (nan: one source).
         dispersion_step: Dispersion per optimizer step at the requested rank count.
         step_share_pp: ``{source: (typical, worst)}``: how far a source's share of an
             optimizer step's samples (all ranks, all micro-batches) lies from its share of the
             data, in percentage points; typical = median over steps, worst = maximum.
+        idle_step: ``{ranks: straggler idle per optimizer step}``, each rank's micro-batches
+            of a step summed (the ranks wait once a step, at the gradient reduction).
+        padding_tokens: Padding waste weighted by tokens, ``sum(B max L - sum L) / sum(B max
+            L)`` at the requested rank count.
     """
 
     mode: str
@@ -373,6 +410,18 @@ class OrderPrediction:
     dispersion_batch: float
     dispersion_step: float
     step_share_pp: dict[str, tuple[float, float]] = field(default_factory=dict)
+    idle_step: dict[int, float] = field(default_factory=dict)
+    padding_tokens: float = float("nan")
+
+    @property
+    def name(self) -> str:
+        """The row's name in ``advise``'s tables."""
+        return "pool off" if self.pool_size == 0 else f"{self.mode} {self.pool_size:,}"
+
+    def lost(self, ranks: int) -> float:
+        """Compute lost at ``ranks``: idle per optimizer step + padding by tokens
+        (:func:`~energon_ordering.inspect.lost_compute.lost_compute`)."""
+        return lost_compute(self.idle_step[ranks], self.padding_tokens)
 
 
 def step_share_deviation(step_sources: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -477,7 +526,8 @@ def predict_order(
     model_seed: int = 0,
     cache: Any = None,
 ) -> OrderPrediction:
-    """Predicted idle at each rank count, padding and source dispersion of one pool setting.
+    """Predicted idle (per micro-batch and per optimizer step) at each rank count, padding
+    (mean per micro-batch and by tokens) and source dispersion of one pool setting.
 
     Args:
         pop: The length population.
@@ -500,18 +550,21 @@ def predict_order(
     kw = dict(pool_size=pool_size, mode=mode, batch_size=batch_size, num_workers=num_workers,
               steps=steps, seed=seed, rng=rng, cache=cache)
     idle: dict[int, float] = {}
-    padding = float("nan")
+    idle_step: dict[int, float] = {}
+    padding = padding_tokens = float("nan")
     disp_batch = disp_step = float("nan")
     share_pp: dict[str, tuple[float, float]] = {}
     for r in sorted(set(ranks) | {step_ranks}):
         lengths, sources = _draw(pop, r, **kw)
         idle[r] = vector_straggler_idle(lengths)
+        idle_step[r] = step_straggler_idle(lengths, micro_batches_per_step)
         if r == step_ranks:
-            padding = _padding(lengths)
+            padding, padding_tokens = _padding(lengths), padding_by_tokens(lengths)
             if len(pop.source_names) > 1:
                 disp_batch, disp_step, share_pp = _source_mix(pop, sources, micro_batches_per_step)
-    return OrderPrediction(mode, pool_size, {r: idle[r] for r in ranks if r in idle} | {
-        step_ranks: idle[step_ranks]}, padding, disp_batch, disp_step, share_pp)
+    shown = sorted(set(ranks) | {step_ranks})
+    return OrderPrediction(mode, pool_size, {r: idle[r] for r in shown}, padding, disp_batch,
+                           disp_step, share_pp, {r: idle_step[r] for r in shown}, padding_tokens)
 
 
 # ---- 5. the planned order: computed from the lengths, not modelled ------------------------
@@ -526,15 +579,21 @@ class PlannedRun:
             micro-batch of the step, sample.
         sources: ``[steps, R, M, B]`` source index of each.
         worst_step_samples: The largest ``|count - weight x G|`` over steps and sources, in
-            samples (G = R x M x B, the global batch): below 1 for the exact plan.
+            samples (G = R x M x B, the global batch): below 1 for the exact plan of
+            ``planned_mix = "step"``.
         plan_seconds_per_step: Seconds :func:`~energon_ordering.planned.window.plan_window`
             took per optimizer step (one process planning all ranks, as each rank does).
+        worst_window_samples: The largest ``|count - sum of weight x G|`` over plan windows
+            and sources, in samples: below 1 for either mix granularity.
+        mix: The plan's ``planned_mix``, ``"step"`` or ``"window"``.
     """
 
     lengths: np.ndarray
     sources: np.ndarray
     worst_step_samples: float
     plan_seconds_per_step: float
+    worst_window_samples: float = 0.0
+    mix: str = "step"
 
     @staticmethod
     def rank_major(a: np.ndarray) -> np.ndarray:
@@ -554,13 +613,19 @@ def planned_run(
     steps: int,
     window_steps: int = DEFAULT_WINDOW_STEPS,
     seed: int = 0,
+    mix: str = "step",
 ) -> PlannedRun:
     """Plans ``steps`` optimizer steps (whole windows of ``window_steps``: at least one, rounded
     up) of the sources ``lengths`` (per source, each sample's length) blended by ``weights``,
-    for ``world_size`` ranks of ``micro_batches_per_step`` micro-batches of ``micro_batch``.
+    for ``world_size`` ranks of ``micro_batches_per_step`` micro-batches of ``micro_batch``,
+    holding the mix per step or per window (``mix``, ``OrderingConfig.planned_mix``).
 
     Shared with ``tools/bench_planned.py``.
     """
+    if mix not in PLANNED_MIXES:
+        raise OrderingConfigError(
+            f"planned_run: mix = {show(mix)} is unknown; use one of {list(PLANNED_MIXES)} "
+            "(OrderingConfig.planned_mix).")
     cursor = PlanCursor.start(len(lengths))
     g = world_size * micro_batches_per_step * micro_batch
     w = np.asarray(weights, dtype=np.float64)
@@ -568,22 +633,25 @@ def planned_run(
     flat = np.concatenate([np.asarray(x) for x in lengths])
     offsets = np.cumsum([0] + [len(x) for x in lengths[:-1]])
     k = window_steps
-    out_l, out_s, worst, seconds = [], [], 0.0, 0.0
+    out_l, out_s, worst, worst_window, seconds = [], [], 0.0, 0.0, 0.0
     windows = max(1, -(-steps // k))
+    # "step" is plan_window's only behaviour until it takes the mix: passed only when asked
+    granularity = {} if mix == "step" else {"mix": mix}
     for window in range(windows):
         t0 = time.perf_counter()
         plan = plan_window(lengths, seed=seed, cursor=cursor, weights=window_weights(w, window, k),
                            window_steps=k, world_size=world_size, micro_batch=micro_batch,
-                           micro_batches_per_step=micro_batches_per_step)
+                           micro_batches_per_step=micro_batches_per_step, **granularity)
         seconds += time.perf_counter() - t0
         cursor = plan.next_cursor
         src = np.searchsorted(offsets, plan.ids, side="right") - 1
         counts = np.stack([np.bincount(src[t].ravel(), minlength=len(lengths)) for t in range(k)])
         worst = max(worst, float(np.abs(counts - w * g).max()))
+        worst_window = max(worst_window, float(np.abs(counts.sum(axis=0) - k * w * g).max()))
         out_l.append(flat[plan.ids])
         out_s.append(src)
     return PlannedRun(np.concatenate(out_l).astype(np.float64), np.concatenate(out_s), worst,
-                      seconds / (windows * k))
+                      seconds / (windows * k), worst_window, mix)
 
 
 @dataclass(frozen=True)
@@ -592,8 +660,8 @@ class PlannedPrediction:
 
     Attributes:
         window_steps: K, optimizer steps per plan window.
-        idle: ``{ranks: straggler idle fraction}``.
-        padding: Padding waste fraction at the requested rank count.
+        idle: ``{ranks: straggler idle per micro-batch}``.
+        padding: Padding waste, mean per micro-batch, at the requested rank count.
         dispersion_batch: Source histogram dispersion per micro-batch (nan: one source).
         dispersion_step: Dispersion per optimizer step at the requested rank count.
         step_share_pp: ``{source: (typical, worst)}`` in percentage points, as
@@ -604,6 +672,12 @@ class PlannedPrediction:
         steps: ``{ranks: optimizer steps planned}`` (whole windows, bounded by
             :data:`PLANNED_MAX_SAMPLES`).
         has_index: Every dataset has a length index (planned mode needs one).
+        idle_step: ``{ranks: straggler idle per optimizer step}``.
+        padding_tokens: Padding waste weighted by tokens at the requested rank count.
+        worst_window_samples: ``{ranks: largest |count - sum of weight x G|}`` over plan
+            windows and sources, in samples.
+        mix: ``planned_mix``: the mix held per optimizer step (``"step"``) or per plan window
+            (``"window"``).
     """
 
     window_steps: int
@@ -618,10 +692,24 @@ class PlannedPrediction:
     has_index: bool
     mode: str = "planned"
     pool_size: int = 0
+    idle_step: dict[int, float] = field(default_factory=dict)
+    padding_tokens: float = float("nan")
+    worst_window_samples: dict[int, float] = field(default_factory=dict)
+    mix: str = "step"
 
     @property
     def name(self) -> str:
-        return f"planned (K={self.window_steps})"
+        """The row's name: the mode, its window and its mix granularity (as ``inspect``'s)."""
+        return f"planned (K={self.window_steps}, {self.mix})"
+
+    def lost(self, ranks: int) -> float:
+        """Compute lost at ``ranks``: idle per optimizer step + padding by tokens."""
+        return lost_compute(self.idle_step[ranks], self.padding_tokens)
+
+    @property
+    def worst_mix_samples(self) -> dict[int, float]:
+        """``{ranks: worst deviation}`` where the mix is held: per step or per window."""
+        return self.worst_step_samples if self.mix == "step" else self.worst_window_samples
 
 
 def predict_planned(
@@ -635,6 +723,7 @@ def predict_planned(
     window_steps: int = DEFAULT_WINDOW_STEPS,
     seed: int = 0,
     has_index: bool | None = None,
+    mix: str = "step",
 ) -> PlannedPrediction:
     """The planned order of ``pop``'s lengths (split by source, blended by each source's share
     of the population) at each rank count, measured like :func:`predict_order`.
@@ -652,16 +741,19 @@ def predict_planned(
         seed: The ordering seed.
         has_index: Whether every dataset has a length index (default: the population's lengths
             come from one).
+        mix: ``planned_mix``, ``"step"`` or ``"window"``.
     """
     m = micro_batches_per_step
     present = [j for j in range(len(pop.source_names)) if (pop.sources == j).any()]
     per_source = [pop.lengths[pop.sources == j] for j in present]
     weights = np.array([len(x) for x in per_source], dtype=np.float64)
     idle: dict[int, float] = {}
+    idle_step: dict[int, float] = {}
     worst: dict[int, float] = {}
+    worst_window: dict[int, float] = {}
     plan_seconds: dict[int, float] = {}
     planned_steps: dict[int, int] = {}
-    padding = disp_batch = disp_step = float("nan")
+    padding = padding_tokens = disp_batch = disp_step = float("nan")
     share_pp: dict[str, tuple[float, float]] = {}
     for r in sorted(set(ranks) | {step_ranks}):
         g = r * m * batch_size
@@ -669,22 +761,26 @@ def predict_planned(
                              PLANNED_MAX_SAMPLES // (window_steps * g)))
         run = planned_run(per_source, weights, world_size=r, micro_batch=batch_size,
                           micro_batches_per_step=m, steps=windows * window_steps,
-                          window_steps=window_steps, seed=seed)
+                          window_steps=window_steps, seed=seed, mix=mix)
         lengths = PlannedRun.rank_major(run.lengths)
         idle[r] = vector_straggler_idle(lengths)
+        idle_step[r] = step_straggler_idle(lengths, m)
         worst[r] = run.worst_step_samples
+        worst_window[r] = run.worst_window_samples
         plan_seconds[r] = run.plan_seconds_per_step
         planned_steps[r] = windows * window_steps
         if r != step_ranks:
             continue
-        padding = _padding(lengths)
+        padding, padding_tokens = _padding(lengths), padding_by_tokens(lengths)
         if len(pop.source_names) > 1:
             codes = np.asarray(present)[run.sources]  # population source codes
             disp_batch, disp_step, share_pp = _source_mix(pop, PlannedRun.rank_major(codes), m)
     return PlannedPrediction(
         window_steps, {r: idle[r] for r in sorted(idle)}, padding, disp_batch, disp_step,
         share_pp, worst, plan_seconds, planned_steps,
-        pop.origin == "length index" if has_index is None else has_index)
+        pop.origin == "length index" if has_index is None else has_index,
+        idle_step={r: idle_step[r] for r in sorted(idle_step)}, padding_tokens=padding_tokens,
+        worst_window_samples=worst_window, mix=mix)
 
 
 # ---- cost of a pool per worker: measured on real loaders -----------------------------------
@@ -863,10 +959,14 @@ class Advice:
         total_samples: Samples in the dataset's train split.
         share: A loader worker's share of the data (samples per epoch): the largest pool the
             package accepts at ``ranks`` x ``num_workers``.
-        other_mode: Set when no feasible pool reaches :data:`GOOD_IDLE` at ``ranks``: what
-            another mode would gain.
-        planned: The planned order's prediction (None: not predicted).
+        other_mode: Set when no feasible pool reaches :data:`GOOD_IDLE` idle per optimizer
+            step at ``ranks``: what another mode would gain.
+        planned: The planned order's prediction compared with the pools: of
+            ``planned_mixes``, the mix granularity that loses the least compute at ``ranks``
+            (None: not predicted).
         micro_batches_per_step: Micro-batches per rank per optimizer step.
+        planned_mixes: The planned order's prediction at every mix granularity
+            (``planned_mix``: ``"step"``, ``"window"``), a table row each.
     """
 
     population: LengthPopulation
@@ -884,15 +984,17 @@ class Advice:
     other_mode: str | None = None
     planned: PlannedPrediction | None = None
     micro_batches_per_step: int = 1
+    planned_mixes: tuple[PlannedPrediction, ...] = ()
 
     def samples_needed(self, pool_size: int) -> int:
         """Samples the dataset needs for a pool of ``pool_size`` at this job's ranks and workers."""
         return pool_size * self.ranks * max(1, self.num_workers)
 
 
-def _lost(p: OrderPrediction, ranks: int) -> float:
-    """Compute lost to waiting and to padding: ``1 - (1 - idle)(1 - padding)``."""
-    return 1.0 - (1.0 - p.idle[ranks]) * (1.0 - p.padding)
+def best_planned(planned: Sequence[PlannedPrediction], ranks: int) -> PlannedPrediction | None:
+    """Of the planned order's predictions (one per mix granularity), the one that loses the
+    least compute at ``ranks`` (the first on a tie: ``"step"``, the default); None for none."""
+    return min(planned, key=lambda p: p.lost(ranks), default=None)
 
 
 def recommend(
@@ -903,18 +1005,21 @@ def recommend(
     memory_budget: float,
     share: int | None = None,
     tolerance: float = 0.002,
-    planned: PlannedPrediction | None = None,
+    planned: PlannedPrediction | Sequence[PlannedPrediction] | None = None,
 ) -> tuple[tuple[str, str, str, int] | None, str]:
-    """The setting that loses the least compute (idle and padding) at ``ranks`` among the pools
-    the package accepts (``pool_size <= share``, a loader worker's share of the data) within the
-    memory budget; among those within ``tolerance`` of the best, the smallest pool (fastest
-    start), then the leanest placement.
+    """The setting that loses the least compute at ``ranks`` (straggler idle per optimizer step
+    + padding by tokens, :func:`~energon_ordering.inspect.lost_compute.lost_compute`) among the
+    pools the package accepts (``pool_size <= share``, a loader worker's share of the data)
+    within the memory budget; among those within ``tolerance`` of the best, the smallest pool
+    (fastest start), then the leanest placement.
 
-    With ``planned`` and a length index for every dataset (``planned.has_index``), the planned
-    order, ``("pre-encode", "keys", "planned", 0)``, when it loses less than that pool by more
-    than ``tolerance`` (within it, the pool: no index needed, the reading path unchanged), or
-    when no pool fits the share or the budget (it needs no pool memory). Without an index it is
-    never recommended (:func:`planned_note` says so).
+    ``planned`` is the planned order's prediction, or one per mix granularity (of which the one
+    that loses the least, :func:`best_planned`, is compared; the reason names its
+    ``planned_mix`` and the other's figure). With a length index for every dataset
+    (``has_index``), the planned order, ``("pre-encode", "keys", "planned", 0)``, when it loses
+    less than that pool by more than ``tolerance`` (within it, the pool: no index needed, the
+    reading path unchanged), or when no pool fits the share or the budget (it needs no pool
+    memory). Without an index it is never recommended (:func:`planned_note` says so).
 
     Without ``costs`` (``advise --no-measure``) the choice rests on idle and padding alone: no
     memory budget applies, and the placement is the default one (post-encode, raw), which the
@@ -923,20 +1028,33 @@ def recommend(
     rec, reason, lost = _recommend_pool(predictions, costs, ranks=ranks,
                                         memory_budget=memory_budget, share=share,
                                         tolerance=tolerance)
-    if planned is None or not planned.has_index:
+    mixes = [planned] if isinstance(planned, PlannedPrediction) else list(planned or ())
+    best = best_planned([p for p in mixes if p.has_index], ranks)
+    if best is None:
         return rec, reason
-    lost_planned = _lost(planned, ranks)
+    lost_planned = best.lost(ranks)
     if lost is not None and lost_planned >= lost - tolerance:
         return rec, reason
     versus = (f"{100 * lost:.1f}% for the best pool setting, {rec[2]} {rec[3]:,} {rec[0]}/"
               f"{rec[1]}" if lost is not None and rec is not None else f"no pool: {reason}")
+    others = "".join(f", planned_mix: {p.mix} {100 * p.lost(ranks):.1f}%" for p in mixes
+                     if p is not best)
+    held = ("every step holds each source's weight x global batch" if best.mix == "step" else
+            f"every window of {best.window_steps} steps holds each source's weights x global "
+            "batch")
     return ("pre-encode", "keys", "planned", 0), (
-        f"loses {100 * lost_planned:.1f}% of compute to idle + padding at {ranks} ranks "
-        f"({versus}); every step holds each source's weight x global batch within "
-        f"{planned.worst_step_samples[ranks]:.1f} samples; no pool memory; planning takes "
-        f"{1e3 * planned.plan_seconds[ranks]:,.1f} ms per step per rank"
+        f"planned_mix: {best.mix} {_loses(best, ranks)}; against {versus}{others}; {held} within "
+        f"{best.worst_mix_samples[ranks]:.1f} samples; no pool memory; planning takes "
+        f"{1e3 * best.plan_seconds[ranks]:,.1f} ms per step per rank"
         + ("" if costs else " (--no-measure: from idle and padding alone)")
     )
+
+
+def _loses(p: OrderPrediction | PlannedPrediction, ranks: int) -> str:
+    """What a setting loses at ``ranks``, and of what."""
+    return (f"loses {100 * p.lost(ranks):.1f}% of compute at {ranks:,} ranks (idle per optimizer "
+            f"step {100 * p.idle_step[ranks]:.1f}% + padding by tokens "
+            f"{100 * p.padding_tokens:.1f}%)")
 
 
 def _recommend_pool(
@@ -955,15 +1073,14 @@ def _recommend_pool(
                       "add data, or lower --ranks or --num-workers"), None
     within = f" and a loader worker's share ({share:,} samples)" if share is not None else ""
     if not costs:  # --no-measure: idle and padding alone, the default placement
-        options = [(_lost(p, ranks), p) for p in feasible]
+        options = [(p.lost(ranks), p) for p in feasible]
         best = min(o[0] for o in options)
         lost, p = min((o for o in options if o[0] <= best + tolerance),
                       key=lambda o: o[1].pool_size)
         return ("post-encode", "raw", p.mode, p.pool_size), (
             f"--no-measure: chosen from idle and padding alone, memory and time to first batch "
-            f"not measured, so the placement is the default (measure to choose it); loses "
-            f"{100 * lost:.1f}% of compute to idle + padding at {ranks} ranks (best "
-            f"{100 * best:.1f}%), the smallest pool within {100 * tolerance:.1f} points of the "
+            f"not measured, so the placement is the default (measure to choose it); "
+            f"{_loses(p, ranks)} (best {100 * best:.1f}%), the smallest pool within {100 * tolerance:.1f} points of the "
             f"best" + (f" within a loader worker's share ({share:,} samples)" if share else "")
         ), lost
     options = []
@@ -971,16 +1088,15 @@ def _recommend_pool(
         for c in costs:
             if math.isnan(c.bytes_per_sample) or c.memory_bytes(p.pool_size) > memory_budget:
                 continue
-            options.append((_lost(p, ranks), p, c))
+            options.append((p.lost(ranks), p, c))
     if not options:
         return None, "no pool fits the memory budget; raise --memory-per-worker", None
     best = min(o[0] for o in options)
     near = [o for o in options if o[0] <= best + tolerance]
     lost, p, c = min(near, key=lambda o: (o[1].pool_size, o[2].memory_bytes(o[1].pool_size)))
     return (c.placement, c.holds, p.mode, p.pool_size), (
-        f"loses {100 * lost:.1f}% of compute to idle + padding at {ranks} ranks (best "
-        f"{100 * best:.1f}%), the smallest pool within {100 * tolerance:.1f} points of the best "
-        f"that fits {memory_budget / 2**20:,.0f} MiB per worker{within}"
+        f"{_loses(p, ranks)} (best {100 * best:.1f}%), the smallest pool within "
+        f"{100 * tolerance:.1f} points of the best that fits {memory_budget / 2**20:,.0f} MiB per worker{within}"
     ), lost
 
 
@@ -992,8 +1108,9 @@ def planned_note(advice: Advice) -> str | None:
         return None
     r = advice.ranks
     return (f"planned order: not recommended, it needs a length index for every dataset (the "
-            f"lengths here: {advice.population.origin}); it would lose {100 * _lost(p, r):.1f}% "
-            f"of compute to idle + padding at {r:,} ranks; build the indexes with "
+            f"lengths here: {advice.population.origin}); with planned_mix: {p.mix} it would "
+            f"lose {100 * p.lost(r):.1f}% of compute at {r:,} ranks (idle per optimizer step + "
+            "padding by tokens); build the indexes with "
             "`energon-ordering index DATASET`, then run advise again.")
 
 
@@ -1001,37 +1118,44 @@ def planned_requirements() -> str:
     """What a recommended planned order needs beside ``length_sort_mode: planned``."""
     return ("planned mode needs length_sort_placement: pre-encode, length_sort_pool_holds: keys "
             "and a length index for every dataset (with packing also pack_seq_length: the plan "
-            f"builds the packs); plan_window_steps defaults to {DEFAULT_WINDOW_STEPS}.")
+            f"builds the packs); plan_window_steps defaults to {DEFAULT_WINDOW_STEPS}; planned_mix: "
+            "step holds each source's share in every optimizer step, window in every plan "
+            "window (its steps free to take one band of lengths each).")
 
 
 def other_mode_note(advice: Advice, good: float = GOOD_IDLE) -> str | None:
-    """A line when no pool the package accepts reaches ``good`` idle at the requested ranks:
-    what the best feasible pool gives, what a larger pool would need, and that a global order
-    across ranks (the planned mode) would do better."""
+    """A line when no pool the package accepts reaches ``good`` idle per optimizer step at the
+    requested ranks: what the best feasible pool gives, what a larger pool would need, and that
+    a global order across ranks (the planned mode) would do better."""
     r = advice.ranks
     feasible = [p for p in advice.predictions if 0 < p.pool_size <= advice.share]
     larger = [p for p in advice.predictions if p.pool_size > advice.share]
-    best = min(feasible, key=lambda p: p.idle[r], default=None)
-    if best is not None and best.idle[r] <= good:
+    best = min(feasible, key=lambda p: p.idle_step[r], default=None)
+    if best is not None and best.idle_step[r] <= good:
         return None
     have = (f"the best pool the package accepts here ({best.mode} {best.pool_size:,}) leaves "
-            f"{100 * best.idle[r]:.1f}% idle" if best else "no pool fits a loader worker's share")
-    reach = min((p for p in larger if p.idle[r] <= good), key=lambda p: p.pool_size, default=None)
-    need = (f"; a {reach.mode} pool of {reach.pool_size:,} would reach {100 * reach.idle[r]:.1f}% "
-            f"but needs {advice.samples_needed(reach.pool_size):,} samples" if reach else "")
+            f"{100 * best.idle_step[r]:.1f}% idle per optimizer step" if best
+            else "no pool fits a loader worker's share")
+    reach = min((p for p in larger if p.idle_step[r] <= good), key=lambda p: p.pool_size,
+                default=None)
+    need = (f"; a {reach.mode} pool of {reach.pool_size:,} would reach "
+            f"{100 * reach.idle_step[r]:.1f}% but needs "
+            f"{advice.samples_needed(reach.pool_size):,} samples" if reach else "")
     planned = advice.planned
     if planned is None or r not in planned.idle:
         other = ("Another mode would do better: a global order planned across all ranks "
                  "(length_sort_mode: planned) needs no per-worker pool.")
     else:
-        better = best is None or _lost(planned, r) < _lost(best, r)
+        better = best is None or planned.lost(r) < best.lost(r)
         other = (("Another mode would do better: " if better else "Another mode: ")
-                 + f"the planned order (row {planned.name}) leaves {100 * planned.idle[r]:.1f}% "
-                 f"idle and {100 * planned.padding:.1f}% padding with no per-worker pool"
-                 + ("." if better else f", {100 * _lost(planned, r):.1f}% of compute lost "
-                    f"against {100 * _lost(best, r):.1f}% (more micro-batches per step give the "
+                 + f"the planned order (row {planned.name}) leaves "
+                 f"{100 * planned.idle_step[r]:.1f}% idle per optimizer step and "
+                 f"{100 * planned.padding_tokens:.1f}% padding by tokens with no per-worker pool"
+                 + ("." if better else f", {100 * planned.lost(r):.1f}% of compute lost "
+                    f"against {100 * best.lost(r):.1f}% (more micro-batches per step give the "
                     "plan more to balance)."))
-    return (f"no feasible pool reaches {100 * good:.0f}% idle at {r:,} ranks: {have}{need}. "
+    return (f"no feasible pool reaches {100 * good:.0f}% idle per optimizer step at {r:,} ranks: "
+            f"{have}{need}. "
             + other)
 
 
@@ -1067,8 +1191,9 @@ def source_mix_note(advice: Advice, limit: float = 1.5) -> str | None:
         lines.append(f"  no pool: {mix(off)}")
     if alt is not None and mode != "stratified" and rec.dispersion_step > limit:
         lines.append(
-            f"  stratified {size:,}: {mix(alt)}; idle at {r:,} ranks {100 * alt.idle[r]:.1f}%, "
-            f"padding {100 * alt.padding:.1f}%. stratified builds every micro-batch from one "
+            f"  stratified {size:,}: {mix(alt)}; at {r:,} ranks idle per optimizer step "
+            f"{100 * alt.idle_step[r]:.1f}%, padding by tokens {100 * alt.padding_tokens:.1f}%. "
+            "stratified builds every micro-batch from one "
             "sample of each length band, so each micro-batch spans the length range; every rank "
             "takes the same bands, so a step repeats one micro-batch's mix across the ranks: it "
             "evens the mix only as far as sources differ in length.")
@@ -1146,10 +1271,13 @@ def advise(
         for size in sizes_to_predict:
             say(f"{mode} pool {size:,}")
             predictions.append(predict_order(pop, mode=mode, pool_size=size, **common))
-    say(f"planned order (K={window_steps})")
-    planned = predict_planned(pop, batch_size=batch_size, ranks=counts, step_ranks=ranks,
-                              micro_batches_per_step=micro_batches_per_step, steps=steps,
-                              window_steps=window_steps, seed=seed)
+    mixes = []
+    for mix in PLANNED_MIXES:
+        say(f"planned order (K={window_steps}, planned_mix: {mix})")
+        mixes.append(predict_planned(pop, batch_size=batch_size, ranks=counts, step_ranks=ranks,
+                                     micro_batches_per_step=micro_batches_per_step, steps=steps,
+                                     window_steps=window_steps, seed=seed, mix=mix))
+    planned = best_planned(mixes, ranks)
     costs = []
     if measure:
         say("measuring time to first batch and memory on real loaders")
@@ -1163,75 +1291,137 @@ def advise(
                               pool_sizes=fit, check_pool=check, length_index=length_index)
     recommended, reason = recommend(predictions, costs, ranks=ranks,
                                     memory_budget=memory_per_worker, share=share,
-                                    planned=planned)
+                                    planned=mixes)
     adv = Advice(pop, ranks, batch_size, predictions, costs, memory_per_worker, recommended,
                  reason, counts, num_workers, total, share, planned=planned,
-                 micro_batches_per_step=micro_batches_per_step)
+                 micro_batches_per_step=micro_batches_per_step, planned_mixes=tuple(mixes))
     return dataclasses.replace(adv, other_mode=other_mode_note(adv))
 
 
+#: Line styles of the pool modes in ``advise.png``, and of the planned order's mixes.
+_MODE_STYLES = (("batch", "-"), ("sample", "--"), ("stratified", "-."))
+_MIX_STYLES = {"step": (0, (6, 2)), "window": (0, (1, 1.5))}
+
+
+def _pool_axis(sizes: list[int], share: int) -> tuple[float, float]:
+    """The pool-size axis of ``advise.png``: the predicted pools, widened to the left so that
+    the accepted pools (up to ``share``) take at least a quarter of the (log) width."""
+    x_hi = sizes[-1] * 1.5
+    x_lo = sizes[0] / 2
+    if sizes[0] <= share < x_hi:
+        x_lo = min(x_lo, math.exp((math.log(share) - 0.25 * math.log(x_hi)) / 0.75))
+    return x_lo, x_hi
+
+
+def _accepted_band(ax: Any, share: int, x_lo: float, x_hi: float, first: int,
+                   legend: bool) -> None:
+    """The pools the package accepts, a green band from the axis' left edge to a worker's share
+    edged by a line at the share, and the refused ones hatched, each named inside the panel."""
+    if share < first:
+        if legend:
+            ax.plot([], [], " ", label=f"no pool accepted: a worker's share is {share:,} samples")
+        ax.axvspan(x_lo, x_hi, facecolor="none", edgecolor="grey", hatch="//", lw=0, alpha=0.5)
+        return
+    edge = min(share, x_hi)
+    ax.axvspan(x_lo, edge, color="tab:green", alpha=0.25, lw=0,
+               label=f"accepted pools: up to {share:,} samples (a worker's share)"
+               if legend else None)
+    ax.axvline(edge, color="tab:green", lw=2)
+    where = ax.get_xaxis_transform()  # x in data, y in axes
+    box = {"facecolor": "white", "alpha": 0.8, "lw": 0}
+    ax.text(math.sqrt(x_lo * edge), 0.97, "accepted", transform=where, ha="center", va="top",
+            color="darkgreen", fontsize=9, fontweight="bold", bbox=box)
+    if edge < x_hi:
+        ax.axvspan(edge, x_hi, facecolor="none", edgecolor="grey", hatch="//", lw=0, alpha=0.5,
+                   label="refused: needs more data (pool x ranks x workers)" if legend else None)
+        ax.text(math.sqrt(edge * x_hi), 0.97, "refused: needs more data", transform=where,
+                ha="center", va="top", color="dimgrey", fontsize=8, bbox=box)
+
+
 def plot_advice(path: str | Path, advice: Advice) -> Path:
-    """``advise.png``. Left: predicted idle (log axis) against pool size, one colour per rank
-    count (batch solid, sample dashed, stratified dash-dot), the no-pool level and the planned
-    order's at the requested ranks as labelled reference lines, the pools the package accepts
-    shaded and the recommended setting starred (the planned order's at the right edge). Right: predicted time to first batch and memory per loader
-    worker of each placement, with the measured check."""
+    """``advise.png``. Left: predicted straggler idle per optimizer step (log axis) against pool
+    size, one colour per rank count (batch solid, sample dashed, stratified dash-dot), the idle
+    per micro-batch of batch pools at the requested ranks dotted, the no-pool level and the
+    planned order's (each mix granularity) at the requested ranks as labelled reference lines.
+    Middle: lost compute at the requested ranks (idle per optimizer step + padding by tokens,
+    what the recommendation ranks by) of each mode, the no-pool and planned levels, and the
+    recommended setting starred (the planned order's at the right edge). On both, the pools the
+    package accepts are a green band, the refused ones hatched. Right: predicted time to first
+    batch and memory per loader worker of each placement, with the measured check."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, cost_ax) = plt.subplots(1, 2, figsize=(12, 4.8), layout="constrained")
+    fig, (ax, lost_ax, cost_ax) = plt.subplots(1, 3, figsize=(18, 5.2), layout="constrained")
     floor = 1e-2  # percent: a log axis needs a floor for exact zeros
+    r = advice.ranks
     off = next(p for p in advice.predictions if p.pool_size == 0)
     sizes = sorted({p.pool_size for p in advice.predictions if p.pool_size})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, r in enumerate(advice.rank_counts):
+    x_lo, x_hi = _pool_axis(sizes, advice.share)
+    pct = lambda v: max(floor, 100 * v)  # noqa: E731
+    for i, n in enumerate(advice.rank_counts):
         color = colors[i % len(colors)]
-        for mode, style in (("batch", "-"), ("sample", "--"), ("stratified", "-.")):
-            pts = sorted((p.pool_size, p.idle[r]) for p in advice.predictions if p.mode == mode)
+        for mode, style in _MODE_STYLES:
+            pts = sorted((p.pool_size, p.idle_step[n]) for p in advice.predictions
+                         if p.mode == mode)
             if pts:
                 xs, ys = zip(*pts)
-                label = f"{r:,} ranks" + (" (requested)" if r == advice.ranks else "")
-                ax.plot(xs, [max(floor, 100 * y) for y in ys], style, color=color, marker="o",
-                        ms=3, lw=2 if r == advice.ranks else 1,
-                        label=label if mode == "batch" else None)
-    ax.axhline(max(floor, 100 * off.idle[advice.ranks]), color="black", lw=1, ls=":",
-               label=f"no pool, {advice.ranks:,} ranks: {100 * off.idle[advice.ranks]:.1f}%")
-    # The accepted pools, from the axis' left edge to a worker's share: at least a visible band
-    # (the share is often at or near the smallest pool), edged by a line at the share.
-    x_lo, x_hi = sizes[0] / 2, sizes[-1] * 1.5
-    ax.set_xlim(x_lo, x_hi)
-    if advice.share >= sizes[0]:
-        ax.axvspan(x_lo, min(advice.share, x_hi), color="green", alpha=0.2, lw=0,
-                   label=f"accepted pools: up to {advice.share:,} samples (a worker's share)")
-        ax.axvline(min(advice.share, x_hi), color="green", lw=1.5)
-    else:
-        ax.plot([], [], " ", label=f"no pool accepted: a worker's share is {advice.share:,} samples")
-    planned = advice.planned
-    if planned is not None and advice.ranks in planned.idle:
-        ax.axhline(max(floor, 100 * planned.idle[advice.ranks]), color="black", lw=1, ls="--",
-                   label=f"{planned.name}, {advice.ranks:,} ranks: "
-                         f"{100 * planned.idle[advice.ranks]:.2f}%"
-                         + ("" if planned.has_index else " (needs a length index)"))
+                label = f"{n:,} ranks" + (" (requested)" if n == r else "")
+                ax.plot(xs, [pct(y) for y in ys], style, color=color, marker="o", ms=3,
+                        lw=2 if n == r else 1, label=label if mode == "batch" else None)
+    mb = sorted((p.pool_size, p.idle[r]) for p in advice.predictions if p.mode == "batch")
+    if mb and advice.micro_batches_per_step > 1:
+        xs, ys = zip(*mb)
+        ax.plot(xs, [pct(y) for y in ys], "-", color="grey", lw=1, marker="x", ms=5,
+                label=f"batch, {r:,} ranks: idle per micro-batch")
+    ax.axhline(pct(off.idle_step[r]), color="black", lw=1, ls=":",
+               label=f"no pool, {r:,} ranks: {100 * off.idle_step[r]:.1f}%")
+    planned = list(advice.planned_mixes) or ([advice.planned] if advice.planned else [])
+    for p in planned:
+        if r in p.idle_step:
+            ax.axhline(pct(p.idle_step[r]), color="black", lw=1.2, ls=_MIX_STYLES[p.mix],
+                       label=f"{p.name}, {r:,} ranks: {100 * p.idle_step[r]:.2f}%"
+                       + ("" if p.has_index else " (needs a length index)"))
+    ax.axhline(100 * GOOD_IDLE, color="grey", lw=0.6)
+    ax.set_ylabel("predicted straggler idle per optimizer step (%), log")
+    ax.set_title(f"idle per optimizer step (micro-batch {advice.batch_size}, "
+                 f"{advice.micro_batches_per_step} per step)\nbatch solid, sample dashed, "
+                 "stratified dash-dot", fontsize=9)
+
+    for mode, style in _MODE_STYLES:
+        pts = sorted((p.pool_size, p.lost(r)) for p in advice.predictions if p.mode == mode)
+        if pts:
+            xs, ys = zip(*pts)
+            lost_ax.plot(xs, [pct(y) for y in ys], style, color="black", marker="o", ms=3,
+                         label=f"{mode} pools")
+    lost_ax.axhline(pct(off.lost(r)), color="black", lw=1, ls=":",
+                    label=f"no pool: {100 * off.lost(r):.1f}%")
+    for p in planned:
+        lost_ax.axhline(pct(p.lost(r)), color="tab:purple", lw=1.5, ls=_MIX_STYLES[p.mix],
+                        label=f"{p.name}: {100 * p.lost(r):.1f}%"
+                        + ("" if p.has_index else " (needs a length index)"))
     if advice.recommended is not None:
         _, _, mode, size = advice.recommended
-        if mode == "planned" and planned is not None:
-            ax.plot([sizes[-1]], [max(floor, 100 * planned.idle[advice.ranks])], "*",
-                    color="red", ms=14, label=f"recommended: {planned.name} (no pool)")
+        if mode == "planned" and advice.planned is not None:
+            lost_ax.plot([sizes[-1]], [pct(advice.planned.lost(r))], "*", color="red", ms=14,
+                         label=f"recommended: {advice.planned.name} (no pool)")
         else:
             rec = next(p for p in advice.predictions if (p.mode, p.pool_size) == (mode, size))
-            ax.plot([size], [max(floor, 100 * rec.idle[advice.ranks])], "*", color="red", ms=14,
-                    label=f"recommended: {mode} {size:,}")
-    ax.axhline(100 * GOOD_IDLE, color="grey", lw=0.6)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("pool size (samples per loader worker)")
-    ax.set_ylabel("predicted straggler idle (%), log")
-    ax.set_title(f"idle: batch (solid), sample (dashed), stratified (dash-dot); micro-batch "
-                 f"{advice.batch_size}", fontsize=9)
-    ax.legend(fontsize=7, loc="lower left")
-    ax.grid(True, which="both", alpha=0.3)
+            lost_ax.plot([size], [pct(rec.lost(r))], "*", color="red", ms=14,
+                         label=f"recommended: {mode} {size:,}")
+    lost_ax.set_ylabel("predicted lost compute (%), log")
+    lost_ax.set_title(f"lost compute at {r:,} ranks = idle per optimizer step + padding by "
+                      "tokens\nwhat the recommendation ranks by", fontsize=9)
+    for i, a in enumerate((ax, lost_ax)):
+        _accepted_band(a, advice.share, x_lo, x_hi, sizes[0], legend=i == 0)
+        a.set_xlim(x_lo, x_hi)
+        a.set_xscale("log")
+        a.set_yscale("log")
+        a.set_xlabel("pool size (samples per loader worker)")
+        a.legend(fontsize=7, loc="lower left")
+        a.grid(True, which="both", alpha=0.3)
 
     mem_ax = cost_ax.twinx()
     if not advice.costs:

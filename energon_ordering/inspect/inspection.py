@@ -18,6 +18,7 @@ import numpy as np
 
 from energon_ordering.config import PLANNED, OrderingConfig
 from energon_ordering.inspect.diagnostics import (
+    batch_cost,
     detect_sawtooth,
     histogram_dispersion,
     padding_waste,
@@ -26,6 +27,7 @@ from energon_ordering.inspect.diagnostics import (
     straggler_idle,
 )
 from energon_ordering.errors import OrderingConfigError, show
+from energon_ordering.inspect.lost_compute import idle_per_step, lost_compute, padding_by_tokens
 from energon_ordering.inspect.model_steps import StepMismatch, compare_model_steps, model_steps
 from energon_ordering.mixture.schedule import MixtureSchedule
 from energon_ordering.inspect.rank_simulation import (
@@ -55,9 +57,17 @@ __all__ = [
 class Measurement:
     """Diagnostics of one simulated run (``records[rank][step]``).
 
-    ``straggler_idle`` is per micro-batch: the mean over micro-batch indexes of the share the
-    ranks wait for the slowest rank's micro-batch (``inspect.png`` plots it per optimizer step,
-    each rank's micro-batches of the step summed, which is lower with several per step).
+    Lost compute (:mod:`energon_ordering.inspect.lost_compute`): ``idle_per_step`` is the
+    straggler idle per optimizer step, each rank's micro-batches of a step summed (the ranks
+    wait once a step, at the gradient reduction: what pure data parallelism pays; over the
+    whole steps every rank ran); ``straggler_idle`` is per micro-batch, the mean over
+    micro-batch indexes of the share the ranks wait for the slowest rank's micro-batch (what
+    expert parallelism pays, waiting at every micro-batch). ``padding_by_tokens`` is the padding
+    weighted by tokens, ``sum(B max L - sum L) / sum(B max L)`` over the micro-batches (the
+    GPU computes padding as it computes tokens); ``padding_waste`` the mean over micro-batches
+    of their padding ratio, which understates it when long micro-batches hold most tokens.
+    ``lost_compute`` is ``idle_per_step + padding_by_tokens``.
+
     The dispersions are NaN where they cannot be measured (no source names, too few steps) and
     meaningless with one source (the tables print ``-`` then).
 
@@ -68,8 +78,8 @@ class Measurement:
     weights at each step when there is one. Both are 1 for independent draws, higher when
     groups are clumped by source.
 
-    With packing, ``padding_waste`` pads each micro-batch's packs to its longest pack, the
-    costs behind ``straggler_idle`` sum over documents (attention does not cross documents), and
+    With packing, both paddings pad each micro-batch's packs to its longest pack, the costs
+    behind both idles sum over documents (attention does not cross documents), and
     ``docs_per_pack`` is the mean number of documents in a pack (NaN without packing).
     """
 
@@ -83,6 +93,9 @@ class Measurement:
     sawtooth_autocorrelation: dict[str, float]
     sources: tuple[str, ...]
     docs_per_pack: float = float("nan")
+    idle_per_step: float = float("nan")
+    padding_by_tokens: float = float("nan")
+    lost_compute: float = float("nan")
 
 
 def measure(
@@ -96,8 +109,8 @@ def measure(
     Args:
         records: ``records[rank][micro_batch]``.
         period_batches: The shard length in micro-batches (the sawtooth's period).
-        micro_batches_per_step: Groups micro-batches into optimizer steps for the per-step
-            dispersion.
+        micro_batches_per_step: Groups micro-batches into optimizer steps for the idle per
+            step and the per-step dispersion.
         schedule: The mixture schedule; the per-step dispersion then measures the counts
             against its weights at each step (else against the run's overall shares).
     """
@@ -122,9 +135,11 @@ def measure(
     packs = [p for b in all_batches for p in b.pack_lengths]
     if packs:
         rows = [[sum(p) for p in b.pack_lengths] for b in all_batches if b.pack_lengths]
-        padding, docs_per_pack = padding_waste(rows), float(np.mean([len(p) for p in packs]))
+        docs_per_pack = float(np.mean([len(p) for p in packs]))
     else:
-        padding, docs_per_pack = padding_waste([b.lengths for b in all_batches]), float("nan")
+        rows, docs_per_pack = [list(b.lengths) for b in all_batches], float("nan")
+    padding, padding_tokens = padding_waste(rows), padding_by_tokens(_rectangular(rows))
+    idle_step = _idle_per_step(records, steps, micro_batches_per_step)
     step_dispersion = (histogram_dispersion(step_groups, sources, expected)
                        if sources and len(step_groups) > 1 else float("nan"))
     return Measurement(
@@ -138,7 +153,30 @@ def measure(
         sawtooth_autocorrelation=ac,
         sources=sources,
         docs_per_pack=docs_per_pack,
+        idle_per_step=idle_step,
+        padding_by_tokens=padding_tokens,
+        lost_compute=(lost_compute(idle_step, padding_tokens) if idle_step == idle_step
+                      else float("nan")),
     )
+
+
+def _rectangular(rows: list[list[float]]) -> np.ndarray:
+    """Ragged rows as one array, zero-filled (an empty slot to the lost-compute measures)."""
+    out = np.zeros((len(rows), max((len(r) for r in rows), default=0)))
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def _idle_per_step(records: list[list[BatchRecord]], micro_batches: int, m: int) -> float:
+    """Idle per optimizer step over the first ``micro_batches`` micro-batches of every rank,
+    grouped by ``m`` into steps (NaN when they fill no whole step)."""
+    steps = micro_batches // m
+    if steps == 0:
+        return float("nan")
+    costs = np.array([[batch_cost(rank[k].lengths) for rank in records]
+                      for k in range(steps * m)])  # [micro-batch, rank]
+    return idle_per_step(costs.reshape(steps, m, len(records)).transpose(0, 2, 1))
 
 
 @dataclass(frozen=True)

@@ -122,9 +122,12 @@ def run_figure(
     schedule: MixtureSchedule | None = None,
     warmup: SeqLenWarmup | None = None,
     window_steps: int = 10,
+    measurements: dict[str, Any] | None = None,
 ) -> Any:
     """Per optimizer step: straggler idle of each run (each rank's micro-batches of the step
-    summed, labelled as such: the tables of ``inspect`` and ``demo`` give it per micro-batch);
+    summed, labelled as such), its legend giving each run's mean idle per optimizer step and,
+    from ``measurements`` (``{run: Measurement}``, as the tables), its idle per micro-batch and
+    padding by tokens;
     the realised source shares of every run (up to three; else the first, pool off, and the
     last) side by side against the schedule, per step and as a centred mean over
     ``window_steps`` steps; and the longest sample of the last run, against the warmup cap
@@ -143,10 +146,14 @@ def run_figure(
         per_rank = [[sum((r[k * m + j].lengths for j in range(m)), ()) for r in records]
                     for k in range(steps)]
         idle = np.array(step_idle(per_rank)) if per_rank else np.zeros(1)
-        ax_idle.plot(np.arange(len(idle)), 100 * idle, lw=0.8,
-                     label=f"{name} (mean {100 * idle.mean():.1f}% per optimizer step)")
-    summed = (f"each rank's {m} micro-batches summed; the table's idle is per micro-batch"
-              if m > 1 else "one micro-batch per rank per step, as in the table")
+        label = f"{name}: mean {100 * idle.mean():.1f}% per optimizer step"
+        got = (measurements or {}).get(name)
+        if got is not None:
+            label += (f" ({100 * got.straggler_idle:.1f}% per micro-batch); padding "
+                      f"{100 * got.padding_by_tokens:.1f}% by tokens")
+        ax_idle.plot(np.arange(len(idle)), 100 * idle, lw=0.8, label=label)
+    summed = (f"each rank's {m} micro-batches summed; idle per micro-batch in the legend"
+              if m > 1 else "one micro-batch per rank per step: the same per micro-batch")
     ax_idle.set_title(f"straggler idle per optimizer step ({summed}): share of the step the "
                       "ranks wait for the slowest", fontsize=10)
     ax_idle.set_xlabel("optimizer step")
@@ -229,10 +236,11 @@ def plot_run(
     warmup: SeqLenWarmup | None = None,
     window_steps: int = 10,
     note: str | None = None,
+    measurements: dict[str, Any] | None = None,
 ) -> Path:
     """Saves :func:`run_figure` as a PNG at ``path``, with ``note`` printed under it."""
     fig = run_figure(runs=runs, micro_batches_per_step=micro_batches_per_step, schedule=schedule,
-                     warmup=warmup, window_steps=window_steps)
+                     warmup=warmup, window_steps=window_steps, measurements=measurements)
     if note:
         fig.text(0.01, -0.01, note, ha="left", va="top", fontsize=9, wrap=True)
     return _save(fig, path)
