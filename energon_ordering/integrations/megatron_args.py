@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from energon_ordering.config import PLACEMENTS, PLANNED, POOL_HOLDS, OrderingConfig
+from energon_ordering.config import PLACEMENTS, PLANNED, PLANNED_MIXES, POOL_HOLDS, OrderingConfig
 from energon_ordering.errors import OrderingConfigError, OrderingError
 from energon_ordering.pool.order import POOL_ORDERS
 from energon_ordering.warmup.schedule import SeqLenWarmup
@@ -31,6 +31,7 @@ FLAGS = (
     "--length-sort-placement",
     "--length-sort-pool-holds",
     "--plan-window-steps",
+    "--planned-mix",
     "--allow-global-batch-change",
     "--data-mixture-schedule",
     "--data-blend-policy",
@@ -62,6 +63,10 @@ def add_energon_ordering_args(parser: argparse.ArgumentParser) -> argparse.Argum
     g.add_argument("--plan-window-steps", type=int, default=None,
                    help="With --length-sort-mode planned: optimizer steps per window of the "
                         "plan (the ranks are balanced within a window).")
+    g.add_argument("--planned-mix", choices=list(PLANNED_MIXES), default=None,
+                   help="With --length-sort-mode planned: where the blend's mix holds; step: "
+                        "every optimizer step (default); window: every plan window, its steps "
+                        "banded by length (less idle and padding at 1-2 micro-batches per step).")
     g.add_argument("--allow-global-batch-change", action="store_true", default=None,
                    help="With --length-sort-mode planned: a resume may change the global batch "
                         "size (at a plan window boundary; the order continues with the new one).")
@@ -223,6 +228,7 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
     flag("length_sort_placement", "length_sort_placement")
     flag("length_sort_pool_holds", "length_sort_pool_holds")
     flag("plan_window_steps", "plan_window_steps")
+    flag("planned_mix", "planned_mix")
     flag("allow_global_batch_change", "allow_global_batch_change")
     flag("data_blend_policy", "blend_policy")
     seed = getattr(args, "ordering_seed", None)
