@@ -6,8 +6,12 @@ real torchrun runs are in tests/test_index_distributed_run.py, slow tier)."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
+import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -270,3 +274,73 @@ def test_parts_of_another_world_size_or_dataset_version_are_never_merged(web):
     assert any("removing 1 part(s) of a build by another number of processes" in line
                for line in logs), logs
     assert part_files(one) == []
+
+
+# -- one-line errors ---------------------------------------------------------------------------
+
+TOUCHED: list[Path] = []
+
+
+def touching_words(raw: dict) -> float:
+    """Raw length function that writes (touches) the shard it measures, as a writer would."""
+    os.utime(TOUCHED[0] / raw["__shard__"], ns=(1, 1))
+    return 1.0
+
+
+def test_a_shard_written_during_the_build_fails_it_in_one_line(tmp_path):
+    make_synthetic_dataset(tmp_path, [SourceSpec("web", 20, "short")], shard_size=16)
+    TOUCHED[:] = [tmp_path / "web"]
+    with pytest.raises(LengthIndexError, match=r"shard .*shard-000000.tar changed during the "
+                                               r"build .* run `energon prepare` again"):
+        build_length_index(tmp_path / "web", raw_length_fn=touching_words)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("env,args,match", [
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "abc", "SLURM_STEP_ID": "0"},
+     ["--rendezvous", "127.0.0.1:29500"], r"Error: length index: the launcher variable "
+                                           r"SLURM_NTASKS = 'abc' is not an integer >= 1"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"},
+     ["--rendezvous-timeout", "2"], r"Error: length index: the rendezvous at 127.0.0.1:\d+ "
+                                    r"could not form within 2 s .* raise --rendezvous-timeout"),
+])
+def test_launcher_errors_are_one_line_and_exit_2(web, env, args, match):
+    from click.testing import CliRunner
+
+    from energon_ordering.cli import main
+
+    env = {k: v.format(port=_free_port()) for k, v in env.items()}
+    result = CliRunner().invoke(main, ["index", str(web), "--raw-length-fn",
+                                       "test_index_distributed:words", *args], env=env)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and re.search(match, lines[0]), result.output
+
+
+def test_processes_that_disagree_on_the_world_size_fail_in_one_line():
+    from energon_ordering.length_index.distributed import join
+    from energon_ordering.length_index.launcher import Launch
+
+    port = _free_port()
+    errors: list = [None, None]
+
+    def process(rank: int, world: int) -> None:
+        try:
+            join(Launch(rank, world, "127.0.0.1", port, "slurm"), timeout=20)
+        except LengthIndexError as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=process, args=a) for a in ((0, 2), (1, 3))]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)  # rank 0 hosts the store
+    for t in threads:
+        t.join(60)
+    assert "disagree on the world size: this one (rank 0) says 2 (slurm), rank 1 says 3" in str(
+        errors[0])
+    assert "(rank 1) says 3 (slurm), rank 0 says 2" in str(errors[1])

@@ -171,9 +171,10 @@ def join(launch: Launch, timeout: float, stall_timeout: float = 1800.0) -> Coord
            f"that rank 0's host {launch.host} is reachable on port {launch.port} (and the port "
            "free), or raise --rendezvous-timeout")
     try:
-        base = dist.TCPStore(launch.host, launch.port,
-                             is_master=launch.rank == 0 and not launch.agent_store,
-                             timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        with _native_stderr_silenced():  # torch logs each failed try with a C++ stack trace
+            base = dist.TCPStore(launch.host, launch.port,
+                                 is_master=launch.rank == 0 and not launch.agent_store,
+                                 timeout=timedelta(seconds=timeout), wait_for_workers=False)
     except (RuntimeError, OSError, TimeoutError) as e:
         raise LengthIndexError(
             f"length index: the rendezvous at {where} could not form within {timeout:g} s "
@@ -222,6 +223,24 @@ def _disagree(launch: Launch, rank: int | None, theirs: int) -> None:
         f"says {launch.world_size} ({launch.launcher}), {said}; start every process with the "
         "same launcher arguments (torchrun --nnodes/--nproc-per-node, srun --ntasks)."
     )
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 to /dev/null (what native code writes there: the error that ends the
+    attempt is reported in one line instead)."""
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,0 +1,129 @@
+"""``energon-ordering index`` under real torchrun (gloo): two processes, a process killed mid-build
+and the rerun that reuses the finished part, and two torchrun agents with a c10d rendezvous
+building incrementally after ``energon prepare`` ran again; each index byte for byte the one a
+one-process build writes. Slow tier: each run starts torch and Energon in 2-3 processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from energon_ordering.inspect.synthetic import SourceSpec, _energon_prepare, _image, make_synthetic_dataset
+from energon_ordering.length_index.build import build_length_index
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+FN = "test_index_distributed_run:counted_words"
+
+
+def counted_words(raw: dict) -> float:
+    """Raw length function of the runs: the caption's words. Appends each key it measures to
+    ``$EO_COUNT/<rank>``; rank 1 kills itself with SIGKILL at its first sample when
+    ``$EO_KILL`` names rank 0's part, once that part exists (rank 0 finished its share)."""
+    rank = os.environ.get("RANK", "0")
+    kill = os.environ.get("EO_KILL")
+    if kill and rank == "1":
+        deadline = time.monotonic() + 120
+        while not Path(kill).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("EO_COUNT"):
+        with open(Path(os.environ["EO_COUNT"]) / rank, "a") as f:
+            f.write(raw["__key__"] + "\n")
+    return float(len(raw["txt"].split()))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args, "-m", "energon_ordering.cli",
+            "index"]
+
+
+def _env(tmp: Path, **extra: str) -> dict[str, str]:
+    count = tmp / f"count-{time.monotonic_ns()}"
+    count.mkdir()
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
+           "EO_COUNT": str(count), "OMP_NUM_THREADS": "1", **extra}
+    return env
+
+
+def _counts(env: dict[str, str]) -> dict[str, int]:
+    folder = Path(env["EO_COUNT"])
+    return {p.name: len(p.read_text().split()) for p in sorted(folder.iterdir())}
+
+
+def _reference(path: Path) -> bytes:
+    """The one-process index's bytes (built in this process, under another name)."""
+    import test_index_distributed_run as me
+
+    return build_length_index(path, raw_length_fn=me.counted_words, name="reference",
+                              reuse=False)[0].summary.path.read_bytes()
+
+
+def _index(path: Path) -> Path:
+    return path / ".nv-meta" / "energon_ordering_lengths.test_index_distributed_run.counted_words.sqlite"
+
+
+def test_two_processes_killed_and_resumed_write_the_one_process_index(tmp_path):
+    make_synthetic_dataset(tmp_path, [SourceSpec("web", 96, "short")], shard_size=16)
+    web = tmp_path / "web"
+    index = _index(web)
+    port = str(_free_port())
+    run = [*_torchrun("--nproc-per-node", "2", "--master-port", port), str(web),
+           "--raw-length-fn", FN]
+    killed = _env(tmp_path, EO_KILL=f"{index}.part-0-of-2")
+    first = subprocess.run(run, env=killed, capture_output=True, text=True, timeout=240)
+    assert first.returncode != 0, first.stderr[-2000:]
+    assert not index.exists() and (web / ".nv-meta" / f"{index.name}.part-0-of-2").exists()
+    assert _counts(killed) == {"0": 48}
+    again = _env(tmp_path)
+    second = subprocess.run(run, env=again, capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"[rank 0] length index: reusing {index.name}.part-0-of-2 (48 samples of 3 shards" \
+        in second.stderr
+    assert _counts(again) == {"1": 48}  # only the lost process's shards, measured again
+    assert index.read_bytes() == _reference(web)
+    assert not list(web.glob(".nv-meta/*.part-*"))
+
+
+def test_two_agents_with_a_c10d_rendezvous_build_incrementally(tmp_path):
+    make_synthetic_dataset(tmp_path, [SourceSpec("web", 96, "short")], shard_size=16)
+    web = tmp_path / "web"
+    import test_index_distributed_run as me
+
+    build_length_index(web, raw_length_fn=me.counted_words)  # the index before the new shard
+    import webdataset as wds
+
+    with wds.ShardWriter(str(web / "added-%06d.tar"), maxcount=16, verbose=0) as sink:
+        for i in range(10):
+            sink.write({"__key__": f"added-{i}", "png": _image(i, 16, "png"),
+                        "txt": "one two three " * (i + 1),
+                        "json": json.dumps({"source": "web", "text_tokens": 3 * (i + 1)})})
+    _energon_prepare(web, "png")
+    env = _env(tmp_path)
+    port = str(_free_port())
+    agent = [*_torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "eo"),
+             str(web), "--raw-length-fn", FN]
+    agents = [subprocess.Popen(agent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True) for _ in range(2)]
+    outs = [a.communicate(timeout=240) for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], [o[1][-2000:] for o in outs]
+    assert sum(_counts(env).values()) == 10  # the new shard only: 10 of 106 samples
+    assert any("measured 10 of 106 samples" in o[0] for o in outs), outs
+    assert _index(web).read_bytes() == _reference(web)
