@@ -254,3 +254,98 @@ def test_window_mix_loses_less_compute_than_step_mix_at_one_micro_batch(name: st
     step, window = sum(got["step"]), sum(got["window"])
     assert window < step, got
     assert got["window"][1] <= 0.02, got
+
+
+# ---- packed ------------------------------------------------------------------------------------
+
+
+def _packed_run(lengths, weights_of, caps, windows: int, mix: str, *, R=4, M=1, B=2):
+    from energon_ordering.planned.packs import plan_packed_window
+
+    cursor, plans = PlanCursor.start(len(lengths)), []
+    for w in range(windows):
+        plan = plan_packed_window(lengths, seed=4, cursor=cursor, weights=weights_of(w),
+                                  caps=caps, world_size=R, micro_batch=B,
+                                  micro_batches_per_step=M, mix=mix)
+        plans.append(plan)
+        cursor = plan.next_cursor
+    return plans
+
+
+def _packed_tokens(plan, every: np.ndarray) -> np.ndarray:
+    """``[steps, R M B]`` tokens of every pack (samples cut to the step's cap)."""
+    R, M, B = plan.shape
+    cut = np.minimum(every[plan.ids], np.repeat(plan.caps, np.diff(plan.offsets)
+                                                .reshape(plan.steps, -1).sum(axis=1)))
+    return np.add.reduceat(cut, plan.offsets[:-1]).reshape(plan.steps, R * M * B) \
+        if len(cut) else np.zeros((plan.steps, R * M * B))
+
+
+def test_packed_window_mix_loses_nothing_and_holds_each_window_within_one_sample() -> None:
+    lengths = _lengths()
+    sizes = [len(x) for x in lengths]
+    every = np.concatenate(lengths)
+    const = np.array([0.5, 0.2, 0.3])
+    plans = _packed_run(lengths, lambda w: np.tile(const, (K, 1)), [4096] * K, 6, "window")
+    for p in plans:
+        got = _multiset(p.ids)
+        drawn = np.array(p.next_cursor.drawn) - np.array(p.cursor.drawn)
+        assert np.array_equal(got, _multiset(window_draws(sizes, 4, p.cursor, drawn)))
+        n = int(p.counts.sum())
+        assert np.abs(p.counts.sum(axis=0) - const * n).max() < 1
+        tokens = _packed_tokens(p, every)
+        assert (tokens <= 4096).all() and (np.diff(p.offsets) > 0).all()
+    step = _packed_run(lengths, lambda w: np.tile(const, (K, 1)), [4096] * K, 1, "step")[0]
+    assert not np.array_equal(plans[0].ids, step.ids)  # planned as a window, not step by step
+    # ... and the carry keeps the cumulative counts within one sample of the integral
+    total = sum(int(p.counts.sum()) for p in plans)
+    counted = sum(p.counts.sum(axis=0) for p in plans)
+    assert np.abs(counted - const * total).max() < 1
+
+
+@pytest.mark.parametrize("caps", [[512, 1024, 2048, 4096, 4096, 4096, 4096, 4096], [3000] * K])
+def test_packed_window_mix_holds_schedule_zeros_and_warmup_caps_per_step(caps) -> None:
+    lengths = _lengths()
+    every = np.concatenate(lengths)
+    ids = SampleIds.of([len(x) for x in lengths])
+    plans = _packed_run(lengths, _weights, caps, 4, "window")
+    for w, p in enumerate(plans):
+        assert (_packed_tokens(p, every) <= np.asarray(caps)[:, None]).all()
+        for t in range(p.steps):
+            src, _ = ids.split(p.ids[p.offsets[t * 8]:p.offsets[(t + 1) * 8]])
+            assert (_weights(w)[t, src] > 0).all(), (w, t)
+
+
+def test_packed_window_mix_loses_less_compute_than_step_mix() -> None:
+    """8 ranks, M = 1, B = 4 packs of 8,192 tokens, K = 32, the heavy-tailed two-source mix."""
+    lengths = [_heavy_tailed(50_000, 1), (3 * _heavy_tailed(50_000, 2)).clip(16, 32768)]
+    every = np.concatenate(lengths).astype(np.float64)
+    got = {}
+    for mix in ("step", "window"):
+        idle, used, room = [], 0.0, 0.0
+        for p in _packed_run(lengths, lambda w: window_weights([0.7, 0.3], w, 32), [8192] * 32,
+                             2, mix, R=8, M=1, B=4):
+            for t in range(p.steps):
+                rank = []
+                for r in range(8):
+                    sample, _ = p.rank_step(t, r)
+                    cut = np.minimum(every[sample], 8192)
+                    rank.append(sample_cost(cut).sum())
+                    used += cut.sum()
+                idle.append(1 - np.mean(rank) / np.max(rank))
+                room += 32 * 8192
+        got[mix] = (float(np.mean(idle)), 1 - used / room)
+    assert sum(got["window"]) < sum(got["step"]), got
+    assert got["window"][1] <= 0.02, got
+
+
+def test_packed_step_mix_is_the_default() -> None:
+    from energon_ordering.planned.packs import plan_packed_window
+
+    kw = dict(seed=1, cursor=PlanCursor.start(3), weights=_weights(0), caps=[2048] * K,
+              world_size=R, micro_batch=B, micro_batches_per_step=M)
+    a = plan_packed_window(_lengths(), **kw)
+    b = plan_packed_window(_lengths(), mix="step", **kw)
+    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.offsets, b.offsets)
+    with pytest.raises(OrderingConfigError, match=r"planned_mix = 'steps'"):
+        plan_packed_window(_lengths(), mix="steps", **kw)

@@ -41,7 +41,9 @@ from energon_ordering.mixture.step_counts import step_source_counts
 from .balance import radix_keys, sample_cost
 from .cursor import PlanCursor, check_window_steps, draws
 from .lpt import deal_tuples
+from .mix import PlannedMix, check_planned_mix
 from .sample_ids import SampleIds
+from .window_packs import plan_window_packs
 
 __all__ = ["PACKED_PLAN_VERSION", "PackedWindowPlan", "deal_packs", "fill_packs",
            "plan_packed_step", "plan_packed_window"]
@@ -330,6 +332,7 @@ def plan_packed_window(
     micro_batch: int,
     micro_batches_per_step: int,
     epoch_limits: Sequence[int] | None = None,
+    mix: PlannedMix = "step",
 ) -> PackedWindowPlan:
     """Plans window ``cursor.window`` with packing: K = ``len(caps)`` steps of
     ``R x M x B`` packs, the packs of step t built to ``caps[t]`` tokens.
@@ -342,7 +345,12 @@ def plan_packed_window(
         world_size: R. micro_batch: B, packs per micro-batch. micro_batches_per_step: M.
         epoch_limits: A finite epoch: per source, the draw count (over all source epochs) the
             epoch ends at; None: the sources repeat.
+        mix: ``"step"``: every step's packs hold each source within one sample of its share of
+            the step's samples; ``"window"``: the window's packs do, built from the window's
+            draws and seeded by band (:mod:`.window_packs`; a window in which the schedule
+            switches a source on or off, or a finite epoch ends, is packed per step).
     """
+    mix = check_planned_mix(mix)
     ids_of = SampleIds.of([len(x) for x in lengths])
     S = len(ids_of.sizes)
     K = check_window_steps(len(caps))
@@ -361,7 +369,23 @@ def plan_packed_window(
     carry = np.asarray(cursor.carry, dtype=np.float64)
     drawn = np.asarray(cursor.drawn, dtype=np.int64)
     all_ids, all_sizes, counts, epoch_end = [], [], [], False
-    for t in range(K):
+    if mix == "window":
+        limits = None if epoch_limits is None else np.asarray(epoch_limits) - drawn
+        got = plan_window_packs(streams, w, carry, np.asarray(caps, np.int64), seed=seed,
+                                window=cursor.window, world_size=R, packs_per_rank=M * B,
+                                limits=limits, fill_resolution=FILL_RESOLUTION)
+        if got is not None:
+            c, carry, step_of, pack = got
+            taken = [streams[s].take(int(k)) for s, k in enumerate(c)]
+            gid = np.concatenate([ix + off for (ix, _), off in zip(taken, ids_of.offsets.tolist())])
+            src = np.repeat(np.arange(S), c)
+            for t in range(K):
+                items = np.flatnonzero(step_of == t)
+                all_ids.append(gid[items][np.argsort(pack[items], kind="stable")])
+                all_sizes.append(np.bincount(pack[items], minlength=G))
+                counts.append(np.bincount(src[items], minlength=S))
+            drawn = drawn + c
+    for t in range(K if not counts else 0):  # the step mix (or a window it falls back to)
         limits = None if epoch_limits is None else np.asarray(epoch_limits) - drawn
         step = plan_packed_step(streams, w[t], carry, cap=int(caps[t]), world_size=R,
                                 packs_per_rank=M * B, limits=limits)
