@@ -410,6 +410,39 @@ def test_check_run_refusals(small_dataset):
         cfg.dataset.check_run(cfg)
 
 
+def test_llava_pretrain_recipe_requirements_are_checked(small_dataset):
+    """The packaged llava_pretrain recipe needs 4 micro-batches per step, 50,000 steps and its
+    five named sources; each unmet one is refused at check_run, before any data is read."""
+    def container(global_batch_size: int, train_iters: int):
+        cfg = _container(_provider(small_dataset, 0, recipe="llava_pretrain", ordering=None),
+                         global_batch_size=global_batch_size, train_iters=train_iters)
+        cfg.validate()
+        return cfg
+
+    cfg = container(MICRO_BATCH * 2, 50_000)
+    with pytest.raises(OrderingConfigError, match=r"micro_batches_per_step = 4, but Bridge's"):
+        cfg.dataset.check_run(cfg)
+    cfg = container(MICRO_BATCH * 4, 1000)
+    with pytest.raises(OrderingConfigError, match=r"total_steps = 50000 .* train.train_iters = 1000"):
+        cfg.dataset.check_run(cfg)
+    cfg = container(MICRO_BATCH * 4, 50_000)
+    with pytest.raises(OrderingConfigError,
+                       match=r"recipe = 'llava_pretrain': its mixture schedule draws from the sources "
+                             r"caption, vqa, ocr, interleaved, sft_quality, but dataset.path = .* has no "
+                             r"caption, vqa, ocr, interleaved, sft_quality \(its sources: "):
+        cfg.dataset.check_run(cfg)
+
+
+def test_planned_mix_passes_through_the_provider(small_dataset):
+    provider = _provider(small_dataset, 0, ordering={**ORDERING, "length_sort_mode": "planned",
+                                                     "length_sort_pool_size": 0,
+                                                     "length_sort_placement": "pre-encode",
+                                                     "length_sort_pool_holds": "keys",
+                                                     "planned_mix": "window"})
+    provider.finalize()
+    assert provider.ordering_config.planned_mix == "window"
+
+
 def test_validation_without_a_val_split_is_refused_by_name(small_dataset, pg):
     """The dataset has no val split: refused before training, naming the two ways out, at
     check_run and (without the callback) at the build, instead of Energon's bare KeyError."""

@@ -136,7 +136,12 @@ from energon_ordering.integrations.bridge_encoders import (
     build_builtin_encoder,
     check_builtin_ordering,
 )
-from energon_ordering.integrations.bridge_run import RunShape, agree_with_run, missing_split
+from energon_ordering.integrations.bridge_run import (
+    RunShape,
+    agree_with_run,
+    missing_split,
+    unmatched_sources,
+)
 from energon_ordering.integrations.megatron_lm import (
     DataloaderRestoreError,
     consumed_micro_batches,
@@ -454,10 +459,24 @@ class OrderingDatasetProvider(DatasetProvider):
                 f"{run.micro_batch_size} (or pass micro_batch_size=cfg.train.micro_batch_size)."
             )
         config = self._ordering_config(run)
+        if config.mixture_schedule is not None:
+            self._require_sources(list(config.mixture_schedule.sources))
         if run.validation and self.do_validation:
             self._require_split("val")
         self.run_shape, self.ordering_config = run, config
         return config
+
+    def _require_sources(self, sources: list[str]) -> None:
+        missing, names = unmatched_sources(self.path, sources)
+        if missing:
+            given = f"recipe = {show(self.recipe)}" if self.recipe is not None else "ordering"
+            raise OrderingConfigError(
+                f"OrderingDatasetProvider.{given}: its mixture schedule draws from the sources "
+                f"{', '.join(sources)}, but dataset.path = {show(self.path)} has no {', '.join(missing)} "
+                f"(its sources: {', '.join(names)}; an entry is named by `subflavors: {{source: "
+                "NAME}`, else its folder). Name the metadataset's entries after the schedule's "
+                "sources, or give a recipe whose schedule names yours."
+            )
 
     def _require_split(self, split: str) -> None:
         reason = missing_split(self.path, split)

@@ -15,7 +15,9 @@ completes what the run decides:
   model's length, in the same tokens the model computes on).
 
 :func:`missing_split` says why a prepared dataset or metadataset has no split of a name (Energon
-otherwise fails with a bare ``KeyError: 'val'`` when the loader is built). Bridge itself is not
+otherwise fails with a bare ``KeyError: 'val'`` when the loader is built), and
+:func:`unmatched_sources` which sources of a recipe's mixture schedule the data lacks (a packaged
+recipe such as ``llava_pretrain`` names five). Bridge itself is not
 imported here; :class:`RunShape` holds the numbers read from its config.
 """
 
@@ -29,7 +31,7 @@ from energon_ordering.config import OrderingConfig
 from energon_ordering.errors import OrderingConfigError
 from energon_ordering.mixture.rescale import rescale_schedule
 
-__all__ = ["RunShape", "agree_with_run", "missing_split"]
+__all__ = ["RunShape", "agree_with_run", "missing_split", "unmatched_sources"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,3 +155,19 @@ def missing_split(path: str | Path, split: str) -> str | None:
     except EmptyDatasetError as e:
         return str(e)
     return None
+
+
+def unmatched_sources(path: str | Path, sources: Collection[str]) -> tuple[list[str], list[str]]:
+    """(the schedule's ``sources`` the training split of ``path`` lacks, the split's sources),
+    the split's sources named as the pipeline names them (``subflavors: {source: NAME}``, else
+    the folder name). Reads only the dataset's metadata."""
+    from megatron.energon import WorkerConfig
+    from megatron.energon.metadataset.loader import load_dataset
+
+    from energon_ordering.pipeline.sources import source_name
+
+    loaded = load_dataset(path).get_datasets(
+        training=True, split_part="train", worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+    ).datasets
+    names = [source_name(d) for d in loaded]
+    return [s for s in sources if s not in names], names
