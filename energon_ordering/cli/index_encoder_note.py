@@ -21,9 +21,12 @@ import click
 __all__ = ["MISMATCH", "index_encoder_note", "mismatch_line"]
 
 #: The pipeline's warning (energon_ordering/task_encoder.py): index path, its encoder, the
-#: loader's encoder, the dataset folder.
+#: loader's encoder, the dataset folder. It advises the index command, or, for an encoder defined
+#: in the script that runs (``__main__``, which no command line can import), the Python API
+#: ``energon_ordering.build_length_index('<dataset>', task_encoder=...)``.
 MISMATCH = re.compile(r"length index (?P<index>.+?) was computed by (?P<by>.+?), not by "
-                      r"(?P<mine>.+?); .*`energon-ordering index (?P<dataset>\S+) ")
+                      r"(?P<mine>.+?); .*`(?:energon-ordering index |energon_ordering\.build_length_index\(')"
+                      r"(?P<dataset>[^\s']+)")
 
 
 def mismatch_line(path: str, found: dict[str, tuple[str, str]],
