@@ -14,6 +14,7 @@ from energon_ordering.errors import OrderingConfigError, OrderingTypeError, show
 from energon_ordering.pool.order import POOL_ORDERS
 from energon_ordering.pool.ramp import RAMP_MIN_POOL
 from energon_ordering.mixture.schedule import MAX_STEPS, MixtureSchedule
+from energon_ordering.planned.mix import PLANNED_MIXES
 from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
 from energon_ordering.warmup.overflow import OVERFLOW_POLICIES
 from energon_ordering.warmup.schedule import SeqLenWarmup
@@ -23,10 +24,9 @@ __all__ = ["DEFAULT_PLANNED_MIX", "MAX_PLAN_WINDOW_SAMPLES", "MAX_PLAN_WINDOW_ST
            "PACK_POOL_PLACEMENTS", "PLACEMENTS", "PLANNED", "PLANNED_MIXES", "POOL_HOLDS",
            "OrderingConfig"]
 
-#: ``planned_mix`` values: the blend's mix held per optimizer step or per plan window.
-PLANNED_MIXES = ("step", "window")
-#: The default ``planned_mix``.
-DEFAULT_PLANNED_MIX = "step"
+#: The default ``planned_mix`` (:data:`~energon_ordering.planned.mix.PLANNED_MIXES` lists the
+#: default first).
+DEFAULT_PLANNED_MIX = PLANNED_MIXES[0]
 
 #: ``length_sort_mode`` of the planned global order (issue 23): no pool; every rank computes the
 #: same plan of the global order from the length index (:mod:`energon_ordering.planned`).

@@ -59,6 +59,8 @@ def test_a_saved_state_passes():
                              "batch_size": 4}, {"at_step": 2, "world_size": 4,
                                                 "micro_batches_per_step": 1}]))
     _check(_state(), elastic=True)
+    # the window mix's deferred samples (sample ids of both sources)
+    _check(_state(_cursor={**CURSOR, "deferred": [0, 255, 17]}))
 
 
 CURSOR = {"window": 1, "drawn": [11, 5], "carry": [-0.2, 0.2]}
@@ -83,6 +85,11 @@ CURSOR = {"window": 1, "drawn": [11, 5], "carry": [-0.2, 0.2]}
      "finite number"),
     (dict(_cursor={**CURSOR, "carry": [0.0, math.inf]}), r"_cursor\['carry'\]\[1\] = inf"),
     (dict(_cursor={**CURSOR, "window": 7}), r"_cursor\['window'\] = 7 .* \[0, 1\]"),
+    (dict(_cursor={**CURSOR, "deferred": [3, 256]}),
+     r"_cursor\['deferred'\]\[1\] = 256 .* \[0, 255\]"),
+    (dict(_cursor={**CURSOR, "deferred": [-1]}), r"_cursor\['deferred'\]\[0\] = -1"),
+    (dict(_cursor={**CURSOR, "deferred": 3}), r"_cursor\['deferred'\] = 3 \(int\) must be a list"),
+    (dict(_cursor={**CURSOR, "deferred": [0] * 1025}), r"_cursor\['deferred'\] = .* at most 1024"),
     (dict(_history={"at_step": 0}), r"_history = \{'at_step': 0\} \(dict\) must be a list"),
     (dict(_history=[{"at_step": 0, "world_size": 0, "micro_batches_per_step": 1}]),
      r"_history\[0\]\['world_size'\] = 0 .* >= 1"),

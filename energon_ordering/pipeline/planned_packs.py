@@ -57,6 +57,7 @@ from energon_ordering.warmup.pack_cap import PACK_WORDING, pack_target, packing_
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.token_layout import TokenLayout
 
+from .plan_ahead import WindowAtHand
 from .planned_source import RESTORE_KIND, PlannedSourceDataset, _cursor_of, _cursor_state
 from .shared_plans import stream_digest
 
@@ -96,9 +97,14 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
             raise OrderingConfigError(
                 "OrderingConfig.length_sort_mode = 'planned' with packing plans packs to a cap: "
                 "set OrderingConfig.pack_seq_length (Megatron: --packing-seq-length).")
+        if kwargs.get("planned_mix", "step") == "window":
+            raise OrderingConfigError(
+                "OrderingConfig.planned_mix = 'window' does not plan packs yet (the packed plan "
+                "holds each step's mix): use planned_mix = 'step' with packing, or turn "
+                "packing off (packing_buffer_size).")
         self.pack_seq_length = pack_seq_length
         self.warmup = warmup
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, warmup=warmup, **kwargs)
 
     _packed = True
 
@@ -112,19 +118,10 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
             },
         }
 
-    def __getstate__(self) -> dict[str, Any]:
-        # the plan at hand is recomputed (or mapped again) where the copy runs
-        return {**super().__getstate__(), "_plan": None}
-
     def end_step(self) -> int | None:
         """Unknown before the plan reaches it: a packed step's sample count depends on the
         lengths drawn (see :meth:`_epoch_over`)."""
         return None
-
-    def _forget_plans(self) -> None:
-        """Also the window's plan at hand (``_steps`` holds this rank's rows of its steps)."""
-        super()._forget_plans()
-        self._plan: PackedWindowPlan | None = None
 
     # -- the plan --------------------------------------------------------------------------
 
@@ -163,62 +160,56 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
                 "repeat=True.")
         return plan
 
-    def packed_plan(self, window: int) -> PackedWindowPlan:
+    def packed_plan(self, window: int, b: int | None = None) -> PackedWindowPlan:
         """The packed plan of ``window`` (a plan with fewer steps than ``plan_window_steps``,
-        possibly none, once a finite epoch ends), advancing the saved cursor to it."""
-        plan = self._plan
-        if plan is not None and plan.cursor.window == window:
-            return plan
-        cursor = _cursor_of(self._cursor)
+        possibly none, once a finite epoch ends), without its packs (this rank's are in the
+        window at hand, :meth:`_at_hand`); the saved cursor moves to it."""
+        return self._at_hand(window, b).plan
+
+    def _plan_rows(self, window: int, start: dict[str, Any]) -> WindowAtHand:
+        """Plans the windows from the cursor ``start`` (saved form) to ``window``, or to the
+        end of a finite epoch before it, and keeps this rank's packs of each of its steps
+        (:meth:`_rank_step`). Reads the configuration only: it may run on the planning-ahead
+        thread."""
+        cursor = _cursor_of(start)
         if window < cursor.window:
             raise OrderingConfigError(
                 f"PlannedPackSourceDataset: window {window} lies before the cursor's window "
                 f"{cursor.window}; the state is inconsistent, start fresh.")
         while True:
-            if plan is not None and plan.cursor.window == cursor.window:
-                pass  # the cached plan of the cursor's window
-            else:
-                plan = self._plan_from(cursor)
+            plan = self._plan_from(cursor)
             if cursor.window == window or plan.epoch_end:
                 break
             cursor = plan.next_cursor
-        self._plan = plan
-        self._cursor = _cursor_state(plan.cursor)
-        return plan
+        rank = int(self.worker_config.rank)
+        first = plan.cursor.window * self.window_steps
+        steps: list[tuple[np.ndarray, np.ndarray] | None] = []
+        for k in range(plan.steps):
+            R, M, B = self._shape_at(first + k)
+            if (R, M, B) == plan.shape:
+                steps.append(tuple(np.copy(x) for x in plan.rank_step(k, rank))
+                             if rank < R else None)  # type: ignore[arg-type]
+            else:  # an elastic resume inside the window: its packs, dealt to this shape
+                steps.append(self._redealt(plan, k, R, M * B, rank))
+        # keep the window's cursor and step count, not every rank's packs (the shared plan's
+        # memory map is released with them)
+        return WindowAtHand(plan.cursor.window, _cursor_state(plan.cursor),
+                            _cursor_state(plan.next_cursor), steps, plan.without_packs(),
+                            last=bool(plan.epoch_end))
 
     def _epoch_over(self, b: int) -> bool:
         if not self.finite:
             return False
         window, t = divmod(b // self.micro_batches_per_step, self.window_steps)
-        plan = self.packed_plan(window)
+        plan = self.packed_plan(window, b)
         return plan.cursor.window < window or t >= plan.steps
 
-    def _rank_step(self, step: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def _rank_step(self, step: int, b: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         """This rank's samples of optimizer ``step`` (flat, in pack order) and the offsets of its
         packs in them; None if this rank had no share of the step (an elastic resume's rank
         beyond the earlier shape, before the resume's step)."""
         window, t = divmod(step, self.window_steps)
-        if self._steps_window != window or self._steps is None:
-            plan = self.packed_plan(window)
-            if not plan.has_packs:  # kept without its packs: plan it again
-                self._plan = None
-                plan = self.packed_plan(window)
-            rank = int(self.worker_config.rank)
-            first = window * self.window_steps
-            steps: list[tuple[np.ndarray, np.ndarray] | None] = []
-            for k in range(plan.steps):
-                R, M, B = self._shape_at(first + k)
-                if (R, M, B) == plan.shape:
-                    steps.append(tuple(np.copy(x) for x in plan.rank_step(k, rank))
-                                 if rank < R else None)  # type: ignore[arg-type]
-                else:  # an elastic resume inside the window: its packs, dealt to this shape
-                    steps.append(self._redealt(plan, k, R, M * B, rank))
-            self._steps = steps  # type: ignore[assignment]
-            self._steps_window = window
-            # keep the window's cursor and step count, not every rank's packs (the shared
-            # plan's memory map is released with them)
-            self._plan = plan.without_packs()
-        return self._steps[t]  # type: ignore[return-value]
+        return self._at_hand(window, b).rows[t]
 
     def _redealt(self, plan: PackedWindowPlan, k: int, world_size: int, packs_per_rank: int,
                  rank: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -242,7 +233,7 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
     def _micro_batch(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Micro-batch ``b``'s ids and the ``[B + 1]`` offsets of its packs in them."""
         step, m = divmod(int(b), self.micro_batches_per_step)
-        rows = self._rank_step(step)
+        rows = self._rank_step(step, b)
         if rows is None:
             raise OrderingConfigError(
                 f"PlannedPackSourceDataset: rank {self.worker_config.rank} has no share of "

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,8 +78,22 @@ from energon_ordering.planned.saved_state import (
     check_offset_in_micro_batch,
     check_planned_state,
 )
-from energon_ordering.planned.window import PLAN_VERSION, WindowPlan, plan_window, window_draws
+from energon_ordering.planned.mix import PlannedMix, check_planned_mix
+from energon_ordering.planned.window import (
+    PLAN_VERSION,
+    WINDOW_MIX_PLAN_VERSION,
+    plan_window,
+    window_draws,
+)
+from energon_ordering.warmup.pack_cap import pack_target
+from energon_ordering.warmup.schedule import SeqLenWarmup
+from energon_ordering.pipeline.plan_ahead import PlanAhead, WindowAtHand
 from energon_ordering.pipeline.shared_plans import SharedPlans, plan_dir, stream_digest
+from energon_ordering.pipeline.window_mix_share import (
+    decode_window_mix_plan,
+    encode_window_mix_plan,
+    window_mix_plan_problem,
+)
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
 from energon_ordering.state_stamp import check_stamp
 
@@ -93,6 +108,11 @@ logger = logging.getLogger(__name__)
 #: restore in its history continues alike and is taken
 #: (:meth:`PlannedSourceDataset._current_version`).
 PLANNED_STATE_VERSION = 2
+
+#: Whether a loader worker plans its next window on a thread while it consumes the current one
+#: (:mod:`energon_ordering.pipeline.plan_ahead`), so no micro-batch waits for a plan at a window
+#: boundary (``tools/bench_planned_boundary.py``). The order is the same either way.
+PLAN_AHEAD = True
 
 #: First element of the restore key of a sample this source yields.
 RESTORE_KIND = "PlannedSource"
@@ -123,6 +143,13 @@ class PlannedSourceDataset(SavableDataset[Any]):
         source_names: With ``schedule``: each source's name, in the order of ``readers``.
         allow_global_batch_change: Let :meth:`restore_elastic` continue a state saved with
             another global batch (or micro-batch size), from a plan window boundary on.
+        planned_mix: ``"step"``: every optimizer step holds each source's share; ``"window"``:
+            every plan window does, each step one band of lengths
+            (:mod:`energon_ordering.planned.mix`). Stamped: a state of the other is refused.
+            ``"window"`` needs ``finite=False``.
+        warmup: With ``planned_mix="window"``: the sequence-length warmup, whose cap at each
+            step the window's samples are placed under (None: no caps). Unused by the step mix
+            (the warmup stage cuts each step's samples).
         worker_config: Energon's worker configuration (rank, world size R, num_workers).
     """
 
@@ -145,9 +172,13 @@ class PlannedSourceDataset(SavableDataset[Any]):
         schedule: Any = None,
         source_names: Sequence[str] | None = None,
         allow_global_batch_change: bool = False,
+        planned_mix: str = "step",
+        warmup: SeqLenWarmup | None = None,
         worker_config: WorkerConfig,
     ):
         super().__init__(worker_config=worker_config)
+        self.planned_mix: PlannedMix = check_planned_mix(planned_mix)
+        self.warmup = warmup
         self.readers = list(readers)
         self.loaders = [list(fns) for fns in loaders]
         # read-only, often memory-mapped (never copied: 8 bytes per sample in every worker)
@@ -174,20 +205,31 @@ class PlannedSourceDataset(SavableDataset[Any]):
             self._columns = [list(schedule.sources).index(n) for n in names]
         self._end_step: int | None = None
         self._history: list[dict[str, Any]] = []  # set by reset_state_own / restore_state
+        if self.finite and self.planned_mix == "window":
+            raise OrderingConfigError(
+                "OrderingConfig.planned_mix = 'window' plans windows without a finite epoch's "
+                "end (repeat=False): use planned_mix = 'step' for a finite epoch, or "
+                "repeat=True.")
         if self.finite and self.end_step() == 0:
             raise OrderingConfigError(
                 f"planned order: a finite epoch (repeat=False) of sources of "
                 f"{list(self.ids.sizes)} samples holds no full optimizer step of "
                 f"{self._global_batch()} samples (weights {show(self.weights.tolist())}); use "
                 "more data, a smaller global batch, or repeat=True.")
-        # not saved, recomputed from the cursor: the window whose steps are at hand, and this
-        # rank's [M, B] ids of each of its steps (None before an elastic restore's step, when
-        # this rank was not in the earlier shape); O(K M B), never the other ranks' rows
-        self._steps_window: int | None = None
-        self._steps: list[np.ndarray | None] | None = None
+        # not saved, recomputed from the cursor: the window at hand, with this rank's [M, B]
+        # ids of each of its steps (None before an elastic restore's step, when this rank was
+        # not in the earlier shape); O(K M B), never the other ranks' rows
+        self._hand: WindowAtHand | None = None
+        #: Plans the worker's next window while this one is consumed (started in __iter__, in
+        #: the process that iterates; None: every window is planned when it is reached).
+        self._ahead: PlanAhead | None = None
+        #: Bumped whenever the state is set anew: a window planned ahead before is dropped.
+        self._generation = 0
         #: Set by :meth:`restore_elastic` (before iteration): where this loader starts.
         self.elastic_start: dict[str, Any] | None = None
         self.prefetch_threads = PREFETCH_THREADS
+        #: Plan each window while the one before it is consumed (:mod:`.plan_ahead`).
+        self.plan_ahead = PLAN_AHEAD
         #: This worker's last epoch ended in this process, or before the loader's current
         #: iteration (:meth:`epoch_ended_before`): its next epoch starts by loader process. Not
         #: saved: a restored worker not yet asked in the epoch starts as the loader's rotation
@@ -217,6 +259,10 @@ class PlannedSourceDataset(SavableDataset[Any]):
             "world_size": int(self.worker_config.world_size),
             "finite": self.finite,
             "schedule": None if self.schedule is None else self.schedule.to_dict(),
+            "planned_mix": self.planned_mix,
+            **({"window_mix_plan_version": WINDOW_MIX_PLAN_VERSION,
+                "caps": None if self.warmup is None else self.warmup.to_dict()}
+               if self.planned_mix == "window" else {}),
         }
 
     def _step_weights(self, first: int, steps: int) -> np.ndarray:
@@ -269,6 +315,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         return max(1, self.worker_config.num_workers)
 
     def reset_state_own(self) -> None:
+        self._cancel_ahead()
         self._stamp = self._expected_stamp()
         # the next micro-batch of this worker (rank-local count) and how many of its samples
         # went out; None: not started (a worker's first micro-batch is its worker index, known
@@ -287,11 +334,19 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self._forget_plans()
 
     def _forget_plans(self) -> None:
-        """Drops what is recomputed from the state (the window's rows at hand, the finite
-        epoch's end, which depends on the history): whenever the state is set anew."""
-        self._steps_window = None
-        self._steps = None
+        """Drops what is recomputed from the state (the window at hand, a window planned
+        ahead, the finite epoch's end, which depends on the history): whenever the state is set
+        anew."""
+        self._cancel_ahead()
+        self._generation = getattr(self, "_generation", 0) + 1
+        self._hand = None
         self._end_step = None
+
+    def _cancel_ahead(self) -> None:
+        """Joins and drops the window being planned ahead (before the state it reads changes)."""
+        ahead = getattr(self, "_ahead", None)
+        if ahead is not None and ahead.pid == os.getpid():
+            ahead.cancel()
 
     def save_state(self) -> FlexState:
         return super().save_state()
@@ -301,6 +356,11 @@ class PlannedSourceDataset(SavableDataset[Any]):
         current logic keeps is taken as it is (a copy, stamped with the current version);
         every other state is returned unchanged, for the stamp check to judge."""
         stamp = state.get("_stamp") if isinstance(state, dict) else None
+        if isinstance(stamp, dict) and "planned_mix" not in stamp and stamp.get(
+                "state_version") in (1, PLANNED_STATE_VERSION):
+            # written before planned_mix existed: the step mix, the only one then
+            stamp = {**stamp, "planned_mix": "step"}
+            state = type(state)({**state, "_stamp": stamp})
         if not (isinstance(stamp, dict) and stamp.get("state_version") == 1):
             return state
         if state.get("_history"):
@@ -324,6 +384,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
                     fields=self._savable_fields)
 
     def restore_state(self, state: FlexState) -> None:
+        self._cancel_ahead()
         state = self._current_version(state)
         check_stamp(
             type(self).__name__, state, self._expected_stamp(),
@@ -374,6 +435,12 @@ class PlannedSourceDataset(SavableDataset[Any]):
             return
         first = known[0]
         old = first["_stamp"]
+        if old.get("planned_mix") != self.planned_mix:
+            raise StateMismatchError(
+                f"PlannedSourceDataset: the state was written with planned_mix = "
+                f"{show(old.get('planned_mix'))}, this loader has planned_mix = "
+                f"{show(self.planned_mix)}; the two place samples in other steps: resume with "
+                f"planned_mix = {show(old.get('planned_mix'))}, or start the data stream fresh.")
         R1, M1, B1 = int(old["world_size"]), int(old["micro_batches_per_step"]), int(
             old["batch_size"])
         R2, M2, B2 = int(wc.world_size), self.micro_batches_per_step, self.batch_size
@@ -428,15 +495,19 @@ class PlannedSourceDataset(SavableDataset[Any]):
     # -- iteration -------------------------------------------------------------------------
 
     def _window_plan(self, window: int, world_size: int, micro_batches: int,
-                     batch_size: int) -> WindowPlan:
-        """The plan of ``window`` for ``world_size`` ranks, ``micro_batches`` per step and
-        micro-batches of ``batch_size``, advancing the saved cursor window by window to it
-        (earlier windows' counts with the global batch each had)."""
-        cursor = _cursor_of(self._cursor)
+                     batch_size: int, start: dict[str, Any]
+                     ) -> tuple[np.ndarray, PlanCursor, PlanCursor]:
+        """``(ids [K, R, M, B], cursor, next cursor)``: the plan of ``window`` for
+        ``world_size`` ranks, ``micro_batches`` per step and micro-batches of ``batch_size``,
+        advancing the cursor ``start`` (saved form) window by window to it (the step mix: the
+        earlier windows' counts with the global batch each had; the window mix: their plans,
+        whose deferred samples the cursor carries). Reads the configuration only (it may run
+        on the planning-ahead thread)."""
+        cursor = _cursor_of(start)
         if window < cursor.window:
             raise OrderingConfigError(
-                f"PlannedSourceDataset: micro-batch {self._next} lies in window {window}, before "
-                f"the cursor's window {cursor.window}; the state is inconsistent, start fresh.")
+                f"PlannedSourceDataset: window {window} lies before the cursor's window "
+                f"{cursor.window}; the state is inconsistent, start fresh.")
         end = self.end_step()
 
         def steps_of(c: PlanCursor) -> int:  # a finite epoch's last window ends with the epoch
@@ -444,11 +515,17 @@ class PlannedSourceDataset(SavableDataset[Any]):
             return k if end is None else min(k, end - c.window * k)
 
         while cursor.window < window:  # earlier windows: their counts only, not their plans
-            k = steps_of(cursor)
             first = cursor.window * self.window_steps
+            if self.planned_mix == "window":
+                cursor = self._mix_plan(cursor, *self._plan_shape(first))[1]
+                continue
+            k = steps_of(cursor)
             counts, carry = step_source_counts(
                 self._step_weights(first, k), self._global_batch_at(first), cursor.carry)
             cursor = advance(cursor, counts, carry)
+        if self.planned_mix == "window":
+            ids, nxt = self._mix_plan(cursor, world_size, micro_batches, batch_size)
+            return ids, cursor, nxt
         k = steps_of(cursor)
         first = cursor.window * self.window_steps
         weights = self._step_weights(first, k)
@@ -463,8 +540,40 @@ class PlannedSourceDataset(SavableDataset[Any]):
                                 micro_batches_per_step=micro_batches).ids,
             expected=lambda: window_draws(self.ids.sizes, self.seed, cursor, counts),
         )
-        self._cursor = _cursor_state(cursor)
-        return WindowPlan(ids, counts, cursor, advance(cursor, counts, carry))
+        return ids, cursor, advance(cursor, counts, carry)
+
+    def _caps(self, first: int, steps: int) -> list[int] | None:
+        """Most tokens per sample of global optimizer steps ``first ..`` (the warmup's caps;
+        None: no warmup): the window mix places each sample at a step it fits."""
+        if self.warmup is None:
+            return None
+        return [int(pack_target(first + t, None, self.warmup)) for t in range(steps)]
+
+    def _mix_plan(self, cursor: PlanCursor, world_size: int, micro_batches: int,
+                  batch_size: int) -> tuple[np.ndarray, PlanCursor]:
+        """``(ids [K, R, M, B], next cursor)`` of the cursor's window under
+        ``planned_mix="window"``, shared with the node's other processes with its next cursor
+        (:mod:`.window_mix_share`)."""
+        K, R, M, B = self.window_steps, world_size, micro_batches, batch_size
+        first = cursor.window * K
+        weights, caps = self._step_weights(first, K), self._caps(first, K)
+        shape = (K, R, M, B)
+
+        def plan() -> np.ndarray:
+            planned = plan_window(self.lengths, seed=self.seed, cursor=cursor, weights=weights,
+                                  window_steps=K, world_size=R, micro_batch=B,
+                                  micro_batches_per_step=M, mix="window", caps=caps)
+            return encode_window_mix_plan(planned.ids, planned.next_cursor)
+
+        flat = self._shared_plans(R, M, B).ids(
+            cursor.window,
+            stream_digest("window", WINDOW_MIX_PLAN_VERSION, _cursor_state(cursor),
+                          hashlib.sha256(weights.tobytes()).hexdigest(), caps),
+            (-1,), plan,
+            check=lambda a: window_mix_plan_problem(a, seed=self.seed, sizes=self.ids.sizes,
+                                                    cursor=cursor, weights=weights,
+                                                    shape=shape))
+        return decode_window_mix_plan(flat, cursor, shape)
 
     def _shared_plans(self, world_size: int, micro_batches: int, batch_size: int) -> SharedPlans:
         """The node's shared plans of this stream at this shape (none when the lengths are not
@@ -518,8 +627,57 @@ class PlannedSourceDataset(SavableDataset[Any]):
             j -= 1
         return shapes[j]
 
-    def _window_steps(self, window: int) -> list[np.ndarray | None]:
-        """This rank's ``[M, B]`` global ids of each step of the window.
+    def _window_steps(self, window: int, b: int | None = None) -> list[np.ndarray | None]:
+        """This rank's ``[M, B]`` global ids of each step of the window (``b``: the micro-batch
+        asked for, which tells the worker's next window to plan ahead; see :meth:`_at_hand`)."""
+        return self._at_hand(window, b).rows
+
+    def _at_hand(self, window: int, b: int | None = None) -> WindowAtHand:
+        """The window at hand (planned ahead if it was, else planned now); the saved cursor
+        moves to it, and with ``b`` (this worker's micro-batch in it) the worker's next window
+        starts planning ahead (:meth:`_plan_ahead_after`)."""
+        hand = self._hand
+        if hand is not None and (hand.window == window or (hand.last and window > hand.window)):
+            return hand
+        found, planned = (False, None)
+        if self._ahead is not None:
+            found, planned = self._ahead.take((self._generation, window))
+        if not found:
+            start = (hand.next_cursor if hand is not None and hand.window < window
+                     and not hand.last else self._cursor)
+            planned = self._plan_rows(window, start)
+        self._hand = hand = planned
+        self._cursor = dict(hand.cursor)
+        if b is not None:
+            self._plan_ahead_after(hand, int(b))
+        return hand
+
+    def _next_window_after(self, hand: WindowAtHand, b: int) -> int | None:
+        """The window of this worker's first micro-batch after ``hand``'s (``b``: one of its
+        micro-batches), or None if the epoch ends first (packed: ``hand.last``; a packed
+        epoch's end is known only from the plan)."""
+        if hand.last:
+            return None
+        workers, per_window = self._workers(), self.micro_batches_per_step * self.window_steps
+        end = (hand.window + 1) * per_window
+        nb = end + (b - end) % workers
+        return None if not self._packed and self._epoch_over(nb) else nb // per_window
+
+    def _plan_ahead_after(self, hand: WindowAtHand, b: int) -> None:
+        """Starts planning this worker's next window on the planning-ahead thread (a pure
+        function of ``hand``'s next cursor and the configuration)."""
+        if self._ahead is None:
+            return
+        window = self._next_window_after(hand, b)
+        if window is None:
+            return
+        start = dict(hand.next_cursor)
+        self._ahead.start((self._generation, window), lambda: self._plan_rows(window, start))
+
+    def _plan_rows(self, window: int, start: dict[str, Any]) -> WindowAtHand:
+        """Plans ``window`` from the cursor ``start`` (saved form, of that window or an earlier
+        one) and keeps this rank's rows of it. Reads the configuration only: it may run on the
+        planning-ahead thread.
 
         The window is planned for the shape its samples are composed for
         (:meth:`_plan_shape`: the run's shape before any elastic restore that kept the global
@@ -528,14 +686,12 @@ class PlannedSourceDataset(SavableDataset[Any]):
         (:func:`~energon_ordering.planned.balance.deal_step`). None: a step this rank has no
         share of (before an elastic restore's step, in an earlier shape with fewer ranks), or
         one before this loader's start, never emitted here."""
-        if self._steps is not None and self._steps_window == window:
-            return self._steps
         first = window * self.window_steps
         R0, M0, B = self._plan_shape(first)
-        plan = self._window_plan(window, R0, M0, B)
+        ids_of_window, cursor, next_cursor = self._window_plan(window, R0, M0, B, start)
         rank = int(self.worker_config.rank)
         steps: list[np.ndarray | None] = []
-        for t, ids in enumerate(plan.ids):  # [R0, M0, B]
+        for t, ids in enumerate(ids_of_window):  # [R0, M0, B]
             R, M, _ = self._shape_at(first + t)
             if first + t < self._start_step or rank >= R:
                 steps.append(None)
@@ -547,9 +703,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 ids = flat[pos].transpose(1, 0, 2)
             # a copy: the plan may be a memory map of a shared file, released with it
             steps.append(np.array(ids[rank]))
-        self._steps = steps
-        self._steps_window = window
-        return self._steps
+        return WindowAtHand(window, _cursor_state(cursor), _cursor_state(next_cursor), steps)
 
     def lengths_of(self, gids: np.ndarray) -> np.ndarray:
         """The lengths (float64) of the samples of global ids ``gids``."""
@@ -564,10 +718,11 @@ class PlannedSourceDataset(SavableDataset[Any]):
         M, K = self.micro_batches_per_step, self.window_steps
         step, m = divmod(int(b), M)
         window, t = divmod(step, K)
-        return self._window_steps(window)[t][m]
+        return self._window_steps(window, b)[t][m]
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_executor": None, "_local": None, "_thread_readers": [],
+                "_ahead": None, "_hand": None,
                 "lengths": [reopen(x) for x in self.lengths]}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -589,6 +744,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
     def close(self) -> None:
         """Stops the prefetch threads and closes their readers and this process's (a loader
         that is dropped; they reopen on the next read), and removes the stream's shared plans."""
+        self._cancel_ahead()
         self._forget_shared_plans()
         executor, local = self._executor, self._local
         self._executor = self._local = None
@@ -635,6 +791,22 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 worker = (worker - WorkerConfig.worker_id_offset) % workers
             self._next = self._start_step * self.micro_batches_per_step + worker
         self._ended_here = False
+        if self.plan_ahead:  # in the process that iterates (a forked worker starts its own)
+            self.plan_windows_ahead()
+        try:
+            yield from self._iter_samples(workers)
+        finally:
+            self._cancel_ahead()
+
+    def plan_windows_ahead(self) -> None:
+        """From now on, in this process, each window this worker reaches starts planning the
+        worker's next one on a thread (:mod:`.plan_ahead`); ``__iter__`` calls it when
+        :attr:`plan_ahead` is on (exposed for plan-only measurements). Stopped by
+        :meth:`close`, the end of an epoch and a restore (each joins the thread)."""
+        self._ahead = PlanAhead.for_this_process(self._ahead)
+
+    def _iter_samples(self, workers: int) -> Iterator[Any]:
+        """The samples from micro-batch ``_next`` (sample ``_offset``) on (see __iter__)."""
         M, K = self.micro_batches_per_step, self.window_steps
         ahead: dict[int, list[Future]] = {}  # micro-batch -> its reads, started
         while True:
@@ -689,6 +861,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         return ()
 
     def _start_epoch(self, epoch: int) -> None:
+        self._cancel_ahead()
         self._forget_shared_plans()
         self._ended_here = True
         self._epoch = epoch
@@ -739,11 +912,17 @@ class PlannedSourceDataset(SavableDataset[Any]):
 
 
 def _cursor_state(cursor: PlanCursor) -> dict[str, Any]:
-    """A cursor as plain builtins (Megatron-Bridge's restricted unpickler)."""
-    return {"window": int(cursor.window), "drawn": [int(d) for d in cursor.drawn],
-            "carry": [float(c) for c in cursor.carry]}
+    """A cursor as plain builtins (Megatron-Bridge's restricted unpickler); ``deferred`` (the
+    window mix's samples held for a later window) only when it holds any, so a step-mix state
+    keeps the shape it always had."""
+    out = {"window": int(cursor.window), "drawn": [int(d) for d in cursor.drawn],
+           "carry": [float(c) for c in cursor.carry]}
+    if cursor.deferred:
+        out["deferred"] = [int(g) for g in cursor.deferred]
+    return out
 
 
 def _cursor_of(state: dict[str, Any]) -> PlanCursor:
     return PlanCursor(int(state["window"]), tuple(int(d) for d in state["drawn"]),
-                      tuple(float(c) for c in state["carry"]))
+                      tuple(float(c) for c in state["carry"]),
+                      tuple(int(g) for g in state.get("deferred", ())))

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+from energon_ordering.planned.window_mix import MAX_DEFERRED
 from energon_ordering.saved_counters import (
     check_saved_float,
     check_saved_int,
@@ -168,6 +169,13 @@ def _check_cursor(owner: str, cursor: Any, sizes: Sequence[int], window_steps: i
         check_saved_int(owner, f"_cursor['drawn'][{s}]", drawn, minimum=epoch * int(size))
     for s, carry in enumerate(cursor["carry"]):
         check_saved_float(owner, f"_cursor['carry'][{s}]", carry)
+    deferred = cursor.get("deferred", [])
+    if not isinstance(deferred, (list, tuple)) or len(deferred) > MAX_DEFERRED:
+        raise saved_value_error(owner, "_cursor['deferred']", deferred,
+                                f"a list of at most {MAX_DEFERRED} sample ids (the window mix's "
+                                "samples held for a later window)")
+    for i, gid in enumerate(deferred):
+        check_saved_int(owner, f"_cursor['deferred'][{i}]", gid, maximum=sum(sizes) - 1)
 
 
 def check_offset_in_micro_batch(owner: str, offset: int, samples: int, micro_batch: int) -> None:

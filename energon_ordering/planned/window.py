@@ -14,6 +14,11 @@ one sample of the integral); the window draws the next ``sum over steps`` of eac
 the source's permutation (:func:`~.cursor.draws`); :func:`~.balance.balance_window` splits
 them into steps, micro-batches and ranks with each step's exact counts.
 
+With ``mix="window"`` (:mod:`.mix`) the window, not each step, holds the sources' shares, and
+:mod:`.window_mix` bands the window's samples by length over its steps instead (each step one
+band, level across ranks, padding-free micro-batches; the schedule's zeros and the warmup's caps
+per step; a sample that fits no step waits in ``PlanCursor.deferred``).
+
 Memory: O(K G) per window (the window's draws), never O(samples of a source) beyond the
 lengths the caller passes in (a later reader looks lengths up by id).
 """

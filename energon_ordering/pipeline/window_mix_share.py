@@ -1,0 +1,97 @@
+"""A ``planned_mix="window"`` plan as one shared array, and its check before use.
+
+With the window mix a window's samples are not its draws in a fixed count per step: the
+window holds each source's total over the window, and a sample that fits no step's cap (the
+warmup) is deferred to a later window (``PlanCursor.deferred``). The next window's cursor is
+therefore part of the plan, not a function of the counts alone, and a process that maps
+another's plan (:class:`~.shared_plans.SharedPlans`) reads it from the file:
+
+    ids [K R M B] | drawn [S] | carry [S] (float64 bits) | deferred count | deferred ids
+
+:func:`window_mix_plan_problem` checks a mapped array before it is trusted (DESIGN.md,
+contract 14): its length, the carry (recomputed from the cursor and the weights,
+:func:`~energon_ordering.planned.window_mix.window_totals`), each source's draws (the window's
+total of the source, plus what it defers, less what it placed of the earlier deferrals), the
+deferred samples (at most :data:`~energon_ordering.planned.window_mix.MAX_DEFERRED`), and the
+ids as the multiset the two cursors describe
+(:func:`~energon_ordering.planned.window.plan_samples`). Not checked: which step and rank
+holds which sample (the planner's choice), as for the step mix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from energon_ordering.planned.cursor import PlanCursor
+from energon_ordering.planned.plan_check import plan_matches_draws
+from energon_ordering.planned.sample_ids import SampleIds
+from energon_ordering.planned.window import plan_samples
+from energon_ordering.planned.window_mix import MAX_DEFERRED, window_totals
+
+__all__ = ["decode_window_mix_plan", "encode_window_mix_plan", "window_mix_plan_problem"]
+
+
+def encode_window_mix_plan(ids: np.ndarray, next_cursor: PlanCursor) -> np.ndarray:
+    """``ids`` ``[K, R, M, B]`` and the next window's cursor as one flat int64 array."""
+    carry = np.asarray(next_cursor.carry, dtype=np.float64).view(np.int64)
+    deferred = np.asarray(next_cursor.deferred, dtype=np.int64)
+    return np.concatenate([np.asarray(ids, dtype=np.int64).reshape(-1),
+                           np.asarray(next_cursor.drawn, dtype=np.int64), carry,
+                           np.asarray([len(deferred)], dtype=np.int64), deferred])
+
+
+def decode_window_mix_plan(a: np.ndarray, cursor: PlanCursor, shape: tuple[int, ...]
+                           ) -> tuple[np.ndarray, PlanCursor]:
+    """``(ids [K, R, M, B], next cursor)`` of an array :func:`encode_window_mix_plan` wrote
+    (``a`` may be a read-only memory map; check it first with :func:`window_mix_plan_problem`)."""
+    n = int(np.prod(shape))
+    S = len(cursor.drawn)
+    drawn = a[n:n + S]
+    carry = np.asarray(a[n + S:n + 2 * S]).view(np.float64)
+    deferred = a[n + 2 * S + 1:]
+    nxt = PlanCursor(cursor.window + 1, tuple(int(d) for d in drawn),
+                     tuple(float(c) for c in carry), tuple(int(d) for d in deferred))
+    return np.asarray(a[:n]).reshape(shape), nxt
+
+
+def window_mix_plan_problem(a: np.ndarray, *, seed: int, sizes: Sequence[int],
+                            cursor: PlanCursor, weights: np.ndarray,
+                            shape: tuple[int, int, int, int]) -> str | None:
+    """Why ``a`` is not a window-mix plan of the window at ``cursor``, or None (see the module
+    docstring for what is checked).
+
+    Args:
+        a: The mapped array (int64, 1-D).
+        seed: The ordering seed. sizes: Samples per source.
+        cursor: The window's cursor. weights: ``[K, S]`` the window's step weights.
+        shape: ``(K, R, M, B)`` of the window's plan.
+    """
+    a = np.asarray(a).reshape(-1)
+    n, S = int(np.prod(shape)), len(sizes)
+    head = n + 2 * S + 1
+    if len(a) < head:
+        return f"it holds {len(a)} values, fewer than a window-mix plan of {shape} needs"
+    D = int(a[head - 1])
+    if not 0 <= D <= MAX_DEFERRED or len(a) != head + D:
+        return (f"it holds {len(a)} values and names {D} deferred samples; a plan of {shape} "
+                f"holds {head} values and at most {MAX_DEFERRED} deferred")
+    ids, nxt = decode_window_mix_plan(a, cursor, shape)
+    K, R, M, B = shape
+    totals, carry = window_totals(weights, R * M * B, cursor.carry)
+    if not np.array_equal(np.asarray(nxt.carry), np.asarray(carry)):
+        return f"its carry {list(nxt.carry)} is not the window's {carry.tolist()}"
+    split = SampleIds.of(sizes)
+    held, _ = split.split(np.asarray(cursor.deferred, dtype=np.int64))
+    later, _ = split.split(np.asarray(nxt.deferred, dtype=np.int64))
+    for s in range(S):
+        want = (cursor.drawn[s] + int(totals[s]) + int((later == s).sum())
+                - int((held == s).sum()))
+        if nxt.drawn[s] != want:
+            return (f"it draws source {s} up to {nxt.drawn[s]}, the window's total and "
+                    f"deferrals to {want}")
+    total = split.total
+    if nxt.deferred and not 0 <= min(nxt.deferred) <= max(nxt.deferred) < total:
+        return f"a deferred sample id lies outside [0, {total})"
+    return plan_matches_draws(ids, plan_samples(sizes, seed, cursor, nxt), total)

@@ -1,0 +1,208 @@
+"""``planned_mix = "window"`` through config, state and pipeline (issue 32): exact and elastic
+resume as for ``"step"``, the stamp, and the mix the window holds.
+
+Real prepared datasets with length indexes, real ``get_train_dataset`` +
+``get_savable_loader`` per simulated rank; compared by what the model sees (each sample's key
+and its tokens after the warmup's cut, and the pack boundaries when packing).
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+
+from energon_ordering import OrderingConfig, restore_state_rank
+from energon_ordering.errors import OrderingConfigError, StateMismatchError
+from energon_ordering.inspect.rank_simulation import (
+    build_train_loader,
+    close_loader,
+    record_batch,
+    resume,
+    run_with_cuts,
+)
+from energon_ordering.inspect.synthetic import SourceSpec
+from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
+
+sys.path.insert(0, str(Path(__file__).parent))
+from indexed_data import indexed_synthetic  # noqa: E402
+from tiers import cases  # noqa: E402
+
+B = 4
+K = 4  # plan_window_steps
+WARMUP = {"start": 128, "full": 2048, "warmup_steps": 10}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """Two indexed sources (web: short, code: long), enough for 14 steps of 24 samples."""
+    return indexed_synthetic(
+        tmp_path_factory.mktemp("mix_resume"),
+        [SourceSpec("web", 300, "short", weight=0.7), SourceSpec("code", 160, "long", weight=0.3)],
+        shard_size=32)
+
+
+def _config(mbps: int, mix: str = "window", **kw) -> OrderingConfig:
+    return OrderingConfig(**{**dict(
+        length_sort_mode="planned", length_sort_placement="pre-encode",
+        length_sort_pool_holds="keys", micro_batches_per_step=mbps, seed=3, plan_window_steps=K,
+        seq_length_warmup=WARMUP, planned_mix=mix), **kw})
+
+
+def _loader(data, world_size, mbps, rank, num_workers=0, pack=False, **kw):
+    return build_train_loader(data, ordering=_config(mbps, **kw), rank=rank,
+                              world_size=world_size, num_workers=num_workers,
+                              batch_size=1 if pack else B,
+                              packing_buffer_size=32 if pack else None,
+                              task_encoder_factory=IndexedSyntheticTaskEncoder)
+
+
+def _run(data, world_size, mbps, micro_batches, *, state=None, save_at=None, num_workers=0,
+         **kw):
+    """``micro_batches`` micro-batches on every rank (restored from ``state``, if given);
+    returns the records and rank 0's states before each micro-batch of ``save_at``."""
+    records, states = [], {}
+    for rank in range(world_size):
+        loader = _loader(data, world_size, mbps, rank, num_workers, **kw)
+        if state is not None:
+            restore_state_rank(loader, state)
+        it = iter(loader)
+        recs = []
+        for b in range(micro_batches + 1):
+            if rank == 0 and save_at is not None and b in save_at:
+                states[b] = pickle.loads(pickle.dumps(loader.save_state_rank()))
+            if b < micro_batches:
+                recs.append(record_batch(next(it)))
+        records.append(recs)
+        del it
+        close_loader(loader)
+    return records, states
+
+
+def _seen(records, mbps):
+    """Per optimizer step, the sorted (key, tokens) of every rank's samples and, when packing,
+    the sorted pack boundaries (each pack its (key, tokens) pairs): what the model sees."""
+    out = []
+    for s in range(len(records[0]) // mbps):
+        recs = [rec for rank in records for rec in rank[s * mbps:(s + 1) * mbps]]
+        pairs = sorted(p for rec in recs for p in zip(rec.keys, rec.lengths, strict=True))
+        packs = []
+        for rec in recs:
+            at = 0
+            for pack in rec.pack_lengths or ():
+                packs.append(tuple(zip(rec.keys[at:at + len(pack)], pack, strict=True)))
+                at += len(pack)
+        out.append((pairs, sorted(packs)))
+    return out
+
+
+# -- exact resume: cuts mid-window and before a window's last micro-batch, workers 0-3 ---------
+
+EXACT = {
+    "padded-0": dict(num_workers=0),
+    "padded-1": dict(num_workers=1),
+    "padded-2": dict(num_workers=2),
+    "padded-3": dict(num_workers=3),
+}
+
+
+@pytest.mark.parametrize("case", cases(EXACT))
+def test_window_mix_resumes_exactly(data, case):
+    """Rank 1 of 2 ranks x 2 micro-batches (a window is 8 of its micro-batches), saved before
+    micro-batches 0, 3 (mid-window), 7 (a window's last), 8 and 13: each state continues as
+    the uninterrupted run, sample for sample and token for token."""
+    kw = EXACT[case]
+    total = 16
+    cuts = [0, 3, 7, 8, 13]
+
+    def make():
+        return _loader(data, 2, 2, 1, **kw)
+
+    records, states = run_with_cuts(make, total, cuts)
+    for cut in cuts:
+        assert resume(make, states[cut], total - cut) == records[cut:], cut
+
+
+# -- elastic resume: the same steps' samples at another shape ----------------------------------
+
+ELASTIC = {
+    "padded": dict(),
+    "padded-workers": dict(num_workers=2),
+    "padded-3-workers": dict(num_workers=3),
+}
+
+
+@pytest.mark.parametrize("case", cases(ELASTIC))
+def test_window_mix_elastic_resume_keeps_each_steps_samples(data, case):
+    """3 ranks x 2 micro-batches saved at step 6 (inside plan window 1 and the warmup), resumed
+    on 2 ranks x 3 (packed: 2 x 2 -> 1 x 4): every step holds the uninterrupted run's samples,
+    cut to the same lengths (and the same packs); a state the resumed loader saves mid-step
+    then resumes exactly."""
+    kw = dict(ELASTIC[case])
+    workers = kw.pop("num_workers", 0)
+    (r1, m1), (r2, m2) = ((2, 2), (1, 4)) if kw.get("pack") else ((3, 2), (2, 3))
+    steps, at = 10, 6
+    whole, _ = _run(data, r1, m1, steps * m1, **kw)
+    _, states = _run(data, r1, m1, at * m1, save_at={at * m1}, num_workers=workers, **kw)
+    n = (steps - at) * m2
+    rest, saved = _run(data, r2, m2, n, state=states[at * m1], save_at={1},
+                       num_workers=workers, **kw)
+    assert _seen(rest, m2) == _seen(whole, m1)[at:]
+    resumed = resume(lambda: _loader(data, r2, m2, 0, workers, **kw), saved[1], n - 1)
+    assert resumed == rest[0][1:]
+
+
+# -- what the window mix is -------------------------------------------------------------------
+
+def test_the_window_mix_holds_each_windows_share_and_moves_samples_between_its_steps(data):
+    """Each window of K steps holds each source within one sample of its share of the window,
+    and the steps hold other samples than the step mix's (banded by length); without the mix
+    passed through, the two runs would be the same."""
+    runs = {mix: _run(data, 2, 2, 8 * 2, mix=mix, seq_length_warmup=None)[0]
+            for mix in ("step", "window")}
+    steps = {mix: [[k for k, _ in pairs] for pairs, _ in _seen(r, 2)] for mix, r in runs.items()}
+    G = 2 * 2 * B
+    for w in range(2):
+        window = [k for s in steps["window"][w * K:(w + 1) * K] for k in s]
+        assert abs(sum(k.startswith("web") for k in window) - 0.7 * K * G) <= 1
+    assert all(len(s) == G for s in steps["window"])
+    assert steps["window"] != steps["step"]
+
+
+@pytest.mark.parametrize("saved,restored", [("step", "window"), ("window", "step")])
+def test_a_state_of_the_other_mix_is_refused_naming_both(data, saved, restored):
+    """Exact (same shape) and elastic (another shape) restores both refuse it by name."""
+    _, states = _run(data, 2, 2, 4, save_at={4}, mix=saved)
+    loader = _loader(data, 2, 2, 0, mix=restored)
+    with pytest.raises(StateMismatchError,
+                       match=rf"planned_mix: saved '{saved}' != configured '{restored}'"):
+        restore_state_rank(loader, states[4])
+    close_loader(loader)
+    loader = _loader(data, 1, 4, 0, mix=restored)
+    with pytest.raises(StateMismatchError,
+                       match=rf"planned_mix = '{saved}'.*planned_mix = '{restored}'"):
+        restore_state_rank(loader, states[4])
+    close_loader(loader)
+
+
+def test_packing_with_the_window_mix_is_refused_until_packs_are_planned_for_it(data):
+    with pytest.raises(OrderingConfigError, match=r"planned_mix = 'window' does not plan packs"):
+        _loader(data, 2, 2, 0, pack=True, pack_seq_length=1024)
+
+
+def test_a_state_written_before_planned_mix_restores_as_the_step_mix(data):
+    """A planned state without ``planned_mix`` in its stamp (written before it existed)
+    continues as the step mix it was; the window mix refuses it, naming 'step'."""
+    from energon_ordering.state_stamp import _find_saved_class
+
+    _, states = _run(data, 2, 2, 4, save_at={4}, mix="step")
+    current, _ = _run(data, 2, 2, 4, state=states[4], mix="step")
+    entry = _find_saved_class(states[4].worker_states[0], "PlannedSourceDataset")
+    del entry["_stamp"]["planned_mix"]
+    assert _run(data, 2, 2, 4, state=states[4], mix="step")[0] == current
+    loader = _loader(data, 2, 2, 0, mix="window")
+    with pytest.raises(StateMismatchError, match=r"planned_mix: saved 'step' != configured"):
+        restore_state_rank(loader, states[4])
+    close_loader(loader)
