@@ -72,6 +72,9 @@ DEFER_ROUNDS = 8
 PADDING_WEIGHT = 2.0
 #: Samples :func:`deal_bands` deals at once (its temporaries are a few times this, in int64).
 CHUNK_SAMPLES = 1 << 17
+#: Idle per step under which a step's micro-batches dealt whole are kept without trying the cut
+#: dealings (they could save at most this idle, and would add padding).
+LEVEL_ENOUGH = 0.001
 #: Most parts a micro-batch index's slice is cut into when dealt (:func:`deal_bands`).
 MAX_PARTS = 64
 #: ``permutation_key`` source of the band order (no real source has a negative index).
@@ -317,32 +320,39 @@ def deal_bands(step_lengths: np.ndarray, *, world_size: int, micro_batch: int,
 
 def _deal_steps(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int) -> np.ndarray:
     """:func:`deal_bands` of some of the window's K steps (``L`` ``[steps, G]``), scored with
-    the window's K and ``tokens``."""
-    n = L.shape[0]
-    cost = sample_cost(L).reshape(-1)
+    the window's K and ``tokens``. The cut dealings are tried only on the steps whose whole
+    dealing idles more than :data:`LEVEL_ENOUGH` (most bands are narrow: whole is level)."""
+    cost = sample_cost(L)
 
-    def share(pos: np.ndarray) -> np.ndarray:
-        ln = np.take_along_axis(L, pos.reshape(n, -1), axis=1).reshape(pos.shape)
-        rank = np.take(cost, pos + (np.arange(n) * pos[0].size)[:, None, None, None]
-                       ).sum(axis=(2, 3))
+    def share(pos: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = len(rows)
+        flat = pos.reshape(n, -1)
+        ln = np.take_along_axis(L[rows], flat, axis=1).reshape(pos.shape)
+        rank = np.take_along_axis(cost[rows], flat, axis=1).reshape(pos.shape).sum(axis=(2, 3))
         idle = 1 - rank.mean(axis=1) / np.maximum(rank.max(axis=1), 1e-300)
         pad = (B * ln.max(axis=3) - ln.sum(axis=3)).sum(axis=(1, 2))
-        return idle / K + PADDING_WEIGHT * pad / tokens
+        return idle / K + PADDING_WEIGHT * pad / tokens, idle
 
+    n = L.shape[0]
     mb_cost = cost.reshape(n * R * M, B).sum(axis=1)
-    dealt = deal_tuples(np.arange(n * R * M).reshape(n, R * M), mb_cost, R, M)  # [K, R, M]
+    dealt = deal_tuples(np.arange(n * R * M).reshape(n, R * M), mb_cost, R, M)  # [n, R, M]
     best = ((dealt % (R * M)) * B)[..., None] + np.arange(B)
-    score = share(best)
+    score, idle = share(best, np.arange(n))
+    rows = np.flatnonzero(idle > LEVEL_ENOUGH)
+    if not len(rows):
+        return best
+    score = score[rows]
+    flat_cost = cost[rows].reshape(-1)
     h = 1
     while h < R and R % h == 0 and h <= MAX_PARTS:
         r = R // h
-        slots = np.arange(n * M * R * B).reshape(n, M, h, r * B)
-        pos = deal_tuples(slots, cost, r, B) % (M * R * B)  # [K, M, h, r, B]
+        slots = np.arange(len(rows) * M * R * B).reshape(len(rows), M, h, r * B)
+        pos = deal_tuples(slots, flat_cost, r, B) % (M * R * B)  # [rows, M, h, r, B]
         pos[:, 1::2] = pos[:, 1::2, ::-1]  # odd micro-batches: parts to ranks the other way
-        pos = pos.reshape(n, M, R, B).transpose(0, 2, 1, 3)
-        got = share(pos)
+        pos = pos.reshape(len(rows), M, R, B).transpose(0, 2, 1, 3)
+        got, _ = share(pos, rows)
         better = got < score
-        best[better] = pos[better]
+        best[rows[better]] = pos[better]
         score[better] = got[better]
         del pos
         h *= 2
