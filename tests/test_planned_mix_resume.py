@@ -3,99 +3,35 @@ resume as for ``"step"``, the stamp, and the mix the window holds.
 
 Real prepared datasets with length indexes, real ``get_train_dataset`` +
 ``get_savable_loader`` per simulated rank; compared by what the model sees (each sample's key
-and its tokens after the warmup's cut, and the pack boundaries when packing).
+and its tokens after the warmup's cut), with test_elastic_exact's loaders, runs and data.
 """
 
 from __future__ import annotations
 
-import pickle
 import sys
 from pathlib import Path
 
 import pytest
 
-from energon_ordering import OrderingConfig, restore_state_rank
+from energon_ordering import restore_state_rank
 from energon_ordering.errors import OrderingConfigError, StateMismatchError
-from energon_ordering.inspect.rank_simulation import (
-    build_train_loader,
-    close_loader,
-    record_batch,
-    resume,
-    run_with_cuts,
-)
-from energon_ordering.inspect.synthetic import SourceSpec
-from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
+from energon_ordering.inspect.rank_simulation import close_loader, resume, run_with_cuts
 
 sys.path.insert(0, str(Path(__file__).parent))
-from indexed_data import indexed_synthetic  # noqa: E402
+from test_elastic_exact import B, K, _seen, data  # noqa: E402,F401  (data: the fixture)
+from test_elastic_exact import _loader as _any_loader  # noqa: E402
+from test_elastic_exact import _run as _any_run  # noqa: E402
 from tiers import cases  # noqa: E402
 
-B = 4
-K = 4  # plan_window_steps
-WARMUP = {"start": 128, "full": 2048, "warmup_steps": 10}
+
+def _loader(data, world_size, mbps, rank, num_workers=0, mix="window", **kw):
+    """Rank ``rank``'s planned loader of test_elastic_exact (warmup, K = 4), with ``mix``."""
+    return _any_loader(data, world_size, mbps, rank, num_workers, planned_mix=mix, **kw)
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    """Two indexed sources (web: short, code: long), enough for 14 steps of 24 samples."""
-    return indexed_synthetic(
-        tmp_path_factory.mktemp("mix_resume"),
-        [SourceSpec("web", 300, "short", weight=0.7), SourceSpec("code", 160, "long", weight=0.3)],
-        shard_size=32)
-
-
-def _config(mbps: int, mix: str = "window", **kw) -> OrderingConfig:
-    return OrderingConfig(**{**dict(
-        length_sort_mode="planned", length_sort_placement="pre-encode",
-        length_sort_pool_holds="keys", micro_batches_per_step=mbps, seed=3, plan_window_steps=K,
-        seq_length_warmup=WARMUP, planned_mix=mix), **kw})
-
-
-def _loader(data, world_size, mbps, rank, num_workers=0, pack=False, **kw):
-    return build_train_loader(data, ordering=_config(mbps, **kw), rank=rank,
-                              world_size=world_size, num_workers=num_workers,
-                              batch_size=1 if pack else B,
-                              packing_buffer_size=32 if pack else None,
-                              task_encoder_factory=IndexedSyntheticTaskEncoder)
-
-
-def _run(data, world_size, mbps, micro_batches, *, state=None, save_at=None, num_workers=0,
-         **kw):
-    """``micro_batches`` micro-batches on every rank (restored from ``state``, if given);
-    returns the records and rank 0's states before each micro-batch of ``save_at``."""
-    records, states = [], {}
-    for rank in range(world_size):
-        loader = _loader(data, world_size, mbps, rank, num_workers, **kw)
-        if state is not None:
-            restore_state_rank(loader, state)
-        it = iter(loader)
-        recs = []
-        for b in range(micro_batches + 1):
-            if rank == 0 and save_at is not None and b in save_at:
-                states[b] = pickle.loads(pickle.dumps(loader.save_state_rank()))
-            if b < micro_batches:
-                recs.append(record_batch(next(it)))
-        records.append(recs)
-        del it
-        close_loader(loader)
-    return records, states
-
-
-def _seen(records, mbps):
-    """Per optimizer step, the sorted (key, tokens) of every rank's samples and, when packing,
-    the sorted pack boundaries (each pack its (key, tokens) pairs): what the model sees."""
-    out = []
-    for s in range(len(records[0]) // mbps):
-        recs = [rec for rank in records for rec in rank[s * mbps:(s + 1) * mbps]]
-        pairs = sorted(p for rec in recs for p in zip(rec.keys, rec.lengths, strict=True))
-        packs = []
-        for rec in recs:
-            at = 0
-            for pack in rec.pack_lengths or ():
-                packs.append(tuple(zip(rec.keys[at:at + len(pack)], pack, strict=True)))
-                at += len(pack)
-        out.append((pairs, sorted(packs)))
-    return out
+def _run(data, world_size, mbps, micro_batches, mix="window", **kw):
+    """test_elastic_exact's run of every rank, with ``mix``."""
+    return _any_run(data, world_size, mbps, micro_batches, planned_mix=mix, **kw)
 
 
 # -- exact resume: cuts mid-window and before a window's last micro-batch, workers 0-3 ---------
@@ -137,12 +73,11 @@ ELASTIC = {
 @pytest.mark.parametrize("case", cases(ELASTIC))
 def test_window_mix_elastic_resume_keeps_each_steps_samples(data, case):
     """3 ranks x 2 micro-batches saved at step 6 (inside plan window 1 and the warmup), resumed
-    on 2 ranks x 3 (packed: 2 x 2 -> 1 x 4): every step holds the uninterrupted run's samples,
-    cut to the same lengths (and the same packs); a state the resumed loader saves mid-step
-    then resumes exactly."""
+    on 2 ranks x 3: every step holds the uninterrupted run's samples, cut to the same lengths;
+    a state the resumed loader saves mid-step then resumes exactly."""
     kw = dict(ELASTIC[case])
     workers = kw.pop("num_workers", 0)
-    (r1, m1), (r2, m2) = ((2, 2), (1, 4)) if kw.get("pack") else ((3, 2), (2, 3))
+    (r1, m1), (r2, m2) = (3, 2), (2, 3)
     steps, at = 10, 6
     whole, _ = _run(data, r1, m1, steps * m1, **kw)
     _, states = _run(data, r1, m1, at * m1, save_at={at * m1}, num_workers=workers, **kw)
@@ -162,7 +97,7 @@ def test_the_window_mix_holds_each_windows_share_and_moves_samples_between_its_s
     passed through, the two runs would be the same."""
     runs = {mix: _run(data, 2, 2, 8 * 2, mix=mix, seq_length_warmup=None)[0]
             for mix in ("step", "window")}
-    steps = {mix: [[k for k, _ in pairs] for pairs, _ in _seen(r, 2)] for mix, r in runs.items()}
+    steps = {mix: [[k for k, _ in pairs] for pairs in _seen(r, 2)] for mix, r in runs.items()}
     G = 2 * 2 * B
     for w in range(2):
         window = [k for s in steps["window"][w * K:(w + 1) * K] for k in s]
