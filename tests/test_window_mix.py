@@ -256,6 +256,38 @@ def test_window_mix_loses_less_compute_than_step_mix_at_one_micro_batch(name: st
     assert got["window"][1] <= 0.02, got
 
 
+
+def test_random_schedules_and_caps_keep_every_invariant() -> None:
+    """Random weights with zeros (1-4 sources), random warmup caps, random shapes: the schedule's
+    zeros per step, every window within one sample, no sample lost or repeated."""
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        S, K_ = int(rng.integers(1, 5)), int(rng.integers(1, 9))
+        r, m, b = (int(x) for x in rng.integers(1, 4, 3))
+        lengths = [rng.integers(1, 3000, int(rng.integers(1, 200))) for _ in range(S)]
+        sizes = [len(x) for x in lengths]
+        cursor, placed = PlanCursor.start(S), []
+        for _ in range(6):
+            w = rng.dirichlet(np.full(S, 0.3), K_) * (rng.random((K_, S)) > 0.3)
+            w[w.sum(axis=1) == 0, 0] = 1
+            w /= w.sum(axis=1, keepdims=True)
+            caps = np.sort(rng.integers(200, 3000, K_)) if rng.random() < 0.5 else None
+            p = plan_window(lengths, seed=trial, cursor=cursor, weights=w, window_steps=K_,
+                            world_size=r, micro_batch=b, micro_batches_per_step=m, mix="window",
+                            caps=caps)
+            src, _ = SampleIds.of(sizes).split(p.ids.reshape(K_, -1))
+            assert (w[np.arange(K_)[:, None], src] > 0).all(), trial
+            assert np.abs(p.counts.sum(axis=0) - w.sum(axis=0) * r * m * b).max() < 1, trial
+            assert np.array_equal(_multiset(p.ids), plan_samples(sizes, trial, cursor,
+                                                                 p.next_cursor))
+            placed.append(p.ids.reshape(-1))
+            cursor = p.next_cursor
+        offsets = SampleIds.of(sizes).offsets
+        drawn = np.concatenate([draws(trial, s, n, 0, cursor.drawn[s]) + offsets[s]
+                                for s, n in enumerate(sizes)])
+        held = np.array(cursor.deferred, dtype=np.int64)
+        assert np.array_equal(_multiset(np.concatenate(placed + [held])), _multiset(drawn))
+
 # ---- packed ------------------------------------------------------------------------------------
 
 
