@@ -23,13 +23,27 @@ The algorithm (:func:`balance_window`), all deterministic given the inputs:
    steps with opposite excesses (:func:`_trade`, vectorised: in the merged cost order of the
    candidates, runs of the two kinds are paired outwards from each run boundary, pairs within
    a relative cost gap of 0.1% first, the gap doubled when none is left; each step trades at
-   most its excess). The two samples of a trade usually sit in the same band, so the slots
-   barely change. Each trade lowers the total absolute excess by at least 2, so the repair
-   ends, with every step exactly at its counts.
-5. **Ranks.** Within a slot, the ``R B`` samples are sorted (descending) and cut into B tuples
-   of R neighbours; tuple by tuple, the largest sample goes to the rank with the smallest
-   running cost (longest-processing-time dealing with B samples per rank). Every rank's
-   micro-batch holds one sample per tuple: costs agree across ranks to within a tuple's spread.
+   most its excess). An excess in a cycle over three or more sources is traded in bulk the
+   same way, from any step with too many of the second source. Each trade lowers the total
+   absolute excess by at least 2, so the repair ends, with every step exactly at its counts.
+   Then each step's samples are sorted again and cut into its M slots: a traded sample joins
+   the slot of its length, not the slot it was traded into.
+5. **Ranks, per step.** Within a slot, the ``R B`` samples (descending) are cut into B tuples
+   of R neighbours; the step's M B tuples are dealt widest first, each sample of a tuple to a
+   rank, the largest to the rank with the smallest running cost *of the step*
+   (longest-processing-time dealing with one sample per tuple and rank). Every micro-batch
+   holds one sample per tuple of its slot, so it is as narrow as the slot; the ranks' costs are
+   balanced over the step's M micro-batches, where they wait for each other (the gradient
+   reduction), to within the narrowest tuples' spread.
+6. **Evening out.** A sample far above the rest of its slot (the top of a heavy tail) leaves
+   its rank costlier than the narrow tuples can offset. Swaps between the costliest and the
+   cheapest ranks of a step lower it (:func:`_even_out`), each the one that saves the most
+   compute: the idle it removes less the padding it adds. This brings idle per optimizer step
+   to the free-dealing bound (each step's samples dealt longest first with no micro-batch
+   structure, :func:`~energon_ordering.inspect.lost_compute.free_dealing_bound`) while every
+   micro-batch index stays balanced too (ranks wait at every micro-batch under expert
+   parallelism); ``micro_batch_weight=0`` gives up the latter for the former in the steps
+   that hold a heavy tail's outlier.
 
 Why a window and not a step: sorting one step's G samples gives slots spanning 1/M of the cost
 range, which either unbalances the ranks (a rank gets B neighbours) or pads (a rank gets one
@@ -49,6 +63,14 @@ __all__ = ["balance_window", "deal_step", "radix_keys", "sample_cost"]
 #: Relative cost gap up to which the repair's first rounds trade; doubled whenever a round finds
 #: no pair that near (so trades are taken nearest first).
 TRADE_TOLERANCE = 0.001
+
+#: Rounds of swaps that lower a step's costliest ranks after the dealing (:func:`_even_out`), the
+#: pairs of ranks swapping per round, and the idle (``1 - mean / max`` of the ranks' costs) below
+#: which a step is even (further swaps would cost its micro-batches their alignment for little).
+EVEN_OUT_ROUNDS = 64
+EVEN_OUT_PAIRS = 8
+EVEN_TOLERANCE = 2e-4
+CROSS_TOLERANCE = 1e-3
 
 
 def sample_cost(lengths: np.ndarray) -> np.ndarray:
@@ -98,12 +120,15 @@ def _match(dist: np.ndarray) -> np.ndarray:
 
 
 def _trade(flat: np.ndarray, costs: np.ndarray, sources: np.ndarray, excess: np.ndarray,
-           s: int, s2: int) -> int:
+           s: int, s2: int, loose: bool = False) -> int:
     """Trades samples of source ``s`` from steps that have too many of s and too few of
     ``s2`` for samples of s2 from steps with the opposite excess, nearest costs first, as many
-    as the steps' excesses allow. Returns the number of trades (0: no such steps)."""
+    as the steps' excesses allow. ``loose``: the steps giving s2 need only have too many of s2
+    (an excess over three or more sources, in a cycle: each trade still lowers the total
+    absolute excess by at least 2, the giving step's by 2). Returns the number of trades (0:
+    no such steps)."""
     qa = np.minimum(excess[:, s], -excess[:, s2]).clip(min=0)  # steps giving s, taking s2
-    qb = np.minimum(excess[:, s2], -excess[:, s]).clip(min=0)  # steps giving s2, taking s
+    qb = (excess[:, s2] if loose else np.minimum(excess[:, s2], -excess[:, s])).clip(min=0)
     left = int(min(qa.sum(), qb.sum()))
     if left == 0:
         return 0
@@ -218,64 +243,161 @@ def _repair(slots: np.ndarray, costs: np.ndarray, sources: np.ndarray, counts: n
     step holds exactly ``counts[t, s]`` samples of source s.
 
     Pairs of sources whose excesses mirror each other are traded in bulk (:func:`_trade`);
-    what is left (excess in a cycle over three or more sources) is traded one pair at a time:
-    a sample of a source step t has too many of, for one of a source it lacks, from a step
-    with the opposite excess in that second source. Every trade lowers the total absolute
-    excess by at least 2."""
+    what is left (excess in a cycle over three or more sources) is traded in bulk too, loosely:
+    a sample of a source a step has too many of, for one of a source it lacks, from a step
+    with too many of that second source. Every trade lowers the total absolute excess by at
+    least 2, so the repair ends."""
     K, S = counts.shape
     flat = slots.reshape(K, -1)
     have = np.stack([np.bincount(sources[flat[t]], minlength=S) for t in range(K)])
     excess = have - counts
+    pairs = [(s, s2) for s in range(S) for s2 in range(S) if s != s2]
     while excess.any():
-        progress = sum(_trade(flat, costs, sources, excess, s, s2)
-                       for s in range(S) for s2 in range(S) if s != s2)
-        if progress:
+        if sum(_trade(flat, costs, sources, excess, s, s2) for s, s2 in pairs):
             continue
-        t, s = np.unravel_index(int(np.argmax(excess)), excess.shape)
-        s2 = int(np.argmin(excess[t]))
-        t2 = int(np.flatnonzero(excess[:, s2] > 0)[0])  # exists: each column sums to 0
-        pa = np.flatnonzero(sources[flat[t]] == s)
-        pb = np.flatnonzero(sources[flat[t2]] == s2)
-        ca, cb = costs[flat[t, pa]], costs[flat[t2, pb]]
-        ob = np.argsort(cb, kind="stable")
-        near = np.clip(np.searchsorted(cb[ob], ca), 1, max(1, len(cb) - 1))
-        left_b, right_b = ob[np.minimum(near - 1, len(cb) - 1)], ob[np.minimum(near, len(cb) - 1)]
-        nearest = np.where(np.abs(cb[right_b] - ca) < np.abs(cb[left_b] - ca), right_b, left_b)
-        i = int(np.argmin(np.abs(cb[nearest] - ca)))  # the nearest pair, O((a + b) log b)
-        j = int(nearest[i])
-        flat[t, pa[i]], flat[t2, pb[j]] = flat[t2, pb[j]], flat[t, pa[i]]
-        excess[t, s] -= 1
-        excess[t, s2] += 1
-        excess[t2, s2] -= 1
-        excess[t2, s] += 1
+        done = sum(_trade(flat, costs, sources, excess, s, s2, loose=True) for s, s2 in pairs)
+        if not done:  # pragma: no cover - each column of excess sums to 0: a loose trade exists
+            raise AssertionError("balance_window: the repair made no progress.")
+
+
+def _resort(slots: np.ndarray, costs: np.ndarray, keys: np.ndarray | None) -> None:
+    """Step 4b: each step's samples sorted ascending and cut again into its M slots (in place on
+    ``slots`` ``[K, M, RB]``): the repair's trades leave a sample in a slot of another band
+    (a long sample traded into a short slot); sorted, every slot holds the step's RB
+    neighbours. A step the repair left alone keeps its slots (one per band, ascending)."""
+    K, M, RB = slots.shape
+    flat = slots.reshape(K, M * RB)
+    key = costs[flat] if keys is None else keys[flat]
+    flat[:] = np.take_along_axis(flat, np.argsort(key, axis=1, kind="stable"), axis=1)
 
 
 def _deal(slots: np.ndarray, costs: np.ndarray, world_size: int, micro_batch: int,
-          keys: np.ndarray | None = None, chunk_samples: int = 1 << 16) -> np.ndarray:
-    """Step 5: ``[..., R B]`` slots -> ``[..., R, B]`` micro-batches per rank (slots dealt in
+          keys: np.ndarray | None = None, micro_batch_weight: float = 1.0,
+          chunk_samples: int = 1 << 16) -> np.ndarray:
+    """Step 5: ``[K, M, R B]`` slots -> ``[K, M, R, B]`` micro-batches per rank (steps dealt in
     chunks of about ``chunk_samples`` samples, to bound the temporaries). ``keys``:
-    :func:`radix_keys` of the samples, or None."""
-    shape = slots.shape[:-1]
+    :func:`radix_keys` of the samples, or None. ``micro_batch_weight``: see :func:`_even_out`.
+
+    Each slot must be ascending (:func:`_resort`). A step's M B tuples (R neighbours of a slot
+    each) are dealt widest first, the largest sample of a tuple to the rank with the smallest
+    running cost of the step; then :func:`_even_out`."""
+    K, M, RB = slots.shape
     R, B = world_size, micro_batch
-    every = slots.reshape(-1, R * B)
-    out = np.empty((every.shape[0], R, B), dtype=np.int64)
-    step = max(1, chunk_samples // (R * B))
-    for lo in range(0, every.shape[0], step):
-        flat = every[lo: lo + step]
-        n = flat.shape[0]
-        # descending cost, ties in slot order (stable sort of the negated cost, or of the
-        # complemented radix key: the same order)
-        down = -costs[flat] if keys is None else np.uint16(65535) - keys[flat]
-        desc = np.take_along_axis(flat, np.argsort(down, axis=1, kind="stable"), axis=1)
-        tuples = desc.reshape(n, B, R)
+    out = np.empty((K, M, R, B), dtype=np.int64)
+    step = max(1, chunk_samples // (M * RB))
+    for lo in range(0, K, step):
+        flat = slots[lo: lo + step].reshape(-1, RB)  # [n M, RB], each slot ascending
+        n = flat.shape[0] // M
+        tuples = flat[:, ::-1].reshape(n, M * B, R)  # descending
+        value = costs[tuples]
+        # widest tuple first: the later, narrower ones even out what it leaves
+        order = np.argsort(value[:, :, -1] - value[:, :, 0], axis=1, kind="stable")
         part = out[lo: lo + step]
         totals = np.zeros((n, R))
         rows = np.arange(n)[:, None]
-        for j in range(B):
+        for i in range(M * B):
+            q = order[:, i]
+            m, j = q // B, q % B
             ranks = np.argsort(totals, axis=1, kind="stable")  # cheapest rank first
-            part[rows, ranks, j] = tuples[:, j, :]
-            totals[rows, ranks] += costs[tuples[:, j, :]]
-    return out.reshape(*shape, R, B)
+            part[rows, m[:, None], ranks, j[:, None]] = tuples[rows[:, 0], q]
+            totals[rows, ranks] += value[rows[:, 0], q]
+        # swaps within a micro-batch index first (they keep each index's lengths), then any
+        _even_out(part, costs, totals, micro_batch_weight, same_index=True)
+        _even_out(part, costs, totals, micro_batch_weight, tolerance=CROSS_TOLERANCE)
+    return out
+
+
+def _top2(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Along the last axis: the largest value, and for each element the largest of the others."""
+    arg = c.argmax(axis=-1)
+    top = np.take_along_axis(c, arg[..., None], axis=-1)
+    rest = c.copy()
+    np.put_along_axis(rest, arg[..., None], -np.inf, axis=-1)
+    second = rest.max(axis=-1, keepdims=True)
+    without = np.where(np.arange(c.shape[-1]) == arg[..., None], second, top)
+    return top[..., 0], without
+
+
+def _even_out(part: np.ndarray, costs: np.ndarray, totals: np.ndarray,
+              micro_batch_weight: float = 1.0, rounds: int = EVEN_OUT_ROUNDS,
+              pairs: int = EVEN_OUT_PAIRS, same_index: bool = False,
+              tolerance: float = EVEN_TOLERANCE) -> None:
+    """Step 6: lowers each step's costliest ranks by swaps (in place on ``part`` ``[n, M, R,
+    B]`` and ``totals`` ``[n, R]``).
+
+    The dealing leaves a step's excess on the ranks that took an outlier (a sample far above
+    the rest of its slot, which the narrower tuples cannot offset). Each round, in every step
+    not yet even, the i-th costliest rank swaps one sample with the i-th cheapest (i <
+    ``pairs``): the swap that saves the most compute, the idle it removes (R x how much the
+    costlier of the two drops) less the padding it adds (in cost units, to the two
+    micro-batches: a sample moved into a micro-batch of shorter ones pads it), less
+    ``micro_batch_weight`` x R x how far the cheaper rank's micro-batch rises above the
+    costliest of its index (0: ranks wait once per step; 1: at every micro-batch, as under
+    expert parallelism). Swaps within a micro-batch index add almost no padding; across
+    indices they pay where an outlier costs more idle than its padding. A step stops when its
+    idle is below :data:`EVEN_TOLERANCE` or no swap saves compute; at most ``rounds`` rounds,
+    each O(steps x (R log R + pairs (M B)^2))."""
+    n, M, R, B = part.shape
+    P = max(1, min(pairs, R // 2))
+    MB = M * B
+    rep = np.repeat(np.arange(M), B)
+    active = np.arange(n)
+    for _ in range(rounds):
+        if not len(active):
+            return
+        t = totals[active]
+        peak_t = t.max(axis=1)
+        uneven = t.mean(axis=1) < (1.0 - tolerance) * peak_t
+        active, t = active[uneven], t[uneven]
+        if not len(active):
+            return
+        order = np.argsort(t, axis=1, kind="stable")
+        a, b = order[:, ::-1][:, :P], order[:, :P]  # [n, P]: i-th costliest, i-th cheapest
+        rows = np.arange(len(active))[:, None]
+        la, lb = t[rows, a], t[rows, b]
+        # the rank above the pairs: a pair's costlier rank cannot usefully drop below it
+        floor = t[rows[:, 0], order[:, -P - 1]] if R > 2 * P else np.full(len(active), -np.inf)
+        ca = costs[part[active[:, None], :, a, :]]  # [n, P, M, B]
+        cb = costs[part[active[:, None], :, b, :]]
+        top_a, wo_a = _top2(ca)
+        top_b, wo_b = _top2(cb)
+        sum_a, sum_b = ca.sum(axis=3), cb.sum(axis=3)
+        pad_a, pad_b = B * top_a - sum_a, B * top_b - sum_b  # [n, P, M]
+        # candidate: x = a's (m, i) for y = b's (m', j); axes [n, P, m i, m' j]
+        x = ca.reshape(*ca.shape[:2], MB)[..., :, None]
+        y = cb.reshape(*cb.shape[:2], MB)[..., None, :]
+        rep_a, rep_b = sum_a[..., rep][..., None], sum_b[..., rep][..., None, :]
+        new_pad_a = B * np.maximum(wo_a.reshape(*x.shape[:3], 1), y) - (rep_a - x + y)
+        new_pad_b = B * np.maximum(wo_b.reshape(*y.shape[:2], 1, MB), x) - (rep_b + x - y)
+        added = ((new_pad_a - pad_a[..., rep][..., None])
+                 + (new_pad_b - pad_b[..., rep][..., None, :]))
+        peak = np.maximum(np.maximum(la[..., None, None] - x + y, lb[..., None, None] + x - y),
+                          floor[:, None, None, None])
+        # never raise the pair's costlier rank: a swap may trade idle for less padding only
+        # where it costs no idle
+        gain = np.where(peak <= la[..., None, None], R * (la[..., None, None] - peak) - added,
+                        -np.inf)
+        if micro_batch_weight:
+            # how far the cheaper rank's micro-batch rises above the costliest of its index
+            mb_peak = costs[part[active]].sum(axis=3).max(axis=2)  # [n, M]
+            over = (rep_b + x - y) - mb_peak[:, None, None, rep]
+            gain -= micro_batch_weight * R * np.maximum(over, 0.0)
+        if same_index:
+            gain = np.where(rep[:, None] == rep[None, :], gain, -np.inf)
+        gain = gain.reshape(*la.shape, MB * MB)
+        best = gain.argmax(axis=2)  # [n, P]
+        ok = np.take_along_axis(gain, best[..., None], axis=2)[..., 0] > 1e-9 * la
+        step_ok = ok.any(axis=1)
+        st, pr = np.nonzero(ok)
+        steps_ = active[st]
+        ra, rb, bb = a[st, pr], b[st, pr], best[st, pr]
+        (pm, pi), (qm, qj) = np.divmod(bb // MB, B), np.divmod(bb % MB, B)
+        sa, sb = part[steps_, pm, ra, pi], part[steps_, qm, rb, qj]
+        part[steps_, pm, ra, pi], part[steps_, qm, rb, qj] = sb, sa
+        delta = costs[sa] - costs[sb]
+        totals[steps_, ra] -= delta
+        totals[steps_, rb] += delta
+        active = active[step_ok]
 
 
 def balance_window(
@@ -287,6 +409,7 @@ def balance_window(
     micro_batch: int,
     micro_batches_per_step: int,
     lengths: np.ndarray | None = None,
+    micro_batch_weight: float = 1.0,
 ) -> np.ndarray:
     """Splits a window's samples into steps, micro-batches and ranks (see the module docstring).
 
@@ -300,6 +423,11 @@ def balance_window(
         micro_batches_per_step: M, micro-batches per rank per step.
         lengths: The samples' lengths (``costs`` is :func:`sample_cost` of them): whole lengths
             up to 65,535 are sorted by radix (:func:`radix_keys`), to the same result.
+        micro_batch_weight: How much idle per micro-batch counts beside idle per optimizer
+            step when a step is evened out (step 6): 1 (the plans of PLAN_VERSION 2) keeps
+            every micro-batch index balanced as well, where expert-parallel ranks wait; 0
+            balances the step alone, where data-parallel ranks wait, reaching the free-dealing
+            bound on heavy tails too, at several times the idle per micro-batch.
 
     Returns:
         ``[K, M, R, B]`` int64 positions into ``costs``: step, micro-batch, rank, sample.
@@ -341,7 +469,8 @@ def balance_window(
     _swap_slots(slots, bands, comp, slot_of_step, (have - counts).astype(np.int64))
     del order, bands  # a loader worker pays the peak: drop the sort before the repair
     _repair(slots, costs, sources, counts)
-    return _deal(slots, costs, R, B, keys)
+    _resort(slots, costs, keys)
+    return _deal(slots, costs, R, B, keys, float(micro_batch_weight))
 
 
 def deal_step(lengths: np.ndarray, *, world_size: int, micro_batch: int,
@@ -350,8 +479,9 @@ def deal_step(lengths: np.ndarray, *, world_size: int, micro_batch: int,
     samples (an elastic resume: the step was planned for another shape).
 
     The window's balancing with one step (K = 1): the G samples sorted, cut into M bands of
-    R B neighbours (one micro-batch index on every rank), each band dealt onto the ranks by
-    longest-processing-time (step 5 of the module docstring).
+    R B neighbours (one micro-batch index on every rank), dealt onto the ranks by
+    longest-processing-time over the step and evened out (steps 5 and 6 of the module
+    docstring).
 
     Args:
         lengths: The step's G = R M B sample lengths (tokens).

@@ -44,8 +44,9 @@ __all__ = ["DEFAULT_WINDOW_STEPS", "PLAN_VERSION", "WINDOW_MIX_PLAN_VERSION", "W
            "check_caps", "plan_samples", "plan_window", "window_draws", "window_weights"]
 
 #: Bumped whenever the plan of any window changes for the same inputs (permutation, counts,
-#: balancing); a planned state stamps it.
-PLAN_VERSION = 1
+#: balancing); a planned state stamps it. 2: balance_window balances each step's ranks over
+#: its M micro-batches and evens out outliers (issue 32).
+PLAN_VERSION = 2
 assert ROUNDS == 6  # part of PLAN_VERSION 1
 #: The same for ``mix="window"`` plans (:mod:`.window_mix`); a window-mix state stamps it too.
 WINDOW_MIX_PLAN_VERSION = 1
