@@ -154,7 +154,8 @@ def test_demo_end_to_end_small(runner, tmp_path):
     assert "pool off" in res.output and "pool 256 (batch)" in res.output
     assert "Implied epochs" in res.output
     assert "are identical" in res.output
-    for term in ("straggler idle, per micro-batch:", "source histogram dispersion:",
+    for term in ("lost compute: ", "straggler idle: ", "per optimizer step: ",
+                 "per micro-batch: ", "padding waste: ", "source histogram dispersion:",
                  "sawtooth at shard period:", "Why the mix is noisy with the pool"):
         assert term in res.output
     assert "results.json" in res.output and "MB, reused by the next run" in res.output
@@ -163,6 +164,10 @@ def test_demo_end_to_end_small(runner, tmp_path):
     # the per-step dispersion: the pool reorders by length, so steps are clumped by source
     assert on["step_histogram_dispersion"] > off["step_histogram_dispersion"] > 0
     assert on["straggler_idle"] < off["straggler_idle"]
+    assert on["lost_compute"] < off["lost_compute"]
+    for run in (on, off):
+        assert run["lost_compute"] == pytest.approx(run["idle_per_step"]
+                                                    + run["padding_by_tokens"])
     assert on["overlapping_keys"] == off["overlapping_keys"] == 0
     assert results["resume_identical"] is True
     _png_ok(tmp_path / "inspect.png")

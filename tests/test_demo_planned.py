@@ -1,5 +1,6 @@
-"""The planned order in ``inspect`` (a planned recipe runs, its column names the mode) and in
-the demo (a third run beside no pool and the pool)."""
+"""The planned order in ``inspect`` (a planned recipe runs, its column names the mode and its
+mix granularity) and in the demo (a third run beside no pool and the pool, at the planned_mix
+that loses the least compute at the demo's shape); the tables lead with lost compute."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import yaml
 from click.testing import CliRunner
 
 from energon_ordering.cli import main
-from energon_ordering.cli.inspect import planned_repeats
+from energon_ordering.cli.demo import winning_mix
+from energon_ordering.cli.inspect import as_planned, planned_repeats, pool_off
 from energon_ordering.inspect.rank_simulation import BatchRecord
 from energon_ordering.inspect.synthetic import SourceSpec
 from energon_ordering import OrderingConfig
@@ -43,11 +45,51 @@ def test_inspect_runs_a_planned_recipe_and_names_its_mode(indexed, tmp_path):
     assert res.exit_code == 0, res.output
     header = next(line for line in res.output.splitlines()  # not the progress lines
                   if line.startswith(" ") and line.lstrip().startswith("pool off"))
-    assert "planned (K=4)" in header and "pool 0" not in header
+    assert "planned (K=4, step)" in header and "pool 0" not in header
     overlap = next(line for line in res.output.splitlines() if line.startswith("keys on two"))
     assert overlap.split()[-2:] == ["0", "0*"], overlap
-    assert "planned (K=4): length_sort_mode: planned" in res.output
+    assert "planned (K=4, step): length_sort_mode: planned, planned_mix: step" in res.output
+    rows = [line.split("  ")[0] for line in res.output.splitlines()]
+    for row in ("lost compute (idle/step + padding/tokens)", "straggler idle, per optimizer step",
+                "straggler idle, per micro-batch", "padding waste, by tokens",
+                "padding waste, mean per micro-batch"):
+        assert row in rows, res.output
     assert (tmp_path / "inspect.png").stat().st_size > 10_000
+
+
+def test_inspect_runs_a_window_mix_recipe(indexed, tmp_path):
+    recipe = tmp_path / "window.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "length_sort_mode": "planned", "length_sort_placement": "pre-encode",
+        "length_sort_pool_holds": "keys", "plan_window_steps": 4, "planned_mix": "window"}))
+    res = CliRunner().invoke(main, ["inspect", str(indexed), "--recipe", str(recipe), "--ranks",
+                                    "2", "--steps", "16", "--out", str(tmp_path),
+                                    "--task-encoder", TE])
+    assert res.exit_code == 0, res.output
+    header = next(line for line in res.output.splitlines()
+                  if line.startswith(" ") and line.lstrip().startswith("pool off"))
+    assert header.split()[-3:] == ["planned", "(K=4,", "window)"], header
+    assert "planned (K=4, window): length_sort_mode: planned, planned_mix: window" in res.output
+
+
+def test_the_planned_run_takes_the_mix_asked_for():
+    recipe = Path(__file__).parent.parent / "recipes" / "demo.yaml"
+    cfg = OrderingConfig.from_yaml(recipe)
+    window = as_planned(cfg, "window")
+    assert window.planned and window.planned_mix == "window"
+    assert as_planned(cfg).planned_mix == "step"
+    assert as_planned(window, "step").planned_mix == "step"
+    assert as_planned(window).plan_window_steps == window.plan_window_steps
+    # the pool-off run of a window recipe drops the planned order's own settings
+    off = pool_off(window)
+    assert not off.planned and off.planned_mix == "step"
+
+
+def test_winning_mix_is_the_one_advise_predicts_loses_least(indexed):
+    cfg = OrderingConfig.from_yaml(Path(__file__).parent.parent / "recipes" / "demo.yaml")
+    mix, lost = winning_mix(indexed, cfg, ranks=2, batch_size=4, steps=32)
+    assert set(lost) == {"step", "window"} and all(0 <= v for v in lost.values())
+    assert mix == min(lost, key=lost.get)
 
 
 def test_inspect_runs_a_planned_recipe_with_packing(indexed, tmp_path):
@@ -62,7 +104,7 @@ def test_inspect_runs_a_planned_recipe_with_packing(indexed, tmp_path):
     assert res.exit_code == 0, res.output
     header = next(line for line in res.output.splitlines()
                   if line.startswith(" ") and line.lstrip().startswith("pool off"))
-    assert "planned (K=4)" in header
+    assert "planned (K=4, step)" in header
     overlap = next(line for line in res.output.splitlines() if line.startswith("keys on two"))
     assert overlap.split()[-1] == "0*", overlap  # the planned run drew no sample twice
 
@@ -89,16 +131,23 @@ def test_demo_shows_the_planned_order_as_a_third_run(tmp_path):
                                     "64", "--scale", "0.2"])
     assert res.exit_code == 0, res.output
     assert "building the length index of 4 source(s) for the planned run" in res.output
+    results = json.loads((tmp_path / "results.json").read_text())
+    # the planned run's mix: the one advise's prediction says loses the least at this shape
+    lost = results["predicted_lost_compute"]
+    mix = min(lost, key=lost.get)
+    assert f"planned run: planned_mix: {mix}, the granularity that loses the least" in res.output
+    name = f"planned (K=32, {mix})"
+    assert results["planned_mix"] == {name: mix}
     header = next(line for line in res.output.splitlines()  # not the progress lines
                   if line.startswith(" ") and line.lstrip().startswith("pool off"))
-    assert header.split() == ["pool", "off", "pool", "256", "(batch)", "planned", "(K=32)"]
-    assert "The planned run: every step holds each source's scheduled share" in res.output
-    results = json.loads((tmp_path / "results.json").read_text())
-    plan, off = results["planned (K=32)"], results["pool off"]
+    assert header.split() == ["pool", "off", "pool", "256", "(batch)", "planned", "(K=32,",
+                              f"{mix})"]
+    plan, off, pool = results[name], results["pool off"], results["pool 256 (batch)"]
+    assert f"It loses {100 * plan['lost_compute']:.1f}% of compute" in res.output
     assert plan["overlapping_keys"] == 0 and results["resume_identical"] is True
-    # exact per step: the scheduled mix in every step, unlike the pool's
-    assert plan["step_histogram_dispersion"] < results["pool 256 (batch)"]["step_histogram_dispersion"]
-    assert plan["straggler_idle"] < off["straggler_idle"]
+    assert plan["lost_compute"] < off["lost_compute"]
+    # at the demo's shape (one micro-batch per step) the planned run loses less than the pool
+    assert plan["lost_compute"] < pool["lost_compute"], (plan, pool)
     # the next run reuses the data and its indexes
     again = CliRunner().invoke(main, ["demo", "--out", str(tmp_path), "--ranks", "2", "--steps",
                                       "32", "--scale", "0.2"])
@@ -117,5 +166,8 @@ def test_demo_plans_the_packs_of_a_packing_recipe(tmp_path):
     assert res.exit_code == 0, res.output
     header = next(line for line in res.output.splitlines()
                   if line.startswith(" ") and line.lstrip().startswith("pool off"))
-    assert "planned (K=32)" in header
-    assert "packs per step here, each built to its step's cap" in res.output
+    # planned_mix 'window' does not plan packs: the recipe's mix, said so
+    assert "planned (K=32, step)" in header
+    assert "planned run: the recipe's planned_mix (with packing the plan builds the packs" in \
+        res.output
+    assert "packs per step here, each pack built to its step's cap" in res.output

@@ -101,8 +101,13 @@ def definitions(extra: dict[str, Any]) -> str:
         "train on the same data.",
         *([f"{name}: length_sort_mode: planned, planned_mix: {mix}, every rank computes the "
            "same plan of the global order from the length index (no pool); each "
-           + ("optimizer step" if mix == "step" else "plan window") + " holds each source's "
-           "scheduled share within one sample; * its keys on two ranks counts samples drawn "
+           + ("optimizer step holds each source's scheduled share within one sample"
+              if mix == "step" else
+              "plan window holds each source's scheduled share within one sample and each of "
+              "its steps one band of lengths, so a source's share swings from step to step "
+              "within a window (dispersion per step above 1; a sawtooth flag then comes from "
+              "the bands, not from shards)")
+           + "; * its keys on two ranks counts samples drawn "
            "more often than their source's epochs allow (a source's next epoch is a new "
            "permutation dealt over all ranks, so its samples return on other ranks)."
            for name, mix in extra.get("planned_mix", {}).items()]),
