@@ -28,6 +28,8 @@ from pathlib import Path
 import click
 import numpy as np
 
+from _bench_common import begin, check, finish, load_dependent
+
 from energon_ordering import OrderingConfig
 from energon_ordering.inspect.diagnostics import switch_lag
 from energon_ordering.inspect.rank_simulation import (
@@ -158,27 +160,32 @@ def bench_lag(meta: Path, pool: int, compensate: bool, switches: int) -> dict:
     return row
 
 
-def _warmup_run(meta: Path, warmup: SeqLenWarmup | None, steps: int):
+def _warmup_run(meta: Path, warmup: SeqLenWarmup | None, steps: int
+                ) -> tuple[np.ndarray, float, float]:
+    """Tokens per step, and samples/s in wall and in CPU time (in-process loader: this
+    process's CPU time is the pipeline's)."""
     cfg = OrderingConfig(seq_length_warmup=warmup, length_sort_pool_size=256,
                          length_sort_mode="batch")
     loader = build_train_loader(meta, ordering=cfg, batch_size=BATCH)
     it = iter(loader)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     tokens = [sum(record_batch(next(it)).lengths) for _ in range(steps)]
-    rate = steps * BATCH / (time.perf_counter() - t0)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     del it
     close_loader(loader)
-    return np.array(tokens), rate
+    return np.array(tokens), steps * BATCH / wall, steps * BATCH / cpu
 
 
 def bench_warmup(meta: Path, steps: int, repeats: int) -> dict:
     warmup = SeqLenWarmup(start=128, full=4096, warmup_steps=steps)
-    on_rates, off_rates = [], []
+    on_rates, off_rates, on_cpu, off_cpu = [], [], [], []
     for _ in range(repeats):
-        tok_on, r_on = _warmup_run(meta, warmup, steps)
-        tok_off, r_off = _warmup_run(meta, None, steps)
+        tok_on, r_on, c_on = _warmup_run(meta, warmup, steps)
+        tok_off, r_off, c_off = _warmup_run(meta, None, steps)
         on_rates.append(r_on)
         off_rates.append(r_off)
+        on_cpu.append(c_on)
+        off_cpu.append(c_off)
     buckets = []
     size = max(1, steps // 8)
     for lo in range(0, steps, size):
@@ -188,7 +195,12 @@ def bench_warmup(meta: Path, steps: int, repeats: int) -> dict:
                             tokens_per_step=float(tok_on[lo:lo + size].mean()),
                             uncapped_tokens_per_step=float(tok_off[lo:lo + size].mean())))
     on, off = float(np.median(on_rates)), float(np.median(off_rates))
-    return dict(buckets=buckets, samples_per_s_on=on, samples_per_s_off=off, ratio=on / off)
+    cpu_on, cpu_off = float(np.median(on_cpu)), float(np.median(off_cpu))
+    return dict(buckets=buckets, samples_per_s_on=on, samples_per_s_off=off, ratio=on / off,
+                cpu_samples_per_s_on=cpu_on, cpu_samples_per_s_off=cpu_off,
+                cpu_ratio=cpu_on / cpu_off,
+                over_cap=int(sum(b["tokens_per_step"] > b["cap_tokens_per_step"]
+                                 for b in buckets)))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -197,10 +209,10 @@ def bench_warmup(meta: Path, steps: int, repeats: int) -> dict:
 @click.option("--quick", is_flag=True, help="Pools 0 / 1,000 only, 8,000 samples for fidelity.")
 def main(out: str, quick: bool) -> None:
     """Measure schedule fidelity and phase-switch lag."""
+    start = begin()
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = _dataset(out_dir)
-    t0 = time.perf_counter()
     fidelity = bench_fidelity(meta, samples=8_000 if quick else 20_000, window=50)
     per_step = bench_ranks_per_step(meta, ranks=8, micro_batches=4, steps=16 if quick else 30,
                                     num_workers=2)
@@ -228,18 +240,34 @@ def main(out: str, quick: bool) -> None:
         comp = "-" if r["pool"] == 0 else ("on" if r["compensation"] else "off")
         click.echo(f"| {r['pool']:,} | {comp} | {r['switches']} | {r['bound']:.0f} | "
                    f"{r['mean']:.1f} | {r['min']:.1f} | {r['max']:.1f} |")
-    warm = bench_warmup(meta, steps=200 if quick else 400, repeats=1 if quick else 3)
+    warm = bench_warmup(meta, steps=200 if quick else 400, repeats=3)
     click.echo("\n## Sequence-length warmup 128 -> 4,096 tokens (micro-batch 4, one per step)\n")
     click.echo("| steps | cap at end | cap x batch | tokens/step (warmup) | tokens/step (no warmup) |")
     click.echo("|---|---:|---:|---:|---:|")
     for b in warm["buckets"]:
         click.echo(f"| {b['steps']} | {b['cap_end']:,} | {b['cap_tokens_per_step']:,} | "
                    f"{b['tokens_per_step']:,.0f} | {b['uncapped_tokens_per_step']:,.0f} |")
-    click.echo(f"\nwarmup stage overhead: {warm['samples_per_s_on']:.0f} samples/s with, "
-               f"{warm['samples_per_s_off']:.0f} without -> ratio {warm['ratio']:.3f}")
-    click.echo(f"\n(total {time.perf_counter() - t0:.0f} s; dataset {meta})")
+    click.echo("\n## Warmup stage overhead (one loader, in-process, samples/s with / without the "
+               "warmup; CPU = this process's CPU time)\n")
+    click.echo("| clock | with warmup | without | with / without |")
+    click.echo("|---|---:|---:|---:|")
+    click.echo(f"| CPU time | {warm['cpu_samples_per_s_on']:.0f} | "
+               f"{warm['cpu_samples_per_s_off']:.0f} | {warm['cpu_ratio']:.3f} |")
+    click.echo(f"| wall | {warm['samples_per_s_on']:.0f} | {warm['samples_per_s_off']:.0f} | "
+               f"{warm['ratio']:.3f} |")
+    click.echo(f"\n(dataset {meta})\n")
+    deterministic = next(r for r in per_step if r["policy"] == "deterministic")
+    check("deterministic policy, no pool: every optimizer step within one sample of its "
+          "target per source", deterministic["max_step_dev"] < 1.0,
+          f"worst step {deterministic['max_step_dev']:.2f} samples off")
+    check("warmup: tokens per step at most the cap x micro-batch in every bucket",
+          warm["over_cap"] == 0, f"{warm['over_cap']} buckets over")
+    load_dependent("warmup stage overhead, samples/s with / without", warm["cpu_ratio"] >= 0.9,
+                   f"CPU-time ratio {warm['cpu_ratio']:.3f}, wall {warm['ratio']:.3f} "
+                   "(expected >= 0.9 in CPU time)")
     (out_dir / "schedule_results.json").write_text(
         json.dumps(dict(fidelity=fidelity, per_step=per_step, lag=lags, warmup=warm), indent=2))
+    finish(start)
 
 
 if __name__ == "__main__":
