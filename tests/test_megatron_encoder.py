@@ -51,10 +51,15 @@ DRIVER = textwrap.dedent("""
     torchvision_cpu_shim.install()
     megatron_tokenizer_path_shim.install({tok!r})  # core 0.19.2's tokenizer path (NVIDIA/Megatron-LM#3465)
     from energon_ordering.errors import OrderingConfigError
-    from energon_ordering.integrations.megatron_encoder import task_encoder_with_megatron_args
+    from energon_ordering.integrations.megatron_encoder import build_task_encoder, task_encoder_with_megatron_args
     from energon_ordering.length_index.build import build_length_index
     from energon_ordering.length_index.index import LengthIndex
+    import megatron_example_te
     out = {{}}
+    try:  # without the flags: one line naming --megatron-args (was a raw AssertionError)
+        build_task_encoder(megatron_example_te.TE, None)
+    except OrderingConfigError as e:
+        out["no_args"] = str(e)
     try:
         task_encoder_with_megatron_args("megatron_example_te:TE", {flags!r} + " --no-such-flag 3")
     except OrderingConfigError as e:
@@ -107,6 +112,8 @@ def test_example_encoder_indexed_with_megatron_args(tmp_path, tag):
     assert run.returncode == 0 and lines, run.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
     assert "unrecognized arguments: --no-such-flag 3" in out["refused"]
+    assert "megatron_example_te:TE reads Megatron-LM's arguments" in out["no_args"]
+    assert "--megatron-args" in out["no_args"] and "is not initialized" in out["no_args"]
     assert "\n" not in out["refused"]
     assert out["computed_by"].endswith("megatron_example_te.TE")
     # 24 samples, each weighed in model tokens: its image is Megatron's 577 embeddings per tile

@@ -36,7 +36,8 @@ from typing import Any
 from energon_ordering.errors import OrderingConfigError, OrderingTypeError, show
 from energon_ordering.integrations.megatron_args import add_energon_ordering_args
 
-__all__ = ["megatron_extra_args", "parse_megatron_args", "task_encoder_with_megatron_args"]
+__all__ = ["build_task_encoder", "megatron_extra_args", "parse_megatron_args",
+           "task_encoder_with_megatron_args"]
 
 #: What Megatron-LM's examples/multimodal/train.py passes as ``args_defaults``.
 EXAMPLE_ARGS_DEFAULTS: dict[str, Any] = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -184,3 +185,23 @@ def task_encoder_with_megatron_args(spec: str | type, megatron_args: str, *,
     if image_decode is not None and getattr(encoder, "decoder", None) is DefaultTaskEncoder.decoder:
         encoder.decoder = SampleDecoder(image_decode=image_decode)
     return encoder
+
+
+def build_task_encoder(cls: type, megatron_args: str | None) -> Any:
+    """The command line's task encoder: ``cls()``, or with ``megatron_args`` given
+    :func:`task_encoder_with_megatron_args`. An encoder that reads Megatron-LM's arguments when
+    built (``AssertionError: args is not initialized``) without ``megatron_args`` is one
+    :class:`OrderingConfigError` naming ``--megatron-args``.
+    """
+    if megatron_args is not None:
+        return task_encoder_with_megatron_args(cls, megatron_args)
+    try:
+        return cls()
+    except AssertionError as e:
+        if "is not initialized" not in str(e):
+            raise
+        raise OrderingConfigError(
+            f"--task-encoder {cls.__module__}:{cls.__qualname__} reads Megatron-LM's arguments "
+            f"when it is built ({e}); give the training flags with --megatron-args \"<the "
+            "flags>\" (parsed by Megatron's own parser first)."
+        ) from e
