@@ -1,20 +1,31 @@
 """Checks of a plan read from a file (``planned/plan_check.py``): a corrupt or planted plan
-cannot drop or repeat a sample, and a plan of the window passes."""
+cannot drop or repeat a sample, and a plan of the window passes, with either ``planned_mix``
+(``"window"``: samples deferred by the warmup's caps, a source switched inside a window, packed
+windows packed whole or step by step)."""
 
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+import sys
 
 import numpy as np
 import pytest
 
 from energon_ordering.errors import OrderingConfigError
+from energon_ordering.planned import window_mix
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.packs import PackedWindowPlan, plan_packed_window
 from energon_ordering.planned.plan_check import (
     ids_out_of_range,
     packed_plan_matches_inputs,
     plan_matches_draws,
+    plan_matches_inputs,
 )
 from energon_ordering.planned.window import plan_window, window_draws, window_weights
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_window_mix import B, K, M, R, _caps, _lengths, _weights  # noqa: E402
 
 SIZES = (500, 300)
 RNG = np.random.default_rng(0)
@@ -134,3 +145,300 @@ def test_a_packed_plan_of_other_inputs_fails():
 def test_window_draws_refuse_counts_of_other_sources():
     with pytest.raises(OrderingConfigError, match=r"counts of shape \(2, 3\) and a cursor of 2"):
         window_draws(SIZES, 1, PlanCursor.start(2), np.ones((2, 3), dtype=np.int64))
+
+
+# -- planned_mix="window": a window's samples move between its steps ----------------------------
+
+# the window mix's own scenario (tests/test_window_mix.py): 3 sources, K = 8 steps of 4 ranks x
+# 1 micro-batch of 2; source 2 switches off and source 1 on inside windows 1 and 3; a warmup's
+# caps over windows 0-2 defer samples
+W_LENGTHS = _lengths()
+W_SIZES = tuple(len(x) for x in W_LENGTHS)
+
+
+def _window_plans(windows: int, mix: str = "window") -> list[tuple]:
+    """``(plan, inputs of plan_matches_inputs)`` of the first ``windows`` windows."""
+    cursor, out = PlanCursor.start(3), []
+    for w in range(windows):
+        plan = plan_window(W_LENGTHS, seed=5, cursor=cursor, weights=_weights(w),
+                           window_steps=K, world_size=R, micro_batch=B,
+                           micro_batches_per_step=M, mix=mix, caps=_caps(w))
+        out.append((plan, dict(seed=5, sizes=W_SIZES, cursor=cursor, weights=_weights(w),
+                               next_cursor=plan.next_cursor, mix=mix, caps=_caps(w),
+                               lengths=W_LENGTHS)))
+        cursor = plan.next_cursor
+    return out
+
+
+def _over_cap(plan, caps) -> bool:
+    return bool((np.concatenate(W_LENGTHS)[plan.ids].reshape(K, -1) > caps[:, None]).any())
+
+
+def test_window_mix_plans_pass_with_caps_deferrals_and_zeros():
+    plans = _window_plans(8)
+    for plan, inputs in plans:
+        assert plan_matches_inputs(plan.ids, **inputs) is None, plan.cursor.window
+    # the rows this covers: samples deferred and placed later, caps, a source switched inside
+    # a window (two groups of steps), and windows without caps
+    assert any(p.cursor.deferred for p, _ in plans)
+    assert any(p.next_cursor.deferred for p, _ in plans)
+    assert any(i["caps"] is None for _, i in plans)
+    assert (plans[1][1]["weights"] == 0).any(axis=0).any()
+    # the step mix's check refuses them: their steps hold other counts than the step mix's
+    assert any(plan_matches_inputs(p.ids, **{**i, "mix": "step", "next_cursor": None}) is not None
+               for p, i in plans)
+
+
+def test_step_mix_plans_pass_and_need_their_counts_per_step():
+    for plan, inputs in _window_plans(4, mix="step"):
+        assert plan_matches_inputs(plan.ids, **inputs) is None
+        assert plan_matches_inputs(plan.ids, **{**inputs, "next_cursor": None}) is None
+        # the window's multiset, a sample of source 0 and one of source 2 swapped between steps
+        ids = plan.ids.copy().reshape(K, -1)
+        src = np.searchsorted(np.cumsum(W_SIZES), ids, "right")
+        both = [t for t in range(K) if (src[t] == 0).any() and (src[t] == 2).any()]
+        t0, u = both[:2]
+        i, j = int(np.flatnonzero(src[t0] == 0)[0]), int(np.flatnonzero(src[u] == 2)[0])
+        ids[t0, i], ids[u, j] = ids[u, j], ids[t0, i]
+        why = plan_matches_inputs(ids.reshape(plan.ids.shape), **inputs)
+        assert why is not None and "samples per source" in why, why
+        moved = {**inputs, "next_cursor": PlanCursor(1, (0, 0, 0), (0.0, 0.0, 0.0))}
+        assert "next cursor" in plan_matches_inputs(plan.ids, **moved)
+
+
+def test_window_mix_plans_placed_over_their_caps_pass_when_nothing_else_fits(monkeypatch):
+    """With no room to defer, the planner places the longest samples over a cap: as many as
+    no placement avoids, which the check accepts; one more over a cap is refused."""
+    monkeypatch.setattr(window_mix, "MAX_DEFERRED", 3)
+    plans = _window_plans(3)
+    forced = [(p, i) for p, i in plans if _over_cap(p, i["caps"])]
+    assert forced
+    for plan, inputs in plans:
+        assert plan_matches_inputs(plan.ids, **inputs) is None
+    plan, inputs = forced[0]
+    ids = _planted(plan, inputs, "above its cap")
+    why = plan_matches_inputs(ids, **inputs)
+    assert why is not None and "above the step's cap" in why, why
+
+
+def _sources(ids: np.ndarray) -> np.ndarray:
+    return np.searchsorted(np.cumsum(W_SIZES), ids, "right")
+
+
+def _planted(plan, inputs: dict, kind: str) -> np.ndarray:
+    """``plan.ids`` ``[K, R, M, B]`` changed as ``kind`` says (the window's own samples)."""
+    ids = plan.ids.copy().reshape(K, -1)
+    src = _sources(ids)
+    w = inputs["weights"]
+    L = np.concatenate(W_LENGTHS)
+    if kind == "another id":  # a sample of the same source the window does not hold
+        s = int(src[0, 0])
+        lo = int(np.cumsum((0,) + W_SIZES)[s])
+        ids[0, 0] = next(x for x in range(lo, lo + W_SIZES[s]) if x not in set(plan.ids.flat)
+                         and x not in plan.next_cursor.deferred and L[x] <= L[ids[0, 0]])
+    elif kind == "duplicate":  # a sample twice, one of its source's dropped
+        t, i = np.argwhere(src == src[0, 0])[1]
+        ids[t, i] = ids[0, 0]
+    elif kind == "at a zero weight":  # a sample where its source's weight is 0, swapped
+        t, s = (int(x) for x in np.argwhere(w == 0)[0])
+        u, i = np.argwhere((src == s) & (w[:, s] > 0)[:, None])[0]
+        j = int(np.flatnonzero(w[u, src[t]] > 0)[0])  # a sample of step t its source allows at u
+        ids[t, j], ids[u, i] = ids[u, i], ids[t, j]
+    elif kind == "above its cap":  # the longest sample swapped into the lowest-capped step
+        caps = inputs["caps"]
+        t = int(np.argmin(caps))
+        cand = np.argwhere((L[ids] > caps[t]) & (L[ids] <= caps[:, None])
+                           & (w[t, src] > 0))
+        u, i = cand[0]
+        j = int(np.flatnonzero(w[u, src[t]] > 0)[0])
+        ids[t, j], ids[u, i] = ids[u, i], ids[t, j]
+    elif kind == "group counts":  # a sample of source 0 and one of source 2 swapped between the
+        a = np.flatnonzero(w[:, 1] == 0)  # steps without source 1 and those with it
+        b = np.flatnonzero(w[:, 1] > 0)
+        i = np.argwhere(src[a] == 0)[0]
+        j = np.argwhere(src[b] == 2)[0]
+        ids[a[i[0]], i[1]], ids[b[j[0]], j[1]] = ids[b[j[0]], j[1]], ids[a[i[0]], i[1]]
+    return ids.reshape(plan.ids.shape)
+
+
+@pytest.mark.parametrize("kind,reason", [
+    ("another id", "time(s) in it"), ("duplicate", "time(s) in it"),
+    ("at a zero weight", "whose weight there is 0"), ("above its cap", "above the step's cap"),
+    ("group counts", "samples per source, the window's share"),
+])
+def test_a_planted_window_mix_plan_is_named_with_why(kind, reason):
+    plans = _window_plans(3)
+    plan, inputs = plans[1]  # caps, deferrals and a source switched on inside the window
+    assert plan.cursor.deferred and (inputs["weights"] == 0).any()
+    ids = _planted(plan, inputs, kind)
+    assert not np.array_equal(ids, plan.ids)
+    why = plan_matches_inputs(ids, **inputs)
+    assert why is not None and reason in why, why
+
+
+@pytest.mark.parametrize("kind,reason", [
+    ("count edited", "draws the sources up to"), ("carry", "carry"),
+    ("deferred swapped", "time(s) in it"), ("deferral dropped", "draws the sources up to"),
+    ("deferred out of range", "lies outside"), ("window", "next cursor"),
+])
+def test_a_planted_next_cursor_of_a_window_mix_plan_is_named_with_why(kind, reason):
+    plan, inputs = next((p, i) for p, i in _window_plans(3) if p.next_cursor.deferred)
+    nxt = plan.next_cursor
+    d = list(nxt.deferred)
+    if kind == "count edited":
+        nxt = dataclasses.replace(nxt, drawn=(nxt.drawn[0] + 1,) + nxt.drawn[1:])
+    elif kind == "carry":
+        nxt = dataclasses.replace(nxt, carry=(nxt.carry[0] + 0.25,) + nxt.carry[1:])
+    elif kind == "deferred swapped":  # another sample of the same source claimed deferred
+        held = set(plan.ids.flat) | set(d) | set(plan.cursor.deferred)
+        s = int(_sources(np.array(d[:1]))[0])
+        lo = int(np.cumsum((0,) + W_SIZES)[s])
+        d[0] = next(x for x in range(lo, lo + W_SIZES[s]) if x not in held)
+        nxt = dataclasses.replace(nxt, deferred=tuple(d))
+    elif kind == "deferral dropped":
+        nxt = dataclasses.replace(nxt, deferred=tuple(d[1:]))
+    elif kind == "deferred out of range":
+        nxt = dataclasses.replace(nxt, deferred=tuple(d[:-1]) + (sum(W_SIZES),))
+    elif kind == "window":
+        nxt = dataclasses.replace(nxt, window=nxt.window + 1)
+    why = plan_matches_inputs(plan.ids, **{**inputs, "next_cursor": nxt})
+    assert why is not None and reason in why, why
+
+
+def test_plan_matches_inputs_refuses_calls_it_cannot_check():
+    plan, inputs = _window_plans(1)[0]
+    with pytest.raises(OrderingConfigError, match=r"next_cursor = None with mix = 'window'; pass"):
+        plan_matches_inputs(plan.ids, **{**inputs, "next_cursor": None})
+    with pytest.raises(OrderingConfigError, match=r"lengths = None with caps given; pass lengths"):
+        plan_matches_inputs(plan.ids, **{**inputs, "lengths": None})
+    with pytest.raises(OrderingConfigError, match=r"planned_mix = 'steps'"):
+        plan_matches_inputs(plan.ids, **{**inputs, "mix": "steps"})
+    with pytest.raises(OrderingConfigError, match=r"ids of shape \(8, 8\)"):
+        plan_matches_inputs(plan.ids.reshape(K, -1), **inputs)
+    with pytest.raises(OrderingConfigError, match=r"caps = "):
+        plan_matches_inputs(plan.ids, **{**inputs, "caps": [100] * (K - 1)})
+    assert plan_matches_inputs(plan.ids + sum(W_SIZES), **inputs) == (
+        f"sample id {int(plan.ids.max()) + sum(W_SIZES)} lies outside [0, {sum(W_SIZES)})")
+
+
+def _packed_windows(windows: int, caps=lambda w: [8192] * K, limits=None) -> list[tuple]:
+    """``(plan, inputs of packed_plan_matches_inputs)`` of mix='window' packed windows."""
+    cursor, out = PlanCursor.start(3), []
+    for w in range(windows):
+        inputs = dict(seed=3, cursor=cursor, weights=_weights(w), caps=caps(w),
+                      epoch_limits=limits, mix="window")
+        plan = plan_packed_window(W_LENGTHS, world_size=R, micro_batch=B,
+                                  micro_batches_per_step=M, **inputs)
+        out.append((plan, dict(inputs, sizes=W_SIZES, shape=(R, M, B))))
+        if plan.epoch_end:
+            break
+        cursor = plan.next_cursor
+    return out
+
+
+def _step_rule(inputs: dict) -> dict:
+    return {**inputs, "mix": "step"}
+
+
+def test_packed_window_mix_plans_pass_whole_or_step_by_step():
+    plans = _packed_windows(4)
+    for plan, inputs in plans:
+        assert packed_plan_matches_inputs(plan.to_array(), **inputs) is None, plan.cursor.window
+    # windows 0 and 2 are packed whole (the step mix's check refuses them), 1 and 3 switch a
+    # source inside them and are packed step by step (both checks pass them)
+    whole = [packed_plan_matches_inputs(p.to_array(), **_step_rule(i)) is not None
+             for p, i in plans]
+    assert whole == [True, False, True, False]
+    # a warmup's ramp (caps differ) is packed step by step too
+    ramp = _packed_windows(1, caps=lambda w: [1024 * (t + 1) for t in range(K)])
+    assert packed_plan_matches_inputs(ramp[0][0].to_array(), **ramp[0][1]) is None
+    assert packed_plan_matches_inputs(ramp[0][0].to_array(), **_step_rule(ramp[0][1])) is None
+
+
+def test_packed_window_mix_plans_pass_through_a_finite_epochs_end():
+    plans = _packed_windows(20, limits=[400, 150, 500])
+    assert plans[-1][0].epoch_end
+    for plan, inputs in plans:
+        assert packed_plan_matches_inputs(plan.to_array(), **inputs) is None, plan.cursor.window
+
+
+def _tampered_window(kind: str) -> tuple[np.ndarray, dict]:
+    """Packed window 0 (packed whole) changed as ``kind`` says."""
+    plan, inputs = _packed_windows(1)[0]
+    a = plan.to_array().copy()
+    S, steps, n = 3, plan.steps, len(plan.ids)
+    ids = a[len(a) - n:]
+    src = _sources(plan.ids)
+    G = R * M * B
+    step_of = np.repeat(np.arange(steps), plan.counts.sum(axis=1))
+    if kind == "another id":
+        held = set(plan.ids.tolist())
+        lo = int(np.cumsum((0,) + W_SIZES)[src[0]])
+        ids[0] = next(x for x in range(lo, lo + W_SIZES[src[0]]) if x not in held)
+    elif kind == "duplicate":
+        ids[int(np.flatnonzero(src == src[0])[1])] = ids[0]
+    elif kind == "count edited":  # the window's counts: one of source 0 for one of source 2
+        a[7 + 2 * S] += 1
+        a[7 + 2 * S + 2] -= 1
+    elif kind == "count moved":  # the same totals per step and source, other steps' counts
+        a[7 + 2 * S] += 1
+        a[7 + 2 * S + 2] -= 1
+        a[7 + 2 * S + S] -= 1
+        a[7 + 2 * S + S + 2] += 1
+    elif kind == "sources swapped between steps":  # the steps' counts no longer match them
+        i = int(np.flatnonzero((src == 0) & (step_of == 0))[0])
+        j = int(np.flatnonzero((src == 2) & (step_of == 1))[0])
+        ids[i], ids[j] = ids[j], ids[i]
+    elif kind == "carry":
+        a[7 + S] = np.float64(0.25).view(np.int64)
+    elif kind == "epoch end":
+        a[1] = 1
+    elif kind == "a step's packs":  # a pack of step 0 counted in step 1
+        a[7 + 2 * S + steps * S + steps + G] -= 1
+    return a, inputs
+
+
+@pytest.mark.parametrize("kind,reason", [
+    ("another id", "time(s) in it"), ("duplicate", "time(s) in it"),
+    ("count edited", "its steps count"), ("count moved", "its step 0 holds"),
+    ("sources swapped between steps", "its step 0 holds"), ("carry", "next cursor"),
+    ("epoch end", "epoch end"), ("a step's packs", "offsets"),
+])
+def test_a_planted_packed_window_mix_plan_is_named_with_why(kind, reason):
+    a, inputs = _tampered_window(kind)
+    why = packed_plan_matches_inputs(a, **inputs)
+    assert why is not None and reason in why, why
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_window_mix_plans_pass(seed, monkeypatch):
+    """Random schedules with zeros, caps in any order, shapes and deferral room: every window
+    mix plan, padded and packed, passes."""
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(window_mix, "MAX_DEFERRED", int(rng.choice([0, 2, 1024])))
+    S = int(rng.integers(1, 4))
+    lengths = [rng.integers(8, int(rng.integers(100, 9000)), int(rng.integers(20, 400)))
+               for _ in range(S)]
+    sizes = [len(x) for x in lengths]
+    R_, M_, B_, K_ = (int(x) for x in rng.integers(1, [4, 3, 4, 6]))
+    cursor = packed_cursor = PlanCursor.start(S)
+    for _ in range(4):
+        w = rng.random((K_, S)) * (rng.random((K_, S)) > 0.3)
+        w[:, 0] += w.sum(axis=1) == 0
+        w /= w.sum(axis=1, keepdims=True)
+        caps = None if rng.random() < 0.3 else rng.integers(50, 9000, K_)
+        plan = plan_window(lengths, seed=seed, cursor=cursor, weights=w, window_steps=K_,
+                           world_size=R_, micro_batch=B_, micro_batches_per_step=M_,
+                           mix="window", caps=caps)
+        assert plan_matches_inputs(plan.ids, seed=seed, sizes=sizes, cursor=cursor, weights=w,
+                                   next_cursor=plan.next_cursor, mix="window", caps=caps,
+                                   lengths=lengths) is None
+        cursor = plan.next_cursor
+        pack_caps = [int(rng.choice([2048, 8192]))] * K_
+        packed = plan_packed_window(lengths, seed=seed, cursor=packed_cursor, weights=w,
+                                    caps=pack_caps, world_size=R_, micro_batch=B_,
+                                    micro_batches_per_step=M_, mix="window")
+        assert packed_plan_matches_inputs(packed.to_array(), seed=seed, sizes=sizes,
+                                          cursor=packed_cursor, weights=w, caps=pack_caps,
+                                          shape=(R_, M_, B_), mix="window") is None
+        packed_cursor = packed.next_cursor

@@ -8,30 +8,55 @@ plan of the window must hold, in O(n log n) for its n ids (a sort of each side; 
 
 - :func:`plan_matches_draws`: every id is a sample (in ``[0, total)``), and the ids are the
   window's draws (:func:`~.window.window_draws`) as a multiset: no sample dropped, none repeated.
+- :func:`plan_matches_inputs`: a padded plan ``[K, R, M, B]`` holds the window's draws, each
+  step its count of each source (and with its next cursor, where those counts lead).
 - :func:`packed_plan_matches_inputs`: a packed plan's header agrees with the window (sources,
   shape, caps), its per-step counts and carry are the ones its step sizes give at the window's
   weights, its epoch end is where the limits put it, and each step's ids are that step's draws as
-  a multiset.
+  a multiset (``mix="window"``: a window packed whole, the window's, below; a window the
+  window mix packs step by step, as the step mix's).
 
 What a check cannot see is the arrangement (which rank and micro-batch gets which draw): that is
 the planner's choice, known only by planning again. A file of the right name in a folder only its
 user can write (:mod:`~energon_ordering.pipeline.shared_plans`) was planned from the same inputs.
 The checks return the reason a plan fails (one phrase, for a log line), or None.
+
+With ``mix="window"`` (:mod:`.window_mix`, :mod:`.window_packs`) a window's samples move
+between its steps, so the per-step counts are the planner's choice too; what every valid plan
+holds, and the checks compare, is instead:
+
+- the window's totals: each source's samples over the window are the carry rounding of the
+  window's total (:func:`~.window_mix.window_totals`; packed: of the window's sample count at
+  the window's mean weights), and so is the next cursor's carry; where the schedule switches a
+  source inside a padded window, each group of steps with the same zero weights holds its
+  split of them (the rule of :func:`~.window_mix.mix_window`, step 2);
+- the window's ids: the cursor's deferred samples plus the draws between the two cursors,
+  less the next cursor's deferred samples (:func:`~.window.plan_samples`, as a multiset);
+- per step: no sample of a source at a step where its weight is 0, and (padded, with the
+  warmup's caps) no more samples above their step's cap than any placement of the group's
+  samples needs (0 unless more fit no step than can be deferred: then the planner places the
+  longest over a cap, :data:`~.window_mix.MAX_DEFERRED`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 
 import numpy as np
 
+from energon_ordering.errors import OrderingConfigError
 from energon_ordering.mixture.step_counts import step_source_counts
 
-from .cursor import PlanCursor
+from . import window_mix
+from .cursor import PlanCursor, advance
+from .mix import PlannedMix, check_planned_mix
 from .packs import PackedWindowPlan
-from .window import window_draws
+from .sample_ids import SampleIds
+from .window import check_caps, plan_samples, window_draws
 
-__all__ = ["ids_out_of_range", "packed_plan_matches_inputs", "plan_matches_draws"]
+__all__ = ["ids_out_of_range", "packed_plan_matches_inputs", "plan_matches_draws",
+           "plan_matches_inputs"]
 
 #: Values before a packed plan's per-source fields (see PackedWindowPlan.to_array).
 _HEAD = 7
@@ -78,6 +103,223 @@ def plan_matches_draws(ids: np.ndarray, draws: np.ndarray, total: int | None) ->
     return f"sample id {x} appears {times(got)} time(s) in it, {times(want)} in the window's draws"
 
 
+def plan_matches_inputs(
+    ids: np.ndarray,
+    *,
+    seed: int,
+    sizes: Sequence[int],
+    cursor: PlanCursor,
+    weights: np.ndarray,
+    next_cursor: PlanCursor | None = None,
+    mix: PlannedMix = "step",
+    caps: np.ndarray | Sequence[int] | None = None,
+    lengths: Sequence[np.ndarray] | None = None,
+) -> str | None:
+    """Why ``ids`` ``[K, R, M, B]`` are not a plan :func:`~.window.plan_window` makes of the
+    window from these inputs, or None.
+
+    Checked: every id is a sample; with ``mix="step"`` each step's count of each source (the
+    step's weights x G with the carry), the next cursor (if given) where those counts lead,
+    and the ids as the window's draws; with ``mix="window"`` the module docstring's list (the
+    next cursor's carry, draws and deferred samples, no sample at a zero weight, each group of
+    steps' counts, the caps, the ids as :func:`~.window.plan_samples`). Not checked: which rank
+    and micro-batch holds which sample (the planner's choice).
+
+    Args:
+        ids: The plan's ids (possibly a memory map).
+        seed, sizes, cursor, weights: As given to :func:`~.window.plan_window` (``sizes``:
+            samples per source; ``weights``: ``[K, S]``).
+        next_cursor: The plan's next cursor, read with it (``mix="window"``: required, its
+            deferred samples are part of the plan).
+        mix: ``planned_mix``, as given to :func:`~.window.plan_window`.
+        caps: ``mix="window"``: the ``[K]`` caps given to :func:`~.window.plan_window`, or None.
+        lengths: Per source, every sample's length (the length index); needed with ``caps``.
+
+    Raises:
+        OrderingConfigError: a ``mix`` other than ``"step"``/``"window"``, ``ids`` that are not
+            ``[K, R, M, B]`` for the ``[K, S]`` weights, ``mix="window"`` without
+            ``next_cursor``, or ``caps`` without ``lengths`` (or not K ints >= 1).
+    """
+    mix = check_planned_mix(mix)
+    a = np.asarray(ids)
+    w = np.asarray(weights, dtype=np.float64)
+    S = len(sizes)
+    if a.ndim != 4 or w.shape != (a.shape[0], S):
+        raise OrderingConfigError(
+            f"plan check: ids of shape {a.shape} and weights of shape {w.shape}; give ids "
+            f"[K, R, M, B] and weights [K, sources={S}] of the same window.")
+    total = SampleIds.of(sizes).total
+    why = ids_out_of_range(a, total)
+    if why is not None:
+        return why
+    K = a.shape[0]
+    flat = a.reshape(K, -1)
+    G = flat.shape[1]
+    src = SampleIds.of(sizes).split(flat)[0]
+    if mix == "step":
+        counts, carry = step_source_counts(w, G, cursor.carry)
+        why = _step_sources(list(src), w, counts)
+        if why is None and next_cursor is not None and not _same_cursor(
+                next_cursor, advance(cursor, counts, carry)):
+            why = "its next cursor is not where the window's counts lead"
+        return why or plan_matches_draws(a, window_draws(sizes, seed, cursor, counts), total)
+    if next_cursor is None:
+        raise OrderingConfigError(
+            "plan check: next_cursor = None with mix = 'window'; pass the cursor read with the "
+            "plan (its deferred samples are part of the plan).")
+    if caps is not None and lengths is None:
+        raise OrderingConfigError(
+            "plan check: lengths = None with caps given; pass lengths = the per-source length "
+            "arrays the plan was made from (to check the caps), or caps = None.")
+    return _window_plan_problem(flat, src, seed=seed, sizes=sizes, cursor=cursor,
+                                nxt=next_cursor, w=w, caps=check_caps(caps, K),
+                                lengths=lengths)
+
+
+def _window_plan_problem(ids: np.ndarray, src: np.ndarray, *, seed: int, sizes: Sequence[int],
+                         cursor: PlanCursor, nxt: PlanCursor, w: np.ndarray,
+                         caps: np.ndarray | None,
+                         lengths: Sequence[np.ndarray] | None) -> str | None:
+    """:func:`plan_matches_inputs` of a ``mix="window"`` plan (``ids``, ``src``: ``[K, G]``)."""
+    split_ids = SampleIds.of(sizes)
+    S, G = len(sizes), ids.shape[1]
+    later = np.asarray(nxt.deferred, dtype=np.int64)
+    if nxt.window != cursor.window + 1 or len(nxt.drawn) != S or len(nxt.carry) != S:
+        return (f"its next cursor (window {nxt.window}) is not a cursor of window "
+                f"{cursor.window + 1}")
+    if len(later) > window_mix.MAX_DEFERRED:
+        return f"its next cursor defers {len(later)} samples, more than {window_mix.MAX_DEFERRED}"
+    why = ids_out_of_range(later, split_ids.total)
+    if why is not None:
+        return f"its next cursor's deferred {why}"
+    group, split, carry = _window_split(w, G, cursor.carry)
+    if not _same_bits(nxt.carry, carry):
+        return f"its carry {list(nxt.carry)} is not the window's {carry.tolist()}"
+    held = np.bincount(split_ids.split(np.asarray(cursor.deferred, dtype=np.int64))[0],
+                       minlength=S)
+    want = (np.asarray(cursor.drawn, dtype=np.int64) + split.sum(axis=0)
+            + np.bincount(split_ids.split(later)[0], minlength=S) - held)
+    if tuple(int(x) for x in want) != tuple(nxt.drawn) or (want < cursor.drawn).any():
+        return (f"it draws the sources up to {list(nxt.drawn)}, the window's totals and "
+                f"deferrals to {want.tolist()}")
+    why = _step_sources(list(src), w, None)
+    if why is not None:
+        return why
+    for g in range(len(split)):
+        steps = np.flatnonzero(group == g)
+        got = np.bincount(src[steps].reshape(-1), minlength=S)
+        if not np.array_equal(got, split[g]):
+            return (f"its steps {steps.tolist()} hold {got.tolist()} samples per source, the "
+                    f"window's share of them {split[g].tolist()}")
+    if caps is not None and lengths is not None:
+        why = _over_caps(ids, src, group, caps, lengths, split_ids)
+        if why is not None:
+            return why
+    # the ids and the samples the next cursor defers are the deferred ones plus the new draws
+    every = plan_samples(sizes, seed, cursor, dataclasses.replace(nxt, deferred=()))
+    return plan_matches_draws(np.concatenate((ids.reshape(-1), later)), every, None)
+
+
+def _window_split(w: np.ndarray, G: int, carry: Sequence[float]
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(group of each step [K], samples per group and source [groups, S], carry)`` of a
+    window-mix window, by :func:`~.window_mix.mix_window`'s rule (its steps 1-2): the window's
+    totals with the carry, split over the groups of steps with the same zero weights (the step
+    mix's counts per group, and its carry, where no such split exists)."""
+    totals, out = window_mix.window_totals(w, G, carry)
+    mask = (w > 0) & (totals > 0)[None, :]
+    patterns, group = np.unique(mask, axis=0, return_inverse=True)
+    group = np.asarray(group).reshape(-1)
+    n = len(patterns)
+    if n == 1:
+        return group, totals[None, :], out
+    x = np.stack([(w[group == g] * G).sum(axis=0) for g in range(n)])
+    split = window_mix._split_counts(x, np.bincount(group, minlength=n) * G, totals, patterns)
+    if split is None:
+        step, out = step_source_counts(w, G, carry)
+        split = np.stack([step[group == g].sum(axis=0) for g in range(n)])
+    return group, split, out
+
+
+def _over_caps(ids: np.ndarray, src: np.ndarray, group: np.ndarray, caps: np.ndarray,
+               lengths: Sequence[np.ndarray], split_ids: SampleIds) -> str | None:
+    """Why a window-mix plan's ``ids`` ``[K, G]`` hold more samples above their step's cap than
+    their group of steps must (:func:`_fewest_over`), or None."""
+    L = np.empty(ids.shape, dtype=np.float64)
+    for s, off in enumerate(split_ids.offsets.tolist()):
+        mine = src == s
+        L[mine] = np.asarray(lengths[s])[ids[mine] - off]
+    c = np.asarray(caps, dtype=np.float64)
+    over = L > c[:, None]
+    for g in range(int(group.max()) + 1):
+        steps = np.flatnonzero(group == g)
+        n_over = int(over[steps].sum())
+        fewest = _fewest_over(L[steps].reshape(-1), c[steps], ids.shape[1])
+        if n_over > fewest:
+            t, j = (int(x) for x in np.argwhere(over[steps])[0])
+            return (f"its step {int(steps[t])} holds a sample of {L[steps[t], j]:g} tokens above "
+                    f"the step's cap {int(c[steps[t]])} ({n_over} above their caps in its "
+                    f"steps {steps.tolist()}, where the fewest possible is {fewest})")
+    return None
+
+
+def _fewest_over(lengths: np.ndarray, caps: np.ndarray, G: int) -> int:
+    """The fewest of ``lengths`` that any placement into ``len(caps)`` steps of ``G`` samples
+    puts above their step's cap: the largest excess, over p, of the samples fitting only the
+    steps with the p smallest caps excluded over those steps' slots (Hall's theorem; the
+    window mix's sweep places all but this many)."""
+    cap = np.sort(caps)
+    first = np.searchsorted(cap, lengths, "left")  # the first step (by cap) it fits; K: none
+    need = np.cumsum(np.bincount(first, minlength=len(cap) + 1)[::-1])[::-1]
+    room = (len(cap) - np.arange(len(cap) + 1)) * int(G)
+    return int(max(0, int((need - room).max())))
+
+
+def _step_sources(src: list[np.ndarray], w: np.ndarray, counts: np.ndarray | None
+                  ) -> str | None:
+    """Why the steps' sources ``src`` (one array per step) put a sample at a step whose
+    weight for its source is 0, or (``counts`` given) differ from the steps' counts, or
+    None."""
+    S = w.shape[1]
+    for t, s_t in enumerate(src):
+        got = np.bincount(np.asarray(s_t).reshape(-1), minlength=S)
+        zero = np.flatnonzero((got > 0) & (w[t] == 0))
+        if zero.size:
+            s = int(zero[0])
+            return (f"its step {t} holds {int(got[s])} sample(s) of source {s}, whose weight "
+                    "there is 0")
+        if counts is not None and not np.array_equal(got, counts[t]):
+            return (f"its step {t} holds {got.tolist()} samples per source, the step's counts "
+                    f"are {np.asarray(counts[t]).tolist()}")
+    return None
+
+
+def _same_bits(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray) -> bool:
+    """Whether two carries are the same float64 values, bit for bit."""
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return x.shape == y.shape and np.array_equal(x.view(np.int64), y.view(np.int64))
+
+
+def _same_cursor(a: PlanCursor, b: PlanCursor) -> bool:
+    return (a.window, tuple(a.drawn), tuple(a.deferred)) == (b.window, tuple(b.drawn),
+                                                             tuple(b.deferred)) \
+        and _same_bits(a.carry, b.carry)
+
+
+def _packs_whole_window(w: np.ndarray, caps: Sequence[int], carry: np.ndarray,
+                        drawn: np.ndarray, limits: np.ndarray | None, G: int) -> bool:
+    """Whether ``mix="window"`` packs the window whole (:func:`~.window_packs.plan_window_packs`
+    does not fall back to the step mix): no drawn source switched on or off, one cap, and the
+    window's fewest samples within a finite epoch's limits."""
+    active = w.sum(axis=0) > 0
+    if ((w == 0) & active[None, :]).any() or len({int(c) for c in caps}) > 1:
+        return False
+    if limits is None:
+        return True
+    c, _ = step_source_counts(w.mean(axis=0)[None, :], len(w) * G, carry)
+    return not (c[0] > limits - drawn).any()
+
+
 def packed_plan_matches_inputs(
     flat: np.ndarray,
     *,
@@ -88,21 +330,29 @@ def packed_plan_matches_inputs(
     caps: Sequence[int],
     shape: tuple[int, int, int],
     epoch_limits: Sequence[int] | None = None,
+    mix: PlannedMix = "step",
 ) -> str | None:
     """Why ``flat`` (:meth:`~.packs.PackedWindowPlan.to_array`) is not a packed plan of the window
     :func:`~.packs.plan_packed_window` plans from these inputs, or None.
 
-    Checked: the header (sources, ``(R, M, B)``, steps, size); the caps; each step's source counts
-    and the carry after it, recomputed from the step's sample count at its weights; the next
-    cursor; the epoch end (only before a step the limits refuse); the packs' offsets; and each
-    step's ids as the multiset of its draws. Not checked: which pack holds which draw, and
-    whether a pack's tokens fit its cap (the planner's choices).
+    Checked: the header (sources, ``(R, M, B)``, steps, size); the caps; the counts and the
+    carry after them, recomputed (the step mix, and a window the window mix packs step by step:
+    each step's from its sample count at its weights; a window the window mix packs whole: the
+    window's from its sample count at the window's mean weights, all K steps, each at least one
+    sample per pack); the next cursor; the epoch end (only before a step the limits refuse);
+    the packs' offsets; each step's sources (its counts, no sample at a zero weight); and the
+    ids as the multiset of the draws (the step mix: each step's). Not checked: which pack
+    holds which draw, and whether a pack's tokens fit its cap (the planner's choices).
 
     Args:
         flat: The file's values (int64, 1-D).
-        seed, sizes, cursor, weights, caps, shape, epoch_limits: As given to
+        seed, sizes, cursor, weights, caps, shape, epoch_limits, mix: As given to
             :func:`~.packs.plan_packed_window` (``shape``: R, M, B).
+
+    Raises:
+        OrderingConfigError: a ``mix`` other than ``"step"``/``"window"``.
     """
+    mix = check_planned_mix(mix)
     a = np.asarray(flat).reshape(-1)
     S, K = len(sizes), len(caps)
     R, M, B = (int(x) for x in shape)
@@ -122,12 +372,54 @@ def packed_plan_matches_inputs(
     if plan.caps.tolist() != [int(c) for c in caps[:steps]]:
         return f"its caps {plan.caps.tolist()} are not the window's {list(caps[:steps])}"
     counts = plan.counts
+    if (counts < 0).any():
+        return f"its counts {counts.tolist()} are not samples per step and source"
     w = np.asarray(weights, dtype=np.float64)
     carry = np.asarray(cursor.carry, dtype=np.float64)
     drawn = np.asarray(cursor.drawn, dtype=np.int64)
     limits = None if epoch_limits is None else np.asarray(epoch_limits, dtype=np.int64)
+    whole = mix == "window" and _packs_whole_window(w, caps, carry, drawn, limits, G)
+    why = (_packed_window_counts if whole else _packed_step_counts)(
+        plan, w, carry, drawn, limits, G, K)
+    if why is not None:
+        return why
+    offsets = plan.offsets
+    if (int(offsets[0]) != 0 or int(offsets[-1]) != n or (np.diff(offsets) < 0).any()
+            or not np.array_equal(np.diff(offsets[::G]), counts.sum(axis=1))):
+        return "its pack offsets do not split its ids into its steps' packs"
+    total = int(sum(int(x) for x in sizes))
+    why = ids_out_of_range(plan.ids, total)
+    if why is not None:
+        return why
+    step_ids = [plan.ids[offsets[t * G]:offsets[(t + 1) * G]] for t in range(steps)]
+    # each step's counts (the step mix: implied by each step's draws, checked below)
+    why = _step_sources([SampleIds.of(sizes).split(x)[0] for x in step_ids], w,
+                        counts if whole else None)
+    if why is not None:
+        return why
+    draws = window_draws(sizes, seed, cursor, counts)
+    if whole:  # the window's draws, any step
+        return plan_matches_draws(plan.ids, draws, total)
+    # source s's draws in step t: its draws cum[t-1, s] .. cum[t, s] (steps draw in turn)
+    first = np.concatenate(([0], np.cumsum(counts.sum(axis=0))[:-1]))
+    cum = np.vstack((np.zeros((1, S), dtype=np.int64), np.cumsum(counts, axis=0)))
     for t in range(steps):
-        if (counts[t] < 0).any() or counts[t].sum() < G:
+        want = np.concatenate([draws[first[s] + cum[t, s]:first[s] + cum[t + 1, s]]
+                               for s in range(S)])
+        why = plan_matches_draws(step_ids[t], want, total)
+        if why is not None:
+            return f"its step {t}: {why}"
+    return None
+
+
+def _packed_step_counts(plan: PackedWindowPlan, w: np.ndarray, carry: np.ndarray,
+                        drawn: np.ndarray, limits: np.ndarray | None, G: int, K: int
+                        ) -> str | None:
+    """Why a packed plan's counts, next cursor and epoch end are not the step mix's (each step
+    its sample count at its weights with the carry), or None."""
+    counts, steps = plan.counts, plan.steps
+    for t in range(steps):
+        if counts[t].sum() < G:
             return f"its step {t} counts {counts[t].tolist()} samples per source"
         c, carry = step_source_counts(w[t][None], int(counts[t].sum()), carry)
         if not np.array_equal(c[0], counts[t]):
@@ -136,9 +428,7 @@ def packed_plan_matches_inputs(
         drawn = drawn + counts[t]
         if limits is not None and (drawn > limits).any():
             return f"its step {t} draws beyond the epoch's end {limits.tolist()}"
-    if (tuple(int(d) for d in drawn) != plan.next_cursor.drawn
-            or not np.array_equal(np.asarray(carry, dtype=np.float64).view(np.int64),
-                                  np.asarray(plan.next_cursor.carry).view(np.int64))):
+    if not _same_next(plan.next_cursor, drawn, carry):
         return "its next cursor is not where its steps' counts lead"
     if plan.epoch_end != (steps < K):
         return f"it has {steps} of {K} steps and {'an' if plan.epoch_end else 'no'} epoch end"
@@ -146,19 +436,35 @@ def packed_plan_matches_inputs(
         c, _ = step_source_counts(w[steps][None], G, carry)
         if limits is None or not (c[0] > limits - drawn).any():
             return f"it ends the epoch after step {steps}, before a step the sources still hold"
-    offsets = plan.offsets
-    if (int(offsets[0]) != 0 or int(offsets[-1]) != n or (np.diff(offsets) < 0).any()
-            or not np.array_equal(np.diff(offsets[::G]), counts.sum(axis=1))):
-        return "its pack offsets do not split its ids into its steps' packs"
-    draws = window_draws(sizes, seed, cursor, counts)
-    # source s's draws in step t: its draws cum[t-1, s] .. cum[t, s] (steps draw in turn)
-    first = np.concatenate(([0], np.cumsum(counts.sum(axis=0))[:-1]))
-    cum = np.vstack((np.zeros((1, S), dtype=np.int64), np.cumsum(counts, axis=0)))
-    total = int(sum(int(x) for x in sizes))
-    for t in range(steps):
-        want = np.concatenate([draws[first[s] + cum[t, s]:first[s] + cum[t + 1, s]]
-                               for s in range(S)])
-        why = plan_matches_draws(plan.ids[offsets[t * G]:offsets[(t + 1) * G]], want, total)
-        if why is not None:
-            return f"its step {t}: {why}"
     return None
+
+
+def _packed_window_counts(plan: PackedWindowPlan, w: np.ndarray, carry: np.ndarray,
+                          drawn: np.ndarray, limits: np.ndarray | None, G: int, K: int
+                          ) -> str | None:
+    """Why a packed plan's counts, next cursor and epoch end are not those of a window the
+    window mix packs whole (:mod:`.window_packs`), or None."""
+    counts = plan.counts
+    if plan.epoch_end or plan.steps != K:
+        return (f"it has {plan.steps} of {K} steps and {'an' if plan.epoch_end else 'no'} epoch "
+                f"end; a window packed whole has {K} and none")
+    low = np.flatnonzero(counts.sum(axis=1) < G)
+    if low.size:
+        t = int(low[0])
+        return f"its step {t} counts {counts[t].tolist()} samples per source, fewer than {G} packs"
+    n = int(counts.sum())
+    c, carry = step_source_counts(w.mean(axis=0)[None, :], n, carry)
+    if not np.array_equal(c[0], counts.sum(axis=0)):
+        return (f"its steps count {counts.sum(axis=0).tolist()} samples per source; {n} at the "
+                f"window's weights are {c[0].tolist()}")
+    drawn = drawn + c[0]
+    if limits is not None and (drawn > limits).any():
+        return f"its window draws beyond the epoch's end {limits.tolist()}"
+    if not _same_next(plan.next_cursor, drawn, carry):
+        return "its next cursor is not where its window's counts lead"
+    return None
+
+
+def _same_next(nxt: PlanCursor, drawn: np.ndarray, carry: np.ndarray) -> bool:
+    """Whether ``nxt`` draws up to ``drawn`` with ``carry`` (bit for bit)."""
+    return tuple(int(d) for d in drawn) == tuple(nxt.drawn) and _same_bits(nxt.carry, carry)
