@@ -642,6 +642,8 @@ class PlannedSourceDataset(SavableDataset[Any]):
         found, planned = (False, None)
         if self._ahead is not None:
             found, planned = self._ahead.take((self._generation, window))
+            if not found:  # planning another window ahead: at most two windows at once
+                self._ahead.cancel()
         if not found:
             start = (hand.next_cursor if hand is not None and hand.window < window
                      and not hand.last else self._cursor)
