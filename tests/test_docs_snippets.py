@@ -135,3 +135,8 @@ def test_readme_has_one_test_command() -> None:
     lines = [ln for ln in (REPO / "README.md").read_text().splitlines()
              if re.match(r"^pip install .*pytest", ln)]
     assert len(lines) == 1 and "-m slow" not in lines[0], lines
+
+
+def test_readme_is_short() -> None:
+    """The README says what, how to start and where to read on; the rest lives in docs/."""
+    assert len((REPO / "README.md").read_text().splitlines()) <= 200
