@@ -119,35 +119,40 @@ def _match(dist: np.ndarray) -> np.ndarray:
     return out
 
 
-def _trade(flat: np.ndarray, costs: np.ndarray, sources: np.ndarray, excess: np.ndarray,
+def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndarray,
            s: int, s2: int, loose: bool = False) -> int:
     """Trades samples of source ``s`` from steps that have too many of s and too few of
     ``s2`` for samples of s2 from steps with the opposite excess, nearest costs first, as many
     as the steps' excesses allow. ``loose``: the steps giving s2 need only have too many of s2
     (an excess over three or more sources, in a cycle: each trade still lowers the total
     absolute excess by at least 2, the giving step's by 2). Returns the number of trades (0:
-    no such steps)."""
+    no such steps). ``src``: the source of each sample of ``flat``, swapped along with it."""
     qa = np.minimum(excess[:, s], -excess[:, s2]).clip(min=0)  # steps giving s, taking s2
     qb = (excess[:, s2] if loose else np.minimum(excess[:, s2], -excess[:, s])).clip(min=0)
     left = int(min(qa.sum(), qb.sum()))
     if left == 0:
         return 0
-    ta, pa = np.nonzero((sources[flat] == s) & (qa > 0)[:, None])
-    tb, pb = np.nonzero((sources[flat] == s2) & (qb > 0)[:, None])
-    step = np.concatenate((ta, tb))
-    pos = np.concatenate((pa, pb))
-    kind = np.concatenate((np.zeros(len(ta), dtype=bool), np.ones(len(tb), dtype=bool)))
-    value = costs[flat[step, pos]]
+    # candidates as int32 cells of ``flat`` (a window of them costs 17 bytes each, not 57: a
+    # loader worker pays the peak)
+    width = flat.shape[1]
+    ca = np.flatnonzero((src == s) & (qa > 0)[:, None]).astype(np.int32)
+    cb = np.flatnonzero((src == s2) & (qb > 0)[:, None]).astype(np.int32)
+    cell = np.concatenate((ca, cb))
+    kind = np.concatenate((np.zeros(len(ca), dtype=bool), np.ones(len(cb), dtype=bool)))
+    del ca, cb
+    value = costs[flat.ravel()[cell]]
     order = np.argsort(value, kind="stable")  # ties by candidate order
-    step, pos, kind, value = step[order], pos[order], kind[order], value[order]
+    cell, kind, value = cell[order], kind[order], value[order]
+    del order
+    step = (cell // width).astype(np.int32)
     quota_a, quota_b = qa.copy(), qb.copy()
     alive = np.ones(len(value), dtype=bool)
-    pairs: list[np.ndarray] = []  # rows (step a, position a, step b, position b)
+    pairs: list[np.ndarray] = []  # rows (cell a, cell b)
     tolerance = TRADE_TOLERANCE
     parity = 0
     while left > 0:
         if alive.sum() * 2 < len(alive):  # compact: rounds cost O(candidates left)
-            step, pos, kind, value, alive = (x[alive] for x in (step, pos, kind, value, alive))
+            step, cell, kind, value, alive = (x[alive] for x in (step, cell, kind, value, alive))
         live = np.flatnonzero(alive)
         if len(live) < 2:
             break
@@ -183,14 +188,16 @@ def _trade(flat: np.ndarray, costs: np.ndarray, sources: np.ndarray, excess: np.
         np.subtract.at(quota_a, step[ia], 1)
         np.subtract.at(quota_b, step[ib], 1)
         alive[ia] = alive[ib] = False
-        pairs.append(np.stack((step[ia], pos[ia], step[ib], pos[ib]), axis=1))
+        pairs.append(np.stack((cell[ia], cell[ib]), axis=1))
         left -= len(ia)
         # candidates of steps whose quota is used up leave the pool
         alive &= np.where(kind, quota_b[step] > 0, quota_a[step] > 0)
     if not pairs:
         return 0
-    sa, pa_, sb, pb_ = np.concatenate(pairs).T
-    flat[sa, pa_], flat[sb, pb_] = flat[sb, pb_], flat[sa, pa_]
+    cells_a, cells_b = np.concatenate(pairs).T.astype(np.int64)
+    for a in (flat.reshape(-1), src.reshape(-1)):  # views: flat and src are contiguous
+        a[cells_a], a[cells_b] = a[cells_b], a[cells_a]
+    sa, sb = cells_a // width, cells_b // width
     moved_a = np.bincount(sa, minlength=len(qa))
     moved_b = np.bincount(sb, minlength=len(qa))
     excess[:, s] += moved_b - moved_a
@@ -249,33 +256,41 @@ def _repair(slots: np.ndarray, costs: np.ndarray, sources: np.ndarray, counts: n
     least 2, so the repair ends."""
     K, S = counts.shape
     flat = slots.reshape(K, -1)
-    have = np.stack([np.bincount(sources[flat[t]], minlength=S) for t in range(K)])
+    # the slots' sources, small ints kept in step with the trades (not a window of int64 per
+    # trade: a loader worker pays the peak)
+    src = sources[flat].astype(np.int16 if S < 2**15 else np.int32)
+    have = np.stack([np.bincount(src[t], minlength=S) for t in range(K)])
     excess = have - counts
     pairs = [(s, s2) for s in range(S) for s2 in range(S) if s != s2]
     while excess.any():
-        if sum(_trade(flat, costs, sources, excess, s, s2) for s, s2 in pairs):
+        if sum(_trade(flat, costs, src, excess, s, s2) for s, s2 in pairs):
             continue
-        done = sum(_trade(flat, costs, sources, excess, s, s2, loose=True) for s, s2 in pairs)
+        done = sum(_trade(flat, costs, src, excess, s, s2, loose=True) for s, s2 in pairs)
         if not done:  # pragma: no cover - each column of excess sums to 0: a loose trade exists
             raise AssertionError("balance_window: the repair made no progress.")
 
 
-def _resort(slots: np.ndarray, costs: np.ndarray, keys: np.ndarray | None) -> None:
+def _resort(slots: np.ndarray, costs: np.ndarray, keys: np.ndarray | None,
+            chunk_samples: int = 1 << 18) -> None:
     """Step 4b: each step's samples sorted ascending and cut again into its M slots (in place on
     ``slots`` ``[K, M, RB]``): the repair's trades leave a sample in a slot of another band
     (a long sample traded into a short slot); sorted, every slot holds the step's RB
     neighbours. A step the repair left alone keeps its slots (one per band, ascending)."""
     K, M, RB = slots.shape
     flat = slots.reshape(K, M * RB)
-    key = costs[flat] if keys is None else keys[flat]
-    flat[:] = np.take_along_axis(flat, np.argsort(key, axis=1, kind="stable"), axis=1)
+    step = max(1, chunk_samples // (M * RB))
+    for lo in range(0, K, step):  # in chunks of steps: the temporaries stay small
+        part = flat[lo: lo + step]
+        key = costs[part] if keys is None else keys[part]
+        part[:] = np.take_along_axis(part, np.argsort(key, axis=1, kind="stable"), axis=1)
 
 
 def _deal(slots: np.ndarray, costs: np.ndarray, world_size: int, micro_batch: int,
           keys: np.ndarray | None = None, micro_batch_weight: float = 1.0,
           chunk_samples: int = 1 << 16) -> np.ndarray:
-    """Step 5: ``[K, M, R B]`` slots -> ``[K, M, R, B]`` micro-batches per rank (steps dealt in
-    chunks of about ``chunk_samples`` samples, to bound the temporaries). ``keys``:
+    """Step 5: ``[K, M, R B]`` slots -> ``[K, M, R, B]`` micro-batches per rank, written over
+    ``slots`` (steps dealt in chunks of about ``chunk_samples`` samples, to bound the
+    temporaries). ``keys``:
     :func:`radix_keys` of the samples, or None. ``micro_batch_weight``: see :func:`_even_out`.
 
     Each slot must be ascending (:func:`_resort`). A step's M B tuples (R neighbours of a slot
@@ -283,7 +298,6 @@ def _deal(slots: np.ndarray, costs: np.ndarray, world_size: int, micro_batch: in
     running cost of the step; then :func:`_even_out`."""
     K, M, RB = slots.shape
     R, B = world_size, micro_batch
-    out = np.empty((K, M, R, B), dtype=np.int64)
     step = max(1, chunk_samples // (M * RB))
     for lo in range(0, K, step):
         flat = slots[lo: lo + step].reshape(-1, RB)  # [n M, RB], each slot ascending
@@ -292,7 +306,7 @@ def _deal(slots: np.ndarray, costs: np.ndarray, world_size: int, micro_batch: in
         value = costs[tuples]
         # widest tuple first: the later, narrower ones even out what it leaves
         order = np.argsort(value[:, :, -1] - value[:, :, 0], axis=1, kind="stable")
-        part = out[lo: lo + step]
+        part = np.empty((n, M, R, B), dtype=np.int64)
         totals = np.zeros((n, R))
         rows = np.arange(n)[:, None]
         for i in range(M * B):
@@ -304,7 +318,8 @@ def _deal(slots: np.ndarray, costs: np.ndarray, world_size: int, micro_batch: in
         # swaps within a micro-batch index first (they keep each index's lengths), then any
         _even_out(part, costs, totals, micro_batch_weight, same_index=True)
         _even_out(part, costs, totals, micro_batch_weight, tolerance=CROSS_TOLERANCE)
-    return out
+        slots[lo: lo + step] = part.reshape(n, M, RB)  # in place: no second window of ids
+    return slots.reshape(K, M, R, B)
 
 
 def _top2(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
