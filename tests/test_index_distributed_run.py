@@ -1,5 +1,6 @@
 """``energon-ordering index`` under real torchrun (gloo): two processes, a process killed mid-build
-and the rerun that reuses the finished part, and two torchrun agents with a c10d rendezvous
+and the rerun (``build_length_index`` in a training script's process group) that reuses the
+finished part, and two torchrun agents with a c10d rendezvous
 building incrementally after ``energon prepare`` ran again; each index byte for byte the one a
 one-process build writes. Slow tier: each run starts torch and Energon in 2-3 processes."""
 
@@ -79,7 +80,7 @@ def _index(path: Path) -> Path:
     return path / ".nv-meta" / "energon_ordering_lengths.test_index_distributed_run.counted_words.sqlite"
 
 
-def test_two_processes_killed_and_resumed_write_the_one_process_index(tmp_path):
+def test_a_killed_build_resumed_from_a_training_script_writes_the_one_process_index(tmp_path):
     make_synthetic_dataset(tmp_path, [SourceSpec("web", 96, "short")], shard_size=16)
     web = tmp_path / "web"
     index = _index(web)
@@ -91,11 +92,15 @@ def test_two_processes_killed_and_resumed_write_the_one_process_index(tmp_path):
     assert first.returncode != 0, first.stderr[-2000:]
     assert not index.exists() and (web / ".nv-meta" / f"{index.name}.part-0-of-2").exists()
     assert _counts(killed) == {"0": 48}
+    # the rerun from a training script: build_length_index under its initialised process group
     again = _env(tmp_path)
-    second = subprocess.run(run, env=again, capture_output=True, text=True, timeout=240)
+    script = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+              "--master-port", str(_free_port()), "-m", "test_index_distributed_run", str(web)]
+    second = subprocess.run(script, env=again, capture_output=True, text=True, timeout=240)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert f"[rank 0] length index: reusing {index.name}.part-0-of-2 (48 samples of 3 shards" \
-        in second.stderr
+    assert f"length index: reusing {index.name}.part-0-of-2 (48 samples of 3 shards" \
+        in second.stdout
+    assert "rank 1: 96 samples, 96 measured" in second.stdout  # every rank returns the summary
     assert _counts(again) == {"1": 48}  # only the lost process's shards, measured again
     assert index.read_bytes() == _reference(web)
     assert not list(web.glob(".nv-meta/*.part-*"))
@@ -127,3 +132,16 @@ def test_two_agents_with_a_c10d_rendezvous_build_incrementally(tmp_path):
     assert sum(_counts(env).values()) == 10  # the new shard only: 10 of 106 samples
     assert any("measured 10 of 106 samples" in o[0] for o in outs), outs
     assert _index(web).read_bytes() == _reference(web)
+
+
+if __name__ == "__main__":  # a training script's build (the rerun above runs it under torchrun)
+    import torch.distributed as dist
+
+    import energon_ordering
+    import test_index_distributed_run as me
+
+    dist.init_process_group("gloo")
+    built = energon_ordering.build_length_index(sys.argv[1], raw_length_fn=me.counted_words,
+                                                log=print)[0]
+    print(f"rank {dist.get_rank()}: {built.summary.samples} samples, {built.measured} measured")
+    dist.destroy_process_group()

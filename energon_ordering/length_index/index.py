@@ -183,6 +183,9 @@ def dataset_uuid(dataset: Any) -> str:
 def _check_length(key: str, length: Any, computed_by: str) -> float:
     """``length`` as a float, refused unless a finite number >= 0 (NaN and negative lengths
     are refused here, when an index is built, not when it is read)."""
+    kind = type(length)
+    if (kind is float or kind is int) and 0 <= length < math.inf:  # the common case, fast
+        return float(length)
     if isinstance(length, bool) or not isinstance(length, numbers.Real) or not (
         math.isfinite(length) and length >= 0
     ):

@@ -244,8 +244,12 @@ def build_dataset(job: DatasetJob, coord: Coordinator, measure_stream: MeasureSt
     try:
         coord.wait_parts(job.tag, advance.tick)
         advance.tick(final=True)
+        wall, cpu = time.perf_counter(), time.process_time()
         outcome = _write(job, _merged_parts(job, coord))
         _remove_parts(job, log)
+        log(f"length index: merged {coord.world_size} parts, {outcome.summary.samples} samples, "
+            f"into {job.target.name} and the split's lengths file in "
+            f"{time.perf_counter() - wall:.2f} s ({time.process_time() - cpu:.2f} s CPU)")
     except BaseException as e:
         coord.merged(job.tag, str(e) or type(e).__name__)
         raise
@@ -272,8 +276,13 @@ def _own_part(job: DatasetJob, coord: Coordinator, positions: range,
         return
     if why != "absent":
         log(f"length index: not reusing {path.name}: it is {why}; measuring its shards again")
-    write_part(path, job.owner, list(shard_lengths(job, positions, measure_stream, previous,
-                                                   advance)))
+    wall, cpu = time.perf_counter(), time.process_time()
+    shards = list(shard_lengths(job, positions, measure_stream, previous, advance))
+    write_part(path, job.owner, shards)
+    measured = sum(len(s.keys) for s in shards if s.measured)
+    log(f"length index: wrote {path.name}: {sum(len(s.keys) for s in shards)} samples of "
+        f"{len(shards)} shards, {measured} measured, in {time.perf_counter() - wall:.2f} s "
+        f"({time.process_time() - cpu:.2f} s CPU of this process)")
 
 
 def _remove_parts(job: DatasetJob, log: Callable[[str], None]) -> None:
