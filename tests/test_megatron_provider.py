@@ -72,6 +72,18 @@ def test_finite_data_with_rampup_is_refused(small_dataset):
                                               repeat=False)
 
 
+def test_finite_data_over_a_weighted_blend_is_refused_naming_blend_epochized(tmp_path, mpu):
+    """Energon draws a `blend` by weight forever; with repeat=False it only asserted."""
+    from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
+
+    weighted = make_synthetic_dataset(tmp_path, [SourceSpec("web", 16, "short"), SourceSpec("code", 16, "short")],
+                                      shard_size=8)
+    with pytest.raises(OrderingConfigError, match=r"repeat=False \(finite data\): --data-path .*metadataset.yaml "
+                                                  r"blends its training split by `weight`.*`blend_epochized`"):
+        train_valid_test_dataloaders_provider(None, SyntheticTaskEncoder(), args=_args(weighted),
+                                              repeat=False)
+
+
 def test_the_provider_accepts_vp_stage():
     # megatron/training/training.py asserts this with virtual pipeline parallelism
     assert "vp_stage" in inspect.signature(train_valid_test_dataloaders_provider).parameters

@@ -689,18 +689,28 @@ def train_valid_test_dataloaders_provider(
     decode: dict[str, Any] = {}
     if image_decode is not None and getattr(task_encoder, "decoder", None) is DefaultTaskEncoder.decoder:
         decode["image_decode"] = image_decode
-    train_ds = get_train_dataset(
-        data_path,
-        batch_size=args.micro_batch_size,
-        task_encoder=task_encoder,
-        worker_config=worker_config,
-        max_samples_per_sequence=getattr(args, "max_samples_per_sequence", 100),
-        shuffle_buffer_size=getattr(args, "shuffle_buffer_size", 100),
-        split_part="train",
-        repeat=repeat,
-        packing_buffer_size=packing_buffer_size,
-        **decode,
-    )
+    try:
+        train_ds = get_train_dataset(
+            data_path,
+            batch_size=args.micro_batch_size,
+            task_encoder=task_encoder,
+            worker_config=worker_config,
+            max_samples_per_sequence=getattr(args, "max_samples_per_sequence", 100),
+            shuffle_buffer_size=getattr(args, "shuffle_buffer_size", 100),
+            split_part="train",
+            repeat=repeat,
+            packing_buffer_size=packing_buffer_size,
+            **decode,
+        )
+    except AssertionError as e:  # Energon's bare assert (task_encoder/base.py)
+        if repeat or "Cannot blend with dataset weights" not in str(e):
+            raise
+        raise OrderingConfigError(
+            f"repeat=False (finite data): --data-path {data_path} blends its training split by "
+            "`weight`, which Energon only draws forever (\"Cannot blend with dataset weights\"). "
+            "Write the split with `blend_epochized` (each entry's `repetitions: N`) instead of "
+            "`blend`, or keep repeat=True."
+        ) from e
     train_loader = get_savable_loader(train_ds)
     _restore(train_loader, args=args, dp_rank=dp_rank)
     train_iter = OrderingDataIterator(train_loader, lockstep=not repeat, group=group, args=args,
