@@ -128,3 +128,29 @@ def test_page_runs_against_megatron(tmp_path, tag):
     assert {"get_embedding_ranks", "non_loss_data_func"} <= set(out["hooks"])  # the example's hooks
     if tag == "core_v0.19.0":
         assert out["container"] == "PretrainConfigContainer"
+
+
+@pytest.mark.py312
+@pytest.mark.skipif(importlib.util.find_spec("megatron.core.tokenizers") is None
+                    or not megatron_lm_sources.installed_core_019(),
+                    reason="needs megatron-core 0.19.x (.ci/py312)")
+def test_tokenizer_path_fix_applies_to_megatron_core(tmp_path):
+    """The page's fix for NVIDIA/Megatron-LM#3465, run on a copy of the installed
+    build_tokenizer.py: the multimodal branch gains the tokenizer path, once, and compiles."""
+    import types
+
+    import megatron.core.tokenizers.utils.build_tokenizer as bt
+
+    block = next(b for b in parse_blocks(PAGE) if "tokenizer_path = args.tokenizer_model" in b.code)
+    fix = block.code.split("<<'EOF'\n", 1)[1].rsplit("EOF", 1)[0]
+    fix = fix.replace("import pathlib, megatron.core.tokenizers.utils.build_tokenizer as bt", "import pathlib")
+    copy = tmp_path / "build_tokenizer.py"
+    copy.write_text(Path(bt.__file__).read_text())
+    for _ in range(2):  # applying it again changes nothing
+        exec(fix, {"bt": types.SimpleNamespace(__file__=str(copy))})  # noqa: S102
+    text = copy.read_text()
+    branch = text.split("elif args.tokenizer_type == 'MultimodalTokenizer':", 1)[1].split("elif", 1)[0]
+    assert branch.count("tokenizer_path = args.tokenizer_model") == 1
+    assert text.count("tokenizer_path = args.tokenizer_model") == \
+        Path(bt.__file__).read_text().count("tokenizer_path = args.tokenizer_model") + 1
+    compile(text, str(copy), "exec")
