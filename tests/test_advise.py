@@ -186,7 +186,7 @@ def test_advise_cli_prints_the_table_recommends_and_plots(advise_run):
     assert header.split() == ["order", "lost", "8*", "idle/step", "idle/mb", "pad/tok",
                               "pad/mb", "disp/mb", "disp/step", "accepted"]
     assert "idle per optimizer step at each rank count (* requested):" in out
-    assert re.search(r"order +8\* +64 +256 +1024\n", out)
+    assert re.search(r"order +8\* +64 +256 +1,024\n", out)
     for mix in ("step", "window"):
         assert re.search(rf"planned \(K=32, {mix}\) .* yes \(index\)", out)
     assert "pre-encode/keys" in out and "post-encode/encoded" in out

@@ -1,6 +1,7 @@
 """``energon-ordering inspect``: on a prepared dataset, simulated ranks with the pool off and the
 recipe's pool or planned order (and, for the demo, the planned order beside a pool), and their
-sync, padding, mix and overlap diagnostics (``inspect.png``)."""
+lost compute (straggler idle per optimizer step + padding by tokens, beside idle per micro-batch
+and the mean padding per micro-batch), mix and overlap diagnostics (``inspect.png``)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,13 @@ Definitions (DESIGN.md, "What fast and correct are measured by"):
 - cost of a micro-batch: ``sum(L + L**2 / 4096)`` over its samples (a linear term for the MLPs
   and a quadratic one for attention, with 4,096 tokens as the crossover);
 - straggler idle of a step: ``1 - mean_r(cost_r) / max_r(cost_r)`` over the data-parallel ranks,
-  i.e. the fraction of GPU time the ranks spend waiting for the slowest one; averaged over steps;
-- padding waste of a micro-batch: ``1 - sum(L) / (B * max(L))``; averaged over micro-batches;
+  i.e. the fraction of GPU time the ranks spend waiting for the slowest one; averaged over steps
+  (here a "step" is what the ranks wait at together: :func:`straggler_idle` of micro-batches is
+  the idle per micro-batch; the idle per optimizer step, each rank's micro-batches of a step
+  summed, is :func:`energon_ordering.inspect.lost_compute.idle_per_step`);
+- padding waste of a micro-batch: ``1 - sum(L) / (B * max(L))``; averaged over micro-batches
+  (:func:`padding_waste`; weighted by tokens, what the GPU computes in vain, it is
+  :func:`energon_ordering.inspect.lost_compute.padding_by_tokens`, which the reports lead with);
 - with sequence packing: packing efficiency ``real tokens / (packs * target)``, and per pack the
   histogram of its documents' sources (:func:`pack_source_histograms`); the cost of a packed
   micro-batch is the sum over its documents, so :func:`straggler_idle` takes the documents'
