@@ -29,9 +29,9 @@ FN = "test_index_distributed_run:counted_words"
 
 def counted_words(raw: dict) -> float:
     """Raw length function of the runs: the caption's words. Appends each key it measures to
-    ``$EO_COUNT/<rank>``; rank 1 kills itself with SIGKILL at its first sample when
+    ``$EO_COUNT/<rank>`` (torchrun's RANK, srun's SLURM_PROCID); rank 1 kills itself with SIGKILL at its first sample when
     ``$EO_KILL`` names rank 0's part, once that part exists (rank 0 finished its share)."""
-    rank = os.environ.get("RANK", "0")
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
     kill = os.environ.get("EO_KILL")
     if kill and rank == "1":
         deadline = time.monotonic() + 120
@@ -131,6 +131,25 @@ def test_two_agents_with_a_c10d_rendezvous_build_incrementally(tmp_path):
     assert [a.returncode for a in agents] == [0, 0], [o[1][-2000:] for o in outs]
     assert sum(_counts(env).values()) == 10  # the new shard only: 10 of 106 samples
     assert any("measured 10 of 106 samples" in o[0] for o in outs), outs
+    assert _index(web).read_bytes() == _reference(web)
+
+
+def test_srun_style_tasks_with_a_named_rendezvous_write_the_one_process_index(tmp_path):
+    """What srun starts: plain processes with SLURM_PROCID / SLURM_NTASKS / SLURM_STEP_ID, rank
+    0 hosting the rendezvous named by --rendezvous (no torchrun agent)."""
+    make_synthetic_dataset(tmp_path, [SourceSpec("web", 40, "short")], shard_size=8)
+    web = tmp_path / "web"
+    env = _env(tmp_path)
+    rendezvous = f"127.0.0.1:{_free_port()}"
+    tasks = [subprocess.Popen(
+        [sys.executable, "-m", "energon_ordering.cli", "index", str(web), "--raw-length-fn", FN,
+         "--rendezvous", rendezvous],
+        env={**env, "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [t.communicate(timeout=240) for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], [o[1][-2000:] for o in outs]
+    assert _counts(env) == {"0": 16, "1": 24}  # shards of 8: 2 and 3
+    assert "web" in outs[0][0] and outs[1][0] == ""  # rank 0 prints the table
     assert _index(web).read_bytes() == _reference(web)
 
 
