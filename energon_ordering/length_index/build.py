@@ -363,83 +363,88 @@ def build_length_index(
     if workers < 1:
         raise LengthIndexError(f"build_length_index: workers = {workers} must be >= 1.")
     coord = coordinator if coordinator is not None else Coordinator.current()
-    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
-    dataset = load_dataset(path)
-    check_split_part(dataset, path, split_part)
     try:
-        loaded = dataset.get_datasets(
-            training=False,
-            split_part=split_part,
-            worker_config=wc,
-            decoder=getattr(task_encoder, "decoder", None),
-        )
-    except EmptyDatasetError as e:
-        raise LengthIndexError(
-            f"length index of {path}: its split {show(split_part)} has no samples ({e}); index the "
-            "split you train on (--split-part train)."
-        ) from None
-    computed_by = _describe(task_encoder, raw_length_fn)
-    name = index_name(computed_by) if name is None else name
-    built: list[BuiltIndex] = []
-    seen: set[str] = set()
-    for entry in loaded.datasets:
-        factory = entry.dataset
-        label = str(getattr(factory, "path", factory))
-        if label in seen:
-            continue
-        seen.add(label)
-        t0 = time.perf_counter()
-        if len(factory) == 0:
-            raise LengthIndexError(
-                f"length index of {label}: its split {show(split_part)} has no samples; index the "
-                "split you train on (--split-part train)."
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+        dataset = load_dataset(path)
+        check_split_part(dataset, path, split_part)
+        try:
+            loaded = dataset.get_datasets(
+                training=False,
+                split_part=split_part,
+                worker_config=wc,
+                decoder=getattr(task_encoder, "decoder", None),
             )
-        raw_ds, load_fns = split_loader(DefaultTaskEncoder._load_dataset(task_encoder, entry, 0, wc))
-        measure = SampleMeasure(task_encoder, load_fns, raw_length_fn, skip_bad_samples)
-
-        def write_index(pairs: Iterator[tuple[str, float]],
-                        shards: list[tuple[str, str, int]] | None = None) -> IndexSummary:
-            summary = write_length_index(factory.path, pairs, computed_by=computed_by,
-                                         name=name, index_dir=index_dir, shards=shards)
-            if summary.samples != len(factory):
+        except EmptyDatasetError as e:
+            raise LengthIndexError(
+                f"length index of {path}: its split {show(split_part)} has no samples ({e}); "
+                "index the split you train on (--split-part train)."
+            ) from None
+        computed_by = _describe(task_encoder, raw_length_fn)
+        name = index_name(computed_by) if name is None else name
+        built: list[BuiltIndex] = []
+        seen: set[str] = set()
+        for entry in loaded.datasets:
+            factory = entry.dataset
+            label = str(getattr(factory, "path", factory))
+            if label in seen:
+                continue
+            seen.add(label)
+            t0 = time.perf_counter()
+            if len(factory) == 0:
                 raise LengthIndexError(
-                    f"length index of {label}: read {summary.samples} samples, but the dataset's "
-                    f"split {show(split_part)} has {len(factory)}; is the dataset being prepared "
-                    "again?"
+                    f"length index of {label}: its split {show(split_part)} has no samples; "
+                    "index the split you train on (--split-part train)."
                 )
-            _write_lengths_file(factory, name, index_dir)
-            return summary
+            raw_ds, load_fns = split_loader(
+                DefaultTaskEncoder._load_dataset(task_encoder, entry, 0, wc))
+            measure = SampleMeasure(task_encoder, load_fns, raw_length_fn, skip_bad_samples)
 
-        problem = index_fill_problem(raw_ds)
-        if problem is None:
-            job = _job(factory, label, raw_ds, write_index, split_part=split_part,
-                       computed_by=computed_by, name=name, index_dir=index_dir, coord=coord,
-                       tag=str(len(seen)))
-            previous = (previous_index(_previous_candidates(job.target, index_dir),
-                                       uuid=job.owner.dataset_uuid, computed_by=computed_by)
-                        if reuse else None)
-            try:
-                outcome = build_dataset(
-                    job, coord, lambda raws: _results(raws, measure, workers),
-                    previous=previous, progress=progress,
-                    log=log if log is not None else logger.info)
-            finally:
-                if previous is not None:
-                    previous.close()
-            built.append(BuiltIndex(label, outcome.summary, time.perf_counter() - t0,
-                                    outcome.skipped, outcome.measured))
-            continue
-        if coord.distributed:  # the parts need shards read by byte range
-            raise LengthIndexError(
-                f"length index of {label}: a distributed build reads each process's shards by "
-                f"byte range, but {problem}; build its index with one process."
-            )
-        advance = progress(label, len(factory)) if progress is not None else None
-        skipped: list[str] = []
-        summary = write_index(_measured(iter(raw_ds), measure, workers, advance, skipped))
-        built.append(BuiltIndex(label, summary, time.perf_counter() - t0, skipped,
-                                summary.samples))
-    return built
+            def write_index(pairs: Iterator[tuple[str, float]],
+                            shards: list[tuple[str, str, int]] | None = None) -> IndexSummary:
+                summary = write_length_index(factory.path, pairs, computed_by=computed_by,
+                                             name=name, index_dir=index_dir, shards=shards)
+                if summary.samples != len(factory):
+                    raise LengthIndexError(
+                        f"length index of {label}: read {summary.samples} samples, but the "
+                        f"dataset's split {show(split_part)} has {len(factory)}; is the dataset "
+                        "being prepared again?"
+                    )
+                _write_lengths_file(factory, name, index_dir)
+                return summary
+
+            problem = index_fill_problem(raw_ds)
+            if problem is None:
+                job = _job(factory, label, raw_ds, write_index, split_part=split_part,
+                           computed_by=computed_by, name=name, index_dir=index_dir, coord=coord,
+                           tag=str(len(seen)))
+                previous = (previous_index(_previous_candidates(job.target, index_dir),
+                                           uuid=job.owner.dataset_uuid, computed_by=computed_by)
+                            if reuse else None)
+                try:
+                    outcome = build_dataset(
+                        job, coord, lambda raws: _results(raws, measure, workers),
+                        previous=previous, progress=progress,
+                        log=log if log is not None else logger.info)
+                finally:
+                    if previous is not None:
+                        previous.close()
+                built.append(BuiltIndex(label, outcome.summary, time.perf_counter() - t0,
+                                        outcome.skipped, outcome.measured))
+                continue
+            if coord.distributed:  # the parts need shards read by byte range
+                raise LengthIndexError(
+                    f"length index of {label}: a distributed build reads each process's shards by "
+                    f"byte range, but {problem}; build its index with one process."
+                )
+            advance = progress(label, len(factory)) if progress is not None else None
+            skipped: list[str] = []
+            summary = write_index(_measured(iter(raw_ds), measure, workers, advance, skipped))
+            built.append(BuiltIndex(label, summary, time.perf_counter() - t0, skipped,
+                                    summary.samples))
+        return built
+    except BaseException as e:
+        coord.failed(str(e) or type(e).__name__)  # the other processes stop waiting
+        raise
 
 
 def _job(factory: Any, label: str, raw_ds: Any, write_index: Callable[..., IndexSummary], *,

@@ -26,7 +26,7 @@ from typing import Any
 from energon_ordering.errors import LengthIndexError, show
 from energon_ordering.length_index.launcher import Launch
 
-__all__ = ["Coordinator", "join"]
+__all__ = ["Coordinator", "join", "joined"]
 
 #: Seconds between polls of the store while a process waits.
 POLL = 0.2
