@@ -176,6 +176,21 @@ def test_restore_into_other_settings_is_refused(small_dataset, tmp_path, pg):
         next(it)
 
 
+def test_state_of_another_micro_batch_size_is_refused_naming_it(small_dataset, tmp_path, pg):
+    """Half the micro-batch size at the same global batch: refused by the state's stamp at
+    Bridge's load, naming the micro-batch size (not only a count of micro-batches)."""
+    it = _build(_provider(small_dataset, 0, allow_dataloader_restart=True), pg)
+    _keys(it, 2 * PER_STEP)
+    maybe_save_dataloader_state(None, it, 2, str(tmp_path), pg_collection=pg)
+    other = _provider(small_dataset, 0, ordering={**ORDERING, "micro_batches_per_step": 2 * PER_STEP})
+    other.micro_batch_size = MICRO_BATCH // 2
+    it = _build(other, pg)
+    with pytest.raises(StateMismatchError, match=r"batch_size: saved 4 != configured 2.*micro-batch size"):
+        maybe_load_dataloader_state(it, 2, str(tmp_path), pg_collection=pg)
+        _resume_check(other, 2)
+        next(it)
+
+
 def test_state_of_another_step_is_refused(small_dataset, tmp_path, pg):
     it = _build(_provider(small_dataset, 0, allow_dataloader_restart=True), pg)
     _keys(it, 3 * PER_STEP)
