@@ -66,6 +66,10 @@ DRIVER = textwrap.dedent("""
         out["refused"] = str(e)
     te = task_encoder_with_megatron_args("megatron_example_te:TE", {flags!r})
     build_length_index({data!r}, task_encoder=te)
+    try:  # Megatron parses once per process
+        task_encoder_with_megatron_args("megatron_example_te:TE", {flags!r})
+    except OrderingConfigError as e:
+        out["again"] = str(e)
     index = LengthIndex.open({data!r}, None, prefer=None)
     out.update(computed_by=index.computed_by, lengths=index.lengths(),
                emb=te.num_image_embeddings_per_tile)
@@ -115,6 +119,7 @@ def test_example_encoder_indexed_with_megatron_args(tmp_path, tag):
     assert "megatron_example_te:TE reads Megatron-LM's arguments" in out["no_args"]
     assert "--megatron-args" in out["no_args"] and "is not initialized" in out["no_args"]
     assert "\n" not in out["refused"]
+    assert "already set in this process" in out["again"]
     assert out["computed_by"].endswith("megatron_example_te.TE")
     # 24 samples, each weighed in model tokens: its image is Megatron's 577 embeddings per tile
     assert len(out["lengths"]) == 24 and out["emb"] == 577

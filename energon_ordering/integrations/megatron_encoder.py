@@ -135,6 +135,12 @@ def parse_megatron_args(megatron_args: str, *, extra_args_provider: ExtraArgs | 
             "(and extra_args_provider for a script's own flags)."
         ) from None
     except (AssertionError, ValueError, TypeError) as e:  # validate_args asserts
+        if "already initialized" in str(e):
+            raise OrderingConfigError(
+                f"--megatron-args: Megatron-LM's arguments are already set in this process ({e}); "
+                "they are parsed once per process: inside a training script, build the encoder "
+                "directly (TaskEncoder()) after Megatron parsed its flags."
+            ) from e
         raise OrderingConfigError(
             f"--megatron-args: Megatron-LM refused the flags: {type(e).__name__}: {e}. Give the "
             "flags your training run takes."
