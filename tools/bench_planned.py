@@ -322,10 +322,15 @@ HEADERS = ["order", "idle/micro-batch", "idle/step", "padding (tokens)", "lost c
            "share of 1 s step", "peak MiB", "targets"]
 
 
+#: plan_window_steps of the run (``--window-steps``).
+WINDOW_STEPS = [DEFAULT_WINDOW_STEPS]
+
+
 def window_steps_for(R: int, M: int, b: int, plan_only: bool) -> int:
+    k = WINDOW_STEPS[0]
     if not plan_only:
-        return DEFAULT_WINDOW_STEPS
-    return int(max(1, min(DEFAULT_WINDOW_STEPS, PLAN_ONLY_WINDOW_SAMPLES // (R * M * b))))
+        return k
+    return int(max(1, min(k, PLAN_ONLY_WINDOW_SAMPLES // (R * M * b))))
 
 
 def padded_table(name, lengths, weights, pop, R, M, windows, dataset_samples,
@@ -405,13 +410,15 @@ def packed_table(name, lengths, weights, R, M, windows, cap,
 @click.option("--mixes", "mix_names", default="trimodal,demo,heavy", help="Mixes to run.")
 @click.option("--windows", type=int, default=None,
               help="Plan windows per setting (default 2; --quick 1).")
+@click.option("--window-steps", type=int, default=DEFAULT_WINDOW_STEPS,
+              help="plan_window_steps K (the plan-only shapes shrink it to fit their window).")
 @click.option("--cap", type=int, default=8192, help="Tokens per pack (pack_seq_length).")
 @click.option("--samples", type=int, default=2_000_000, help="Samples per mix.")
 @click.option("--dataset-samples", type=int, default=10_000_000,
               help="Dataset size that bounds the pools the package accepts.")
 def main(quick: bool, ranks: str | None, micro_batches: str | None,
-         plan_only_ranks: str | None, only: str, mix_names: str, windows: int | None, cap: int,
-         samples: int, dataset_samples: int) -> None:
+         plan_only_ranks: str | None, only: str, mix_names: str, windows: int | None,
+         window_steps: int, cap: int, samples: int, dataset_samples: int) -> None:
     """Planned step / window vs batch pools vs global sort vs the free-dealing bound."""
     wall0, cpu0 = time.perf_counter(), time.process_time()
     click.echo("$ " + shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
@@ -422,8 +429,9 @@ def main(quick: bool, ranks: str | None, micro_batches: str | None,
                                   ("" if quick else ",".join(map(str, PLAN_ONLY_RANKS))))
                  .split(",") if x]
     windows = windows or (1 if quick else 2)
+    WINDOW_STEPS[0] = window_steps
     click.echo(f"micro-batch {BATCH} (padded) or one pack of {cap:,} tokens (packed); "
-               f"plan_window_steps {DEFAULT_WINDOW_STEPS} ({PLAN_ONLY_WINDOW_SAMPLES:,} samples "
+               f"plan_window_steps {window_steps} ({PLAN_ONLY_WINDOW_SAMPLES:,} samples "
                f"a window at most at the plan-only shapes); {windows} window(s) per setting; "
                f"pools: a loader worker's share of {dataset_samples:,} samples over R x "
                f"{WORKERS} workers at most")

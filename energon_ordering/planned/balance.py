@@ -48,7 +48,9 @@ The algorithm (:func:`balance_window`), all deterministic given the inputs:
 Why a window and not a step: sorting one step's G samples gives slots spanning 1/M of the cost
 range, which either unbalances the ranks (a rank gets B neighbours) or pads (a rank gets one
 sample per tuple across the slot); K steps narrow every slot K times for the same exact
-per-step mix. ``tools/bench_planned.py`` measures both (K = 1 is the per-step sort).
+per-step mix (padding by tokens falls about as 1 / (K M): at M = 2, K = 32 pads 3.3% of a
+trimodal mix's tokens, K = 64 1.7%). ``tools/bench_planned.py`` measures the plans against the
+free-dealing bound, the pools and the global sort (``--window-steps`` for K).
 """
 
 from __future__ import annotations
