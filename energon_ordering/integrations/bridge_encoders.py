@@ -35,8 +35,9 @@ What the ordering does with them: the post-encode length pool (``length_sort_poo
 mixture schedules, cross-rank seeds and exact resume. Refused with a built-in encoder (its samples
 are conversations, not token sequences, so the package's cutters and packers have nothing to cut
 or pack): ``seq_length_warmup``, ``packing_buffer_size`` (use Bridge's
-``enable_in_batch_packing``) and ``length_sort_placement = "pre-encode"`` (needs a length index
-computed by the encoder, which the index command cannot construct from a processor path).
+``enable_in_batch_packing``) and ``length_sort_placement = "pre-encode"`` (only the post-encode
+pool is supported with them; their length index, built from Python with
+:func:`build_builtin_encoder` and ``build_length_index``, serves ``advise`` and ``inspect``).
 
 With loader workers (``num_workers > 0``), set ``TOKENIZERS_PARALLELISM=false`` if the processor's
 tokenizer runs in the training process before the workers start: Hugging Face tokenizers' thread
@@ -194,8 +195,9 @@ def check_builtin_ordering(config: OrderingConfig, task_config: Any) -> None:
          "which the built-in encoders do not have; use the provider's "
          "enable_in_batch_packing=True (Bridge's in-batch packing) instead"),
         ("length_sort_placement", config.length_sort_placement != "post-encode",
-         "a pre-encode pool sorts by a length index computed by the encoder, which the index "
-         "command cannot construct from a processor path; use length_sort_placement: post-encode"),
+         "only the post-encode pool is supported with Bridge's built-in encoders (their length "
+         "index, from build_builtin_encoder + build_length_index, serves advise and inspect); use "
+         "length_sort_placement: post-encode"),
     ]
     for field, refused, why in refusals:
         if refused:
