@@ -42,9 +42,10 @@ report, and the run never fails on them. The loader worker's share of planning o
 pipelines, and memory at index sizes 10^6-10^8, are ``tools/bench_planned_scale.py``'s.
 
 Usage:
-    python tools/bench_planned.py --quick     # 8 and 1,024 ranks, M 2 and 8 (a few minutes)
+    python tools/bench_planned.py --quick     # 8 and 1,024 ranks, M 2 and 8 (3.5 min of CPU)
     python tools/bench_planned.py             # every shape, 16,384 ranks plan only
     python tools/bench_planned.py --only packed --ranks 8,64
+    python tools/bench_planned.py --ranks '' --plan-only-ranks 16384   # 16,384 ranks alone
 """
 
 from __future__ import annotations
@@ -400,8 +401,8 @@ def packed_table(name, lengths, weights, R, M, windows, cap,
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--quick", is_flag=True, help="8 and 1,024 ranks, M 2 and 8, one window each.")
-@click.option("--ranks", default=None, help="Data-parallel sizes (default: 2,8,64,1024; "
-              "--quick: 8,1024).")
+@click.option("--ranks", default=None, help="Data-parallel sizes, or '' for none (default: "
+              "2,8,64,1024; --quick: 8,1024).")
 @click.option("--micro-batches", "micro_batches", default=None,
               help="Micro-batches per step (default: 1,2,8; --quick: 2,8).")
 @click.option("--plan-only-ranks", default=None,
@@ -422,8 +423,9 @@ def main(quick: bool, ranks: str | None, micro_batches: str | None,
     """Planned step / window vs batch pools vs global sort vs the free-dealing bound."""
     wall0, cpu0 = time.perf_counter(), time.process_time()
     click.echo("$ " + shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
-    rs = [int(x) for x in (ranks or ("8,1024" if quick else ",".join(map(str, RANKS))))
-          .split(",") if x]
+    if ranks is None:
+        ranks = "8,1024" if quick else ",".join(map(str, RANKS))
+    rs = [int(x) for x in ranks.split(",") if x]
     ms = [int(x) for x in (micro_batches or ("2,8" if quick else "1,2,8")).split(",") if x]
     plan_only = [int(x) for x in (plan_only_ranks if plan_only_ranks is not None else
                                   ("" if quick else ",".join(map(str, PLAN_ONLY_RANKS))))

@@ -359,6 +359,8 @@ def _even_out(part: np.ndarray, costs: np.ndarray, totals: np.ndarray,
     MB = M * B
     rep = np.repeat(np.arange(M), B)
     active = np.arange(n)
+    # [n, M, R] micro-batch costs, kept in step with the swaps (not gathered every round)
+    mb = costs[part].sum(axis=3) if micro_batch_weight else None
     for _ in range(rounds):
         if not len(active):
             return
@@ -368,12 +370,19 @@ def _even_out(part: np.ndarray, costs: np.ndarray, totals: np.ndarray,
         active, t = active[uneven], t[uneven]
         if not len(active):
             return
-        order = np.argsort(t, axis=1, kind="stable")
-        a, b = order[:, ::-1][:, :P], order[:, :P]  # [n, P]: i-th costliest, i-th cheapest
         rows = np.arange(len(active))[:, None]
+        if R > 2 * P:  # the P costliest and P cheapest ranks, in O(R)
+            top = np.argpartition(t, R - P, axis=1)[:, R - P:]
+            low = np.argpartition(t, P, axis=1)[:, :P]
+            a = np.take_along_axis(top, np.argsort(-t[rows, top], axis=1, kind="stable"), axis=1)
+            b = np.take_along_axis(low, np.argsort(t[rows, low], axis=1, kind="stable"), axis=1)
+            # the rank below the P costliest: a pair's costlier rank cannot usefully drop below
+            floor = np.partition(t, R - P - 1, axis=1)[:, R - P - 1]
+        else:
+            order = np.argsort(t, axis=1, kind="stable")
+            a, b = order[:, ::-1][:, :P], order[:, :P]  # [n, P]: i-th costliest, i-th cheapest
+            floor = np.full(len(active), -np.inf)
         la, lb = t[rows, a], t[rows, b]
-        # the rank above the pairs: a pair's costlier rank cannot usefully drop below it
-        floor = t[rows[:, 0], order[:, -P - 1]] if R > 2 * P else np.full(len(active), -np.inf)
         ca = costs[part[active[:, None], :, a, :]]  # [n, P, M, B]
         cb = costs[part[active[:, None], :, b, :]]
         top_a, wo_a = _top2(ca)
@@ -396,7 +405,7 @@ def _even_out(part: np.ndarray, costs: np.ndarray, totals: np.ndarray,
                         -np.inf)
         if micro_batch_weight:
             # how far the cheaper rank's micro-batch rises above the costliest of its index
-            mb_peak = costs[part[active]].sum(axis=3).max(axis=2)  # [n, M]
+            mb_peak = mb[active].max(axis=2)  # [n, M]
             over = (rep_b + x - y) - mb_peak[:, None, None, rep]
             gain -= micro_batch_weight * R * np.maximum(over, 0.0)
         if same_index:
@@ -414,6 +423,9 @@ def _even_out(part: np.ndarray, costs: np.ndarray, totals: np.ndarray,
         delta = costs[sa] - costs[sb]
         totals[steps_, ra] -= delta
         totals[steps_, rb] += delta
+        if mb is not None:
+            np.add.at(mb, (steps_, pm, ra), -delta)
+            np.add.at(mb, (steps_, qm, rb), delta)
         active = active[step_ok]
 
 
