@@ -201,3 +201,15 @@ def test_an_elastic_resume_inside_the_warmup_keeps_each_steps_cuts(data, tmp_pat
                  "--cut", "2", "--steps", "8")
     assert res.exit_code == 0, res.output
     assert "optimizer steps show the model the same" in res.output
+
+
+def test_the_packaged_planned_recipe_resumes_onto_other_ranks(data):
+    """``--recipe planned`` (the packaged planned recipe, by name, as the docs show it) is what
+    ``--resume-ranks`` needs: a cut inside the first plan window, resumed on half the ranks."""
+    res = _check(data, Path("planned"), "--ranks", "4", "--resume-ranks", "2", "--cut", "3")
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith(
+        "resume check: cut at micro-batch 3 = optimizer step 3 on 4 ranks x 1 micro-batches per "
+        "step, restored from save_state_rank() onto 2 ranks x 2: the next "), res.output
+    assert res.output.endswith(
+        "each step the same ones at the same token lengths in the same packs\n"), res.output
