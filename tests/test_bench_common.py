@@ -18,7 +18,8 @@ sys.path.insert(0, str(TOOLS))
 import _bench_common as bc  # noqa: E402
 
 #: The benchmarks that must print their command line, CPU time and checks through the helpers.
-BENCHMARKS = ("bench_schedule.py", "bench_image_header.py")
+BENCHMARKS = ("bench_length_sync.py", "bench_scale.py", "bench_packing.py", "bench_schedule.py",
+              "bench_image_header.py")
 
 
 def _cost(lengths: list[float]) -> float:
@@ -43,7 +44,7 @@ def test_lost_compute_figures_per_micro_batch_per_step_and_padding_by_tokens() -
             [_cost(steps[2][r]) + _cost(steps[3][r]) for r in range(2)]]
     assert sums[0][0] == pytest.approx(sums[0][1])
     assert got["idle_step"] == pytest.approx(np.mean([1 - np.mean(s) / max(s) for s in sums]))
-    assert got["steps"] == 2
+    assert got["optimizer_steps"] == 2
     padded = real = 0.0
     for step in steps:
         for b in step:
@@ -59,7 +60,7 @@ def test_lost_compute_figures_per_micro_batch_per_step_and_padding_by_tokens() -
 def test_lost_compute_figures_partial_step_left_out() -> None:
     steps = [[[10], [20]], [[20], [10]], [[5], [50]]]
     got = bc.lost_compute_figures(steps, micro_batches_per_step=2)
-    assert got["steps"] == 1
+    assert got["optimizer_steps"] == 1
     assert got["idle_step"] == pytest.approx(0.0)
     assert np.isnan(bc.lost_compute_figures(steps, micro_batches_per_step=4)["idle_step"])
 

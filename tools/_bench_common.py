@@ -197,4 +197,20 @@ def lost_compute_figures(step_lengths: Sequence[Sequence[Sequence[float]]],
     per_step = (idle_per_step(costs[:steps * m].reshape(steps, m, ranks).transpose(0, 2, 1))
                 if steps else float("nan"))
     return {"idle_micro_batch": idle_per_micro_batch(costs[:, :, None]), "idle_step": per_step,
-            "padding_tokens": padding_by_tokens(lengths), "steps": steps}
+            "padding_tokens": padding_by_tokens(lengths), "optimizer_steps": steps}
+
+
+#: Loader keywords of every benchmark loader: Energon's watchdog stays on (its per-batch cost is
+#: part of a training loader's), with a timeout no loaded machine reaches; at its default 60 s
+#: a slow fill on a shared machine dumps every thread's stack into the benchmark's output.
+WATCHDOG: dict[str, float] = {"watchdog_timeout_seconds": 3600.0}
+
+
+@contextmanager
+def one_time(what: str) -> Iterator[Clock]:
+    """Times a step a later run with the same ``--out`` skips (writing the dataset, building its
+    length index) and prints ``(one-time: <what>: CPU .. s, wall .. s; reused by later runs)``,
+    so that the run's total can be read with and without it."""
+    with timed() as clock:
+        yield clock
+    print(f"(one-time: {what}: {clock.text()}; reused by later runs)", flush=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from _bench_common import begin, check, finish, load_dependent
+from _bench_common import WATCHDOG, begin, check, finish, load_dependent, one_time
 
 from energon_ordering import OrderingConfig
 from energon_ordering.inspect.diagnostics import switch_lag
@@ -53,18 +53,19 @@ def _dataset(out: Path) -> Path:
     meta = root / "metadataset.yaml"
     if not meta.exists():
         click.echo(f"writing a 3-source dataset to {root} (energon prepare) ...", err=True)
-        make_synthetic_dataset(
-            root,
-            [SourceSpec("web", 4000, "short"), SourceSpec("code", 4000, "medium"),
-             SourceSpec("curated", 2000, "short")],
-            shard_size=100,
-        )
+        with one_time("writing the 3-source dataset"):
+            make_synthetic_dataset(
+                root,
+                [SourceSpec("web", 4000, "short"), SourceSpec("code", 4000, "medium"),
+                 SourceSpec("curated", 2000, "short")],
+                shard_size=100,
+            )
     return meta
 
 
 def _run(meta: Path, cfg: OrderingConfig, steps: int) -> np.ndarray:
     """Per-step sample counts per source, shape [steps, 3]."""
-    loader = build_train_loader(meta, ordering=cfg, batch_size=BATCH)
+    loader = build_train_loader(meta, ordering=cfg, batch_size=BATCH, **WATCHDOG)
     it = iter(loader)
     counts = np.zeros((steps, len(SOURCES)))
     for s in range(steps):
@@ -117,6 +118,7 @@ def bench_ranks_per_step(meta: Path, ranks: int, micro_batches: int, steps: int,
                              micro_batches_per_step=micro_batches)
         t0 = time.perf_counter()
         records = run_ranks(meta, ordering=cfg, world_size=ranks, steps=steps * micro_batches,
+                            **WATCHDOG,
                             num_workers=num_workers, batch_size=BATCH)
         counts = np.zeros((steps, len(SOURCES)))
         for rank in records:
@@ -166,7 +168,7 @@ def _warmup_run(meta: Path, warmup: SeqLenWarmup | None, steps: int
     process's CPU time is the pipeline's)."""
     cfg = OrderingConfig(seq_length_warmup=warmup, length_sort_pool_size=256,
                          length_sort_mode="batch")
-    loader = build_train_loader(meta, ordering=cfg, batch_size=BATCH)
+    loader = build_train_loader(meta, ordering=cfg, batch_size=BATCH, **WATCHDOG)
     it = iter(loader)
     t0, c0 = time.perf_counter(), time.process_time()
     tokens = [sum(record_batch(next(it)).lengths) for _ in range(steps)]
