@@ -37,8 +37,9 @@ from energon_ordering.inspect.synthetic import SourceSpec
 sys.path.insert(0, str(Path(__file__).parent))
 from indexed_data import indexed_synthetic  # noqa: E402
 from test_elastic_exact import _loader, _packs_seen, _run, _seen  # noqa: E402
+from soak_budget import out_of_time, report  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 CHUNKS = 6
 CYCLES = int(os.environ.get("ELASTIC_SOAK_CYCLES", "60"))
@@ -149,10 +150,12 @@ def test_soak_elastic_chains(data, chunk):
     print(f"elastic soak seed: SOAK_SEED={SEED} (chunk {chunk}: random.Random({seed}))")
     rng = random.Random(seed)
     cycles = CYCLES // CHUNKS + (1 if chunk < CYCLES % CHUNKS else 0)
-    mismatches = []
-    for _ in range(cycles):
+    mismatches, done = [], 0
+    while done < cycles and not out_of_time(done):
         d = _draw(rng)
         problem = _cycle(data, d)
         if problem is not None:
             mismatches.append((d, problem))
+        done += 1
+    report("elastic soak", chunk, done, cycles, SEED)
     assert not mismatches, f"SOAK_SEED={SEED} chunk {chunk}: {mismatches}"

@@ -39,8 +39,9 @@ from energon_ordering.inspect.rank_simulation import (
 from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
 from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
 from energon_ordering.pool.ffd_pack import first_fit_decreasing
+from soak_budget import out_of_time, report
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 CHUNKS = 30
 CYCLES = int(os.environ.get("SOAK_CYCLES", "300"))
@@ -192,7 +193,7 @@ def test_soak_random_cut_and_resume(soak_data, chunk, tmp_path):
     rng = random.Random(seed)
     cycles = CYCLES // CHUNKS + (1 if chunk < CYCLES % CHUNKS else 0)
     done, mismatches = 0, []
-    while done < cycles:
+    while done < cycles and not out_of_time(done):
         d = _draw(rng)
         steps = d["steps"] if d["repeat"] else None
         try:
@@ -223,6 +224,7 @@ def test_soak_random_cut_and_resume(soak_data, chunk, tmp_path):
             if got != expected:
                 mismatches.append(_mismatch(d, cut, records, states[cut], got, tmp_path))
             done += 1
+    report("resume soak", chunk, done, cycles, SEED)
     assert not mismatches, f"SOAK_SEED={SEED} chunk {chunk}: mismatches {mismatches}"
 
 
