@@ -112,5 +112,6 @@ class PlanAhead:
         """Joins the job's thread, if any, and drops its value (a thread cannot be interrupted:
         it finishes the window it plans)."""
         job, self._job = self._job, None
-        if job is not None:
+        # (a generator finalised by a collection on the planning thread itself cancels too)
+        if job is not None and job.thread is not threading.current_thread():
             job.thread.join()
