@@ -164,18 +164,24 @@ class _Candidates:
         self.old = deferred  # (age, gid)
         self.used_old = 0
 
-    def take(self, count: int, age_base: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next ``count`` samples: ``(gid, age)``."""
+    def take(self, count: int, age_base: int, gid: np.ndarray, age: np.ndarray | None) -> None:
+        """The next ``count`` samples, written into ``gid`` and (unless None) ``age``
+        (``count`` long each)."""
         k = min(count, len(self.old) - self.used_old)
         part = self.old[self.used_old: self.used_old + k]
         self.used_old += k
         fresh = count - k
-        gid = draws(self.seed, self.source, self.size, self.first + self.pulled, fresh) \
-            + self.offset
-        age = age_base + self.first + self.pulled + np.arange(fresh, dtype=np.int64)
+        gid[:k] = [g for _, g in part]
+        at = self.first + self.pulled
+        for lo in range(k, count, CHUNK_SAMPLES):  # bounds the permutation's temporaries
+            n = min(CHUNK_SAMPLES, count - lo)
+            gid[lo:lo + n] = draws(self.seed, self.source, self.size, at + lo - k, n)
+        gid[k:] += self.offset
+        if age is not None:
+            age[:k] = [a for a, _ in part]
+            age[k:] = np.arange(age_base + self.first + self.pulled,
+                                age_base + self.first + self.pulled + fresh, dtype=np.int64)
         self.pulled += fresh
-        return (np.concatenate((np.array([g for _, g in part], dtype=np.int64), gid)),
-                np.concatenate((np.array([a for a, _ in part], dtype=np.int64), age)))
 
     def left_over(self) -> list[tuple[int, int]]:
         return self.old[self.used_old:]
@@ -249,7 +255,11 @@ def mix_window(lengths: Sequence[np.ndarray], *, seed: int, cursor: PlanCursor,
     for g in range(n_groups):
         steps = band_order(caps, np.flatnonzero(group_of_step == g), seed, cursor.window, K)
         band_caps = None if caps is None else np.asarray(caps, dtype=np.float64)[steps]
-        gid, age, src, L = _gather(streams, split[g], D, lengths)
+        gid, age, src, L = _gather(streams, split[g], D, lengths, caps is not None)
+        if band_caps is None:  # nothing overflows: the bands are the samples by length
+            _place(out_gid, out_len, counts, steps, gid, src, L, np.argsort(L, kind="stable"))
+            del gid, src, L
+            continue
         over = np.zeros(0, dtype=np.int64)
         for round_ in range(DEFER_ROUNDS + 1):
             slot = _sweep(L, band_caps, G)
@@ -261,20 +271,19 @@ def mix_window(lengths: Sequence[np.ndarray], *, seed: int, cursor: PlanCursor,
             deferred += list(zip(age[over].tolist(), gid[over].tolist()))
             keep = np.ones(len(gid), dtype=bool)
             keep[over] = False
-            more = _gather(streams, np.bincount(src[over], minlength=S), D, lengths)
+            more = _gather(streams, np.bincount(src[over], minlength=S), D, lengths, True)
             gid, age, src, L = (np.concatenate((a[keep], b))
                                 for a, b in zip((gid, age, src, L), more))
-        pos = np.empty(len(L), dtype=np.int64)
         if len(over):  # forced: longest into the free slot of the largest cap
             free = np.setdiff1d(np.arange(len(L)), slot[slot >= 0], assume_unique=True)
             slot[over[np.argsort(L[over], kind="stable")]] = free
-            pos[:] = np.lexsort((slot, L, slot // G))  # by band, then by length within it
+            pos = np.lexsort((slot, L, slot // G))  # by band, then by length within it
         else:
+            pos = np.empty(len(L), dtype=np.int64)
             pos[slot] = np.arange(len(L))  # the sweep's slots follow the lengths in each band
-        out_gid[steps] = gid[pos].reshape(-1, G)
-        out_len[steps] = L[pos].reshape(-1, G)
-        counts[steps] = np.stack([np.bincount(src[pos[b * G:(b + 1) * G]], minlength=S)
-                                  for b in range(len(steps))])
+        del slot, age
+        _place(out_gid, out_len, counts, steps, gid, src, L, pos)
+        del gid, src, L, pos
     left = [item for c in streams for item in c.left_over()] + deferred
     left.sort()
     nxt = PlanCursor(cursor.window + 1,
@@ -283,15 +292,39 @@ def mix_window(lengths: Sequence[np.ndarray], *, seed: int, cursor: PlanCursor,
     return out_gid, out_len, counts, nxt
 
 
+def _place(out_gid: np.ndarray, out_len: np.ndarray, counts: np.ndarray, steps: np.ndarray,
+           gid: np.ndarray, src: np.ndarray, L: np.ndarray, pos: np.ndarray) -> None:
+    """Writes band b (``pos[b G:(b + 1) G]`` of a group's samples) to step ``steps[b]``, band
+    by band (temporaries of one step, not of the window)."""
+    G = out_gid.shape[1]
+    for b, step in enumerate(np.asarray(steps).tolist()):
+        part = pos[b * G:(b + 1) * G]
+        np.take(gid, part, out=out_gid[step])
+        np.take(L, part, out=out_len[step])
+        counts[step] = np.bincount(src[part], minlength=counts.shape[1])
+
+
 def _gather(streams: list[_Candidates], counts: np.ndarray, age_base: int,
-            lengths: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
-    """The next ``counts[s]`` candidates of every source: ``(gid, age, source, length)``."""
-    parts = []
-    for s, k in enumerate(np.asarray(counts).tolist()):
-        gid, age = streams[s].take(int(k), age_base)
-        ln = np.asarray(lengths[s])[gid - streams[s].offset].astype(np.float64)
-        parts.append((gid, age, np.full(len(gid), s, dtype=np.int16), ln))
-    return tuple(np.concatenate(p) for p in zip(*parts))
+            lengths: Sequence[np.ndarray], aged: bool
+            ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
+    """The next ``counts[s]`` candidates of every source: ``(gid, age, source, length)``, each
+    written in place source by source (no per-source copies); ``age`` None unless ``aged``
+    (only a capped window defers, and only deferral reads the ages)."""
+    c = np.asarray(counts, dtype=np.int64)
+    n = int(c.sum())
+    gid = np.empty(n, dtype=np.int64)
+    age = np.empty(n, dtype=np.int64) if aged else None
+    src = np.repeat(np.arange(len(c), dtype=np.int16), c)
+    L = np.empty(n, dtype=np.float64)
+    lo = 0
+    for s, k in enumerate(c.tolist()):
+        hi = lo + k
+        streams[s].take(k, age_base, gid[lo:hi], None if age is None else age[lo:hi])
+        local = gid[lo:hi] - streams[s].offset
+        L[lo:hi] = np.asarray(lengths[s])[local]
+        del local
+        lo = hi
+    return gid, age, src, L
 
 
 def deal_bands(step_lengths: np.ndarray, *, world_size: int, micro_batch: int,
