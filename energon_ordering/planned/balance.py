@@ -144,7 +144,9 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
     del ca, cb
     value = costs[flat.ravel()[cell]]
     order = np.argsort(value, kind="stable")  # ties by candidate order
-    cell, kind, value = cell[order], kind[order], value[order]
+    cell = cell[order]  # one at a time: each old array freed before the next copy
+    kind = kind[order]
+    value = value[order]
     del order
     step = (cell // width).astype(np.int32)
     quota_a, quota_b = qa.copy(), qb.copy()
@@ -154,8 +156,14 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
     parity = 0
     while left > 0:
         if alive.sum() * 2 < len(alive):  # compact: rounds cost O(candidates left)
-            step, cell, kind, value, alive = (x[alive] for x in (step, cell, kind, value, alive))
-        live = np.flatnonzero(alive)
+            keep = alive  # one array at a time (the peak is what a loader worker pays)
+            step = step[keep]
+            cell = cell[keep]
+            kind = kind[keep]
+            value = value[keep]
+            alive = np.ones(len(value), dtype=bool)
+            del keep
+        live = np.flatnonzero(alive).astype(np.int32)  # int32 positions: the peak
         if len(live) < 2:
             break
         # runs of one kind in the merged order; at a boundary between a run of a's and a run of
@@ -169,9 +177,11 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
         bounds = np.arange(parity, len(starts) - 1, 2)
         parity ^= 1
         span = np.minimum(ends[bounds] - starts[bounds], ends[bounds + 1] - starts[bounds + 1])
-        j = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)
-        lo = live[np.repeat(ends[bounds], span) - 1 - j]
-        hi = live[np.repeat(starts[bounds + 1], span) + j]
+        j = np.arange(int(span.sum()), dtype=np.int32)
+        j -= np.repeat((np.cumsum(span) - span).astype(np.int32), span)
+        lo = live[np.repeat(ends[bounds].astype(np.int32), span) - 1 - j]
+        hi = live[np.repeat(starts[bounds + 1].astype(np.int32), span) + j]
+        del j
         gap = value[hi] - value[lo]
         ok = gap <= tolerance * np.maximum(value[hi], 1.0)
         lo, hi, gap = lo[ok], hi[ok], gap[ok]
@@ -224,22 +234,21 @@ def _swap_slots(slots: np.ndarray, bands: np.ndarray, comp: np.ndarray,
     excess (best exchange first). Slots stay whole, so no micro-batch changes: only which step
     it belongs to, and every step keeps one slot per band."""
     M, K, _ = comp.shape
+    bands_of = np.arange(M)[:, None]
     while True:
-        best, best_gain = None, 0
-        for m in range(M):
-            c = comp[m][slot_of_step[m]]  # [K, S]: the band's slot of each step
-            # step t takes t2's slot: excess[t] += delta[t, t2], excess[t2] -= delta[t, t2]
-            delta = c[None, :, :] - c[:, None, :]
-            now = np.abs(excess).sum(axis=1)
-            after = (np.abs(excess[:, None, :] + delta).sum(axis=2)
-                     + np.abs(excess[None, :, :] - delta).sum(axis=2))
-            gain = now[:, None] + now[None, :] - after
-            t, t2 = np.unravel_index(int(np.argmax(gain)), gain.shape)
-            if gain[t, t2] > best_gain:
-                best, best_gain = (m, int(t), int(t2)), int(gain[t, t2])
-        if best is None:
+        c = comp[bands_of, slot_of_step]  # [M, K, S]: each band's slot of each step
+        # step t takes t2's slot of band m: excess[t] += delta[m, t, t2], excess[t2] -= it
+        delta = c[:, None, :, :] - c[:, :, None, :]
+        now = np.abs(excess).sum(axis=1)
+        after = (np.abs(excess[None, :, None, :] + delta).sum(axis=3)
+                 + np.abs(excess[None, None, :, :] - delta).sum(axis=3))
+        gain = now[None, :, None] + now[None, None, :] - after  # [M, K, K]
+        # the first best (band, then step pair), as band by band with a strict improvement
+        flat = int(np.argmax(gain))
+        if gain.flat[flat] <= 0:
             return
-        m, t, t2 = best
+        best = np.unravel_index(flat, gain.shape)
+        m, t, t2 = (int(i) for i in best)
         d = comp[m][slot_of_step[m, t2]] - comp[m][slot_of_step[m, t]]
         excess[t] += d
         excess[t2] -= d
@@ -289,7 +298,7 @@ def _resort(slots: np.ndarray, costs: np.ndarray, keys: np.ndarray | None,
 
 def _deal(slots: np.ndarray, costs: np.ndarray, world_size: int, micro_batch: int,
           keys: np.ndarray | None = None, micro_batch_weight: float = 1.0,
-          chunk_samples: int = 1 << 16) -> np.ndarray:
+          chunk_samples: int = 1 << 18) -> np.ndarray:
     """Step 5: ``[K, M, R B]`` slots -> ``[K, M, R, B]`` micro-batches per rank, written over
     ``slots`` (steps dealt in chunks of about ``chunk_samples`` samples, to bound the
     temporaries). ``keys``:
