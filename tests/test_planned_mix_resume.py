@@ -3,7 +3,8 @@ resume as for ``"step"``, the stamp, and the mix the window holds.
 
 Real prepared datasets with length indexes, real ``get_train_dataset`` +
 ``get_savable_loader`` per simulated rank; compared by what the model sees (each sample's key
-and its tokens after the warmup's cut), with test_elastic_exact's loaders, runs and data.
+and its tokens after the warmup's cut, and the packs when packing), with test_elastic_exact's
+loaders, runs and data.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from energon_ordering import restore_state_rank
-from energon_ordering.errors import OrderingConfigError, StateMismatchError
+from energon_ordering.errors import StateMismatchError
 from energon_ordering.inspect.rank_simulation import close_loader, resume, run_with_cuts
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_elastic_exact import B, K, _seen, data  # noqa: E402,F401  (data: the fixture)
+from test_elastic_exact import B, K, _packs_seen, _seen, data  # noqa: E402,F401  (data: fixture)
 from test_elastic_exact import _loader as _any_loader  # noqa: E402
 from test_elastic_exact import _run as _any_run  # noqa: E402
 from tiers import cases  # noqa: E402
@@ -38,6 +39,8 @@ def _run(data, world_size, mbps, micro_batches, mix="window", **kw):
 
 EXACT = {
     "padded-0": dict(num_workers=0),
+    "packed-0": dict(num_workers=0, pack=True, pack_seq_length=1024),
+    "packed-2": dict(num_workers=2, pack=True, pack_seq_length=1024),
     "padded-1": dict(num_workers=1),
     "padded-2": dict(num_workers=2),
     "padded-3": dict(num_workers=3),
@@ -65,6 +68,8 @@ def test_window_mix_resumes_exactly(data, case):
 
 ELASTIC = {
     "padded": dict(),
+    "packed": dict(pack=True, pack_seq_length=1024),
+    "packed-workers": dict(pack=True, pack_seq_length=1024, num_workers=2),
     "padded-workers": dict(num_workers=2),
     "padded-3-workers": dict(num_workers=3),
 }
@@ -73,18 +78,20 @@ ELASTIC = {
 @pytest.mark.parametrize("case", cases(ELASTIC))
 def test_window_mix_elastic_resume_keeps_each_steps_samples(data, case):
     """3 ranks x 2 micro-batches saved at step 6 (inside plan window 1 and the warmup), resumed
-    on 2 ranks x 3: every step holds the uninterrupted run's samples, cut to the same lengths;
-    a state the resumed loader saves mid-step then resumes exactly."""
+    on 2 ranks x 3 (packed: 2 x 2 -> 1 x 4): every step holds the uninterrupted run's samples,
+    cut to the same lengths (packed: in the same packs); a state the resumed loader saves
+    mid-step then resumes exactly."""
     kw = dict(ELASTIC[case])
     workers = kw.pop("num_workers", 0)
-    (r1, m1), (r2, m2) = (3, 2), (2, 3)
+    (r1, m1), (r2, m2) = ((2, 2), (1, 4)) if kw.get("pack") else ((3, 2), (2, 3))
+    seen = _packs_seen if kw.get("pack") else _seen
     steps, at = 10, 6
     whole, _ = _run(data, r1, m1, steps * m1, **kw)
     _, states = _run(data, r1, m1, at * m1, save_at={at * m1}, num_workers=workers, **kw)
     n = (steps - at) * m2
     rest, saved = _run(data, r2, m2, n, state=states[at * m1], save_at={1},
                        num_workers=workers, **kw)
-    assert _seen(rest, m2) == _seen(whole, m1)[at:]
+    assert seen(rest, m2) == seen(whole, m1)[at:]
     resumed = resume(lambda: _loader(data, r2, m2, 0, workers, **kw), saved[1], n - 1)
     assert resumed == rest[0][1:]
 
@@ -106,6 +113,18 @@ def test_the_window_mix_holds_each_windows_share_and_moves_samples_between_its_s
     assert steps["window"] != steps["step"]
 
 
+def test_the_packed_window_mix_is_planned_for_the_window(data):
+    """With packing the window mix reaches plan_packed_window: each window holds each source's
+    share of the window within one sample, and the steps' packs are not the step mix's."""
+    kw = dict(pack=True, pack_seq_length=1024, seq_length_warmup=None)
+    runs = {mix: _packs_seen(_run(data, 2, 2, 8 * 2, mix=mix, **kw)[0], 2)
+            for mix in ("step", "window")}
+    assert runs["window"] != runs["step"]
+    for w in range(2):
+        keys = [k for s in runs["window"][w * K:(w + 1) * K] for p in s for k, _ in p]
+        assert abs(sum(k.startswith("web") for k in keys) - 0.7 * len(keys)) <= 1
+
+
 @pytest.mark.parametrize("saved,restored", [("step", "window"), ("window", "step")])
 def test_a_state_of_the_other_mix_is_refused_naming_both(data, saved, restored):
     """Exact (same shape) and elastic (another shape) restores both refuse it by name."""
@@ -120,11 +139,6 @@ def test_a_state_of_the_other_mix_is_refused_naming_both(data, saved, restored):
                        match=rf"planned_mix = '{saved}'.*planned_mix = '{restored}'"):
         restore_state_rank(loader, states[4])
     close_loader(loader)
-
-
-def test_packing_with_the_window_mix_is_refused_until_packs_are_planned_for_it(data):
-    with pytest.raises(OrderingConfigError, match=r"planned_mix = 'window' does not plan packs"):
-        _loader(data, 2, 2, 0, pack=True, pack_seq_length=1024)
 
 
 def test_a_state_written_before_planned_mix_restores_as_the_step_mix(data):

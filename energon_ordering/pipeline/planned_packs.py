@@ -97,11 +97,6 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
             raise OrderingConfigError(
                 "OrderingConfig.length_sort_mode = 'planned' with packing plans packs to a cap: "
                 "set OrderingConfig.pack_seq_length (Megatron: --packing-seq-length).")
-        if kwargs.get("planned_mix", "step") == "window":
-            raise OrderingConfigError(
-                "OrderingConfig.planned_mix = 'window' does not plan packs yet (the packed plan "
-                "holds each step's mix): use planned_mix = 'step' with packing, or turn "
-                "packing off (packing_buffer_size).")
         self.pack_seq_length = pack_seq_length
         self.warmup = warmup
         super().__init__(*args, warmup=warmup, **kwargs)
@@ -141,16 +136,18 @@ class PlannedPackSourceDataset(PlannedSourceDataset):
             limits = [(self._epoch + 1) * n for n in self.ids.sizes]
         weights, caps = self._step_weights(first, K), self._caps(first, K)
         inputs = stream_digest(PACKED_PLAN_VERSION, _cursor_state(cursor),
-                               hashlib.sha256(weights.tobytes()).hexdigest(), caps, limits)
+                               hashlib.sha256(weights.tobytes()).hexdigest(), caps, limits,
+                               *(("window",) if self.planned_mix == "window" else ()))
         flat = self._shared_plans(R, M, B).ids(
             cursor.window, inputs, (-1,),
             lambda: plan_packed_window(
                 self.lengths, seed=self.seed, cursor=cursor, weights=weights, caps=caps,
                 world_size=R, micro_batch=B, micro_batches_per_step=M, epoch_limits=limits,
+                mix=self.planned_mix,
             ).to_array(),
             check=lambda a: packed_plan_matches_inputs(
                 a, seed=self.seed, sizes=self.ids.sizes, cursor=cursor, weights=weights,
-                caps=caps, shape=(R, M, B), epoch_limits=limits))
+                caps=caps, shape=(R, M, B), epoch_limits=limits, mix=self.planned_mix))
         plan = PackedWindowPlan.from_array(flat, cursor)
         if self.finite and cursor.window == 0 and plan.steps == 0:
             raise OrderingConfigError(

@@ -572,7 +572,8 @@ class PlannedSourceDataset(SavableDataset[Any]):
             (-1,), plan,
             check=lambda a: window_mix_plan_problem(a, seed=self.seed, sizes=self.ids.sizes,
                                                     cursor=cursor, weights=weights,
-                                                    shape=shape))
+                                                    shape=shape, caps=caps,
+                                                    lengths=self.lengths))
         return decode_window_mix_plan(flat, cursor, shape)
 
     def _shared_plans(self, world_size: int, micro_batches: int, batch_size: int) -> SharedPlans:

@@ -9,13 +9,11 @@ another's plan (:class:`~.shared_plans.SharedPlans`) reads it from the file:
     ids [K R M B] | drawn [S] | carry [S] (float64 bits) | deferred count | deferred ids
 
 :func:`window_mix_plan_problem` checks a mapped array before it is trusted (DESIGN.md,
-contract 14): its length, the carry (recomputed from the cursor and the weights,
-:func:`~energon_ordering.planned.window_mix.window_totals`), each source's draws (the window's
-total of the source, plus what it defers, less what it placed of the earlier deferrals), the
-deferred samples (at most :data:`~energon_ordering.planned.window_mix.MAX_DEFERRED`), and the
-ids as the multiset the two cursors describe
-(:func:`~energon_ordering.planned.window.plan_samples`). Not checked: which step and rank
-holds which sample (the planner's choice), as for the step mix.
+contract 14): its layout (at most :data:`~energon_ordering.planned.window_mix.MAX_DEFERRED`
+deferred samples), then what every window-mix plan of the window holds
+(:func:`~energon_ordering.planned.plan_check.plan_matches_inputs`: the carry, each source's
+draws, the deferred samples, the caps, the ids as the multiset the two cursors describe). Not
+checked: which step and rank holds which sample (the planner's choice), as for the step mix.
 """
 
 from __future__ import annotations
@@ -25,10 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from energon_ordering.planned.cursor import PlanCursor
-from energon_ordering.planned.plan_check import plan_matches_draws
-from energon_ordering.planned.sample_ids import SampleIds
-from energon_ordering.planned.window import plan_samples
-from energon_ordering.planned.window_mix import MAX_DEFERRED, window_totals
+from energon_ordering.planned.plan_check import plan_matches_inputs
+from energon_ordering.planned.window_mix import MAX_DEFERRED
 
 __all__ = ["decode_window_mix_plan", "encode_window_mix_plan", "window_mix_plan_problem"]
 
@@ -58,15 +54,20 @@ def decode_window_mix_plan(a: np.ndarray, cursor: PlanCursor, shape: tuple[int, 
 
 def window_mix_plan_problem(a: np.ndarray, *, seed: int, sizes: Sequence[int],
                             cursor: PlanCursor, weights: np.ndarray,
-                            shape: tuple[int, int, int, int]) -> str | None:
-    """Why ``a`` is not a window-mix plan of the window at ``cursor``, or None (see the module
-    docstring for what is checked).
+                            shape: tuple[int, int, int, int],
+                            caps: Sequence[int] | None = None,
+                            lengths: Sequence[np.ndarray] | None = None) -> str | None:
+    """Why ``a`` is not a window-mix plan of the window at ``cursor``, or None: its layout,
+    then :func:`~energon_ordering.planned.plan_check.plan_matches_inputs` of its ids and next
+    cursor (see the module docstring).
 
     Args:
         a: The mapped array (int64, 1-D).
         seed: The ordering seed. sizes: Samples per source.
         cursor: The window's cursor. weights: ``[K, S]`` the window's step weights.
         shape: ``(K, R, M, B)`` of the window's plan.
+        caps: The ``[K]`` caps the window was planned under (None: none).
+        lengths: Per source, every sample's length (needed with ``caps``).
     """
     a = np.asarray(a).reshape(-1)
     n, S = int(np.prod(shape)), len(sizes)
@@ -78,20 +79,5 @@ def window_mix_plan_problem(a: np.ndarray, *, seed: int, sizes: Sequence[int],
         return (f"it holds {len(a)} values and names {D} deferred samples; a plan of {shape} "
                 f"holds {head} values and at most {MAX_DEFERRED} deferred")
     ids, nxt = decode_window_mix_plan(a, cursor, shape)
-    K, R, M, B = shape
-    totals, carry = window_totals(weights, R * M * B, cursor.carry)
-    if not np.array_equal(np.asarray(nxt.carry), np.asarray(carry)):
-        return f"its carry {list(nxt.carry)} is not the window's {carry.tolist()}"
-    split = SampleIds.of(sizes)
-    held, _ = split.split(np.asarray(cursor.deferred, dtype=np.int64))
-    later, _ = split.split(np.asarray(nxt.deferred, dtype=np.int64))
-    for s in range(S):
-        want = (cursor.drawn[s] + int(totals[s]) + int((later == s).sum())
-                - int((held == s).sum()))
-        if nxt.drawn[s] != want:
-            return (f"it draws source {s} up to {nxt.drawn[s]}, the window's total and "
-                    f"deferrals to {want}")
-    total = split.total
-    if nxt.deferred and not 0 <= min(nxt.deferred) <= max(nxt.deferred) < total:
-        return f"a deferred sample id lies outside [0, {total})"
-    return plan_matches_draws(ids, plan_samples(sizes, seed, cursor, nxt), total)
+    return plan_matches_inputs(ids, seed=seed, sizes=sizes, cursor=cursor, weights=weights,
+                               next_cursor=nxt, mix="window", caps=caps, lengths=lengths)
