@@ -22,7 +22,16 @@ the plan cursor of the window the worker is in (a few dozen bytes: window index,
 source, carry), and a stamp of the mode and :data:`~energon_ordering.planned.window.PLAN_VERSION`.
 A restore recomputes that window's plan from the cursor: nothing else is needed to continue
 exactly. The byte ranges of the current and the next micro-batch are read on a few prefetch
-threads (:data:`PREFETCH_THREADS`), so storage latency overlaps decoding and encoding.
+threads (:data:`PREFETCH_THREADS`), so storage latency overlaps decoding and encoding, and the
+worker's next window is planned on a thread while it consumes this one
+(:mod:`.plan_ahead`, :data:`PLAN_AHEAD`): no micro-batch waits for a plan at a window boundary
+(``tools/bench_planned_boundary.py``), and the order is the same.
+
+Mix granularity (``planned_mix``, :mod:`energon_ordering.planned.mix`): ``"step"`` plans each
+step with each source's share; ``"window"`` plans each window with it (each step one band of
+lengths, under the warmup's cap of the step), its next cursor carrying the samples it defers
+(``PlanCursor.deferred``, saved in the cursor only when there are any). The stamp holds it:
+a state of the other granularity is refused, naming both.
 
 Elastic resume (:meth:`PlannedSourceDataset.restore_elastic`, through
 :func:`energon_ordering.state_stamp.restore_state_rank`): every rank's state holds the same
