@@ -137,8 +137,8 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
     # candidates as int32 cells of ``flat`` (a window of them costs 17 bytes each, not 57: a
     # loader worker pays the peak)
     width = flat.shape[1]
-    ca = np.flatnonzero((src == s) & (qa > 0)[:, None]).astype(np.int32)
-    cb = np.flatnonzero((src == s2) & (qb > 0)[:, None]).astype(np.int32)
+    ca = _cells(src, s, qa)
+    cb = _cells(src, s2, qb)
     cell = np.concatenate((ca, cb))
     kind = np.concatenate((np.zeros(len(ca), dtype=bool), np.ones(len(cb), dtype=bool)))
     del ca, cb
@@ -154,35 +154,44 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
     pairs: list[np.ndarray] = []  # rows (cell a, cell b)
     tolerance = TRADE_TOLERANCE
     parity = 0
+    stale = True  # alive changed since the runs were found
+    near: list = [None, None]  # per parity: the boundary pairs (lo, hi, gap) of the runs
     while left > 0:
-        if alive.sum() * 2 < len(alive):  # compact: rounds cost O(candidates left)
-            keep = alive  # one array at a time (the peak is what a loader worker pays)
-            step = step[keep]
-            cell = cell[keep]
-            kind = kind[keep]
-            value = value[keep]
-            alive = np.ones(len(value), dtype=bool)
-            del keep
-        live = np.flatnonzero(alive).astype(np.int32)  # int32 positions: the peak
-        if len(live) < 2:
-            break
-        # runs of one kind in the merged order; at a boundary between a run of a's and a run of
-        # b's, pair them from the boundary outwards (nearest first), every other boundary per
-        # round so that no run is claimed from both sides
-        kd = kind[live]
-        starts = np.flatnonzero(np.concatenate(([True], kd[1:] != kd[:-1])))
-        ends = np.concatenate((starts[1:], [len(live)]))
-        if len(starts) < 2:
-            break
-        bounds = np.arange(parity, len(starts) - 1, 2)
+        if stale:
+            if alive.sum() * 2 < len(alive):  # compact: rounds cost O(candidates left)
+                keep = alive  # one array at a time (the peak is what a loader worker pays)
+                step = step[keep]
+                cell = cell[keep]
+                kind = kind[keep]
+                value = value[keep]
+                alive = np.ones(len(value), dtype=bool)
+                del keep
+            live = np.flatnonzero(alive).astype(np.int32)  # int32 positions: the peak
+            if len(live) < 2:
+                break
+            # runs of one kind in the merged order; at a boundary between a run of a's and a
+            # run of b's, pair them from the boundary outwards (nearest first), every other
+            # boundary per round so that no run is claimed from both sides
+            kd = kind[live]
+            starts = np.flatnonzero(np.concatenate(([True], kd[1:] != kd[:-1])))
+            del kd
+            ends = np.concatenate((starts[1:], [len(live)]))
+            if len(starts) < 2:
+                break
+            near = [None, None]
+            stale = False
+        if near[parity] is None:  # a round that trades nothing leaves the runs as they were
+            bounds = np.arange(parity, len(starts) - 1, 2)
+            span = np.minimum(ends[bounds] - starts[bounds],
+                              ends[bounds + 1] - starts[bounds + 1])
+            j = np.arange(int(span.sum()), dtype=np.int32)
+            j -= np.repeat((np.cumsum(span) - span).astype(np.int32), span)
+            lo = live[np.repeat(ends[bounds].astype(np.int32), span) - 1 - j]
+            hi = live[np.repeat(starts[bounds + 1].astype(np.int32), span) + j]
+            del j
+            near[parity] = (lo, hi, value[hi] - value[lo])
+        lo, hi, gap = near[parity]
         parity ^= 1
-        span = np.minimum(ends[bounds] - starts[bounds], ends[bounds + 1] - starts[bounds + 1])
-        j = np.arange(int(span.sum()), dtype=np.int32)
-        j -= np.repeat((np.cumsum(span) - span).astype(np.int32), span)
-        lo = live[np.repeat(ends[bounds].astype(np.int32), span) - 1 - j]
-        hi = live[np.repeat(starts[bounds + 1].astype(np.int32), span) + j]
-        del j
-        gap = value[hi] - value[lo]
         ok = gap <= tolerance * np.maximum(value[hi], 1.0)
         lo, hi, gap = lo[ok], hi[ok], gap[ok]
         if len(lo) == 0:
@@ -202,8 +211,10 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
         alive[ia] = alive[ib] = False
         pairs.append(np.stack((cell[ia], cell[ib]), axis=1))
         left -= len(ia)
+        stale = True
         # candidates of steps whose quota is used up leave the pool
-        alive &= np.where(kind, quota_b[step] > 0, quota_a[step] > 0)
+        if (quota_a[step[ia]] == 0).any() or (quota_b[step[ib]] == 0).any():
+            alive &= np.where(kind, quota_b[step] > 0, quota_a[step] > 0)
     if not pairs:
         return 0
     cells_a, cells_b = np.concatenate(pairs).T.astype(np.int64)
@@ -215,6 +226,14 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
     excess[:, s] += moved_b - moved_a
     excess[:, s2] += moved_a - moved_b
     return len(sa)
+
+
+def _cells(src: np.ndarray, source: int, quota: np.ndarray) -> np.ndarray:
+    """int32 cells (``step x width + column``, ascending) of ``source``'s samples in the steps
+    with ``quota > 0``: only those steps are scanned."""
+    rows = np.flatnonzero(quota > 0)
+    r, c = np.nonzero(src[rows] == source)
+    return (rows[r] * src.shape[1] + c).astype(np.int32)
 
 
 def _rank_within(groups: np.ndarray) -> np.ndarray:
@@ -234,26 +253,33 @@ def _swap_slots(slots: np.ndarray, bands: np.ndarray, comp: np.ndarray,
     excess (best exchange first). Slots stay whole, so no micro-batch changes: only which step
     it belongs to, and every step keeps one slot per band."""
     M, K, _ = comp.shape
-    bands_of = np.arange(M)[:, None]
-    while True:
-        c = comp[bands_of, slot_of_step]  # [M, K, S]: each band's slot of each step
-        # step t takes t2's slot of band m: excess[t] += delta[m, t, t2], excess[t2] -= it
-        delta = c[:, None, :, :] - c[:, :, None, :]
+    c = comp[np.arange(M)[:, None], slot_of_step]  # [M, K, S]: each band's slot of each step
+
+    def gains(rows: np.ndarray | slice, cols: np.ndarray | slice) -> np.ndarray:
+        """gain[m, t, t2] of step t taking t2's slot of band m (excess[t] += delta,
+        excess[t2] -= delta), for ``rows`` x ``cols`` (exact: integers)."""
         now = np.abs(excess).sum(axis=1)
-        after = (np.abs(excess[None, :, None, :] + delta).sum(axis=3)
-                 + np.abs(excess[None, None, :, :] - delta).sum(axis=3))
-        gain = now[None, :, None] + now[None, None, :] - after  # [M, K, K]
+        delta = c[:, None, cols, :] - c[:, rows, None, :]
+        after = (np.abs(excess[rows][None, :, None, :] + delta).sum(axis=3)
+                 + np.abs(excess[cols][None, None, :, :] - delta).sum(axis=3))
+        return now[rows][None, :, None] + now[cols][None, None, :] - after
+
+    gain = gains(slice(None), slice(None))  # [M, K, K]; after an exchange only its steps' rows
+    while True:                              # and columns change
         # the first best (band, then step pair), as band by band with a strict improvement
         flat = int(np.argmax(gain))
         if gain.flat[flat] <= 0:
             return
-        best = np.unravel_index(flat, gain.shape)
-        m, t, t2 = (int(i) for i in best)
+        m, t, t2 = (int(i) for i in np.unravel_index(flat, gain.shape))
         d = comp[m][slot_of_step[m, t2]] - comp[m][slot_of_step[m, t]]
         excess[t] += d
         excess[t2] -= d
         slot_of_step[m, [t, t2]] = slot_of_step[m, [t2, t]]
         slots[t, m], slots[t2, m] = bands[m, slot_of_step[m, t]], bands[m, slot_of_step[m, t2]]
+        c[m, [t, t2]] = c[m, [t2, t]]
+        both = np.array([t, t2])
+        gain[:, both, :] = gains(both, slice(None))
+        gain[:, :, both] = gains(slice(None), both)
 
 
 def _repair(slots: np.ndarray, costs: np.ndarray, sources: np.ndarray, counts: np.ndarray) -> None:
@@ -317,7 +343,8 @@ def _deal(slots: np.ndarray, costs: np.ndarray, world_size: int, micro_batch: in
         value = costs[tuples]
         # widest tuple first: the later, narrower ones even out what it leaves
         order = np.argsort(value[:, :, -1] - value[:, :, 0], axis=1, kind="stable")
-        part = np.empty((n, M, R, B), dtype=np.int64)
+        part = np.empty((n, M, R, B), dtype=slots.dtype)
+        pc = np.empty((n, M, R, B))  # the costs of ``part``, kept beside it (no gathers)
         totals = np.zeros((n, R))
         rows = np.arange(n)[:, None]
         for i in range(M * B):
@@ -325,10 +352,12 @@ def _deal(slots: np.ndarray, costs: np.ndarray, world_size: int, micro_batch: in
             m, j = q // B, q % B
             ranks = np.argsort(totals, axis=1, kind="stable")  # cheapest rank first
             part[rows, m[:, None], ranks, j[:, None]] = tuples[rows[:, 0], q]
+            pc[rows, m[:, None], ranks, j[:, None]] = value[rows[:, 0], q]
             totals[rows, ranks] += value[rows[:, 0], q]
         # swaps within a micro-batch index first (they keep each index's lengths), then any
-        _even_out(part, costs, totals, micro_batch_weight, same_index=True)
-        _even_out(part, costs, totals, micro_batch_weight, tolerance=CROSS_TOLERANCE)
+        _even_out(part, pc, totals, micro_batch_weight, same_index=True)
+        _even_out(part, pc, totals, micro_batch_weight, tolerance=CROSS_TOLERANCE)
+        del pc
         slots[lo: lo + step] = part.reshape(n, M, RB)  # in place: no second window of ids
     return slots.reshape(K, M, R, B)
 
@@ -344,12 +373,13 @@ def _top2(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return top[..., 0], without
 
 
-def _even_out(part: np.ndarray, costs: np.ndarray, totals: np.ndarray,
+def _even_out(part: np.ndarray, part_costs: np.ndarray, totals: np.ndarray,
               micro_batch_weight: float = 1.0, rounds: int = EVEN_OUT_ROUNDS,
               pairs: int = EVEN_OUT_PAIRS, same_index: bool = False,
               tolerance: float = EVEN_TOLERANCE) -> None:
     """Step 6: lowers each step's costliest ranks by swaps (in place on ``part`` ``[n, M, R,
-    B]`` and ``totals`` ``[n, R]``).
+    B]``, its samples' costs ``part_costs`` (the same shape, swapped along with it: no gathers
+    from the window's costs) and ``totals`` ``[n, R]``).
 
     The dealing leaves a step's excess on the ranks that took an outlier (a sample far above
     the rest of its slot, which the narrower tuples cannot offset). Each round, in every step
@@ -369,7 +399,8 @@ def _even_out(part: np.ndarray, costs: np.ndarray, totals: np.ndarray,
     rep = np.repeat(np.arange(M), B)
     active = np.arange(n)
     # [n, M, R] micro-batch costs, kept in step with the swaps (not gathered every round)
-    mb = costs[part].sum(axis=3) if micro_batch_weight else None
+    pc = part_costs
+    mb = pc.sum(axis=3) if micro_batch_weight else None
     for _ in range(rounds):
         if not len(active):
             return
@@ -392,8 +423,8 @@ def _even_out(part: np.ndarray, costs: np.ndarray, totals: np.ndarray,
             a, b = order[:, ::-1][:, :P], order[:, :P]  # [n, P]: i-th costliest, i-th cheapest
             floor = np.full(len(active), -np.inf)
         la, lb = t[rows, a], t[rows, b]
-        ca = costs[part[active[:, None], :, a, :]]  # [n, P, M, B]
-        cb = costs[part[active[:, None], :, b, :]]
+        ca = pc[active[:, None], :, a, :]  # [n, P, M, B]
+        cb = pc[active[:, None], :, b, :]
         top_a, wo_a = _top2(ca)
         top_b, wo_b = _top2(cb)
         sum_a, sum_b = ca.sum(axis=3), cb.sum(axis=3)
@@ -429,7 +460,9 @@ def _even_out(part: np.ndarray, costs: np.ndarray, totals: np.ndarray,
         (pm, pi), (qm, qj) = np.divmod(bb // MB, B), np.divmod(bb % MB, B)
         sa, sb = part[steps_, pm, ra, pi], part[steps_, qm, rb, qj]
         part[steps_, pm, ra, pi], part[steps_, qm, rb, qj] = sb, sa
-        delta = costs[sa] - costs[sb]
+        va, vb = pc[steps_, pm, ra, pi], pc[steps_, qm, rb, qj]
+        pc[steps_, pm, ra, pi], pc[steps_, qm, rb, qj] = vb, va
+        delta = va - vb
         totals[steps_, ra] -= delta
         totals[steps_, rb] += delta
         if mb is not None:
@@ -468,7 +501,8 @@ def balance_window(
             bound on heavy tails too, at several times the idle per micro-batch.
 
     Returns:
-        ``[K, M, R, B]`` int64 positions into ``costs``: step, micro-batch, rank, sample.
+        ``[K, M, R, B]`` positions into ``costs`` (int32 below 2^31 samples, else int64):
+        step, micro-batch, rank, sample.
     """
     costs = np.asarray(costs, dtype=np.float64)
     sources = np.asarray(sources, dtype=np.int64)
@@ -494,7 +528,8 @@ def balance_window(
     total = np.maximum(counts.sum(axis=0), 1).astype(np.float64)
     seen = np.zeros(S)
     have = np.zeros((K, S))
-    slots = np.empty((K, M, RB), dtype=np.int64)
+    # int32 positions where they fit: the slots live through the repair, the peak
+    slots = np.empty((K, M, RB), dtype=np.int32 if len(costs) < 2**31 else np.int64)
     slot_of_step = np.empty((M, K), dtype=np.int64)
     for m in range(M):
         seen += comp[m].sum(axis=0)
@@ -528,7 +563,7 @@ def deal_step(lengths: np.ndarray, *, world_size: int, micro_batch: int,
         micro_batches_per_step: M.
 
     Returns:
-        ``[M, R, B]`` int64 positions into ``lengths``.
+        ``[M, R, B]`` positions into ``lengths`` (int32).
     """
     lengths = np.asarray(lengths)
     n = len(lengths)
