@@ -295,7 +295,7 @@ def _repair(slots: np.ndarray, costs: np.ndarray, sources: np.ndarray, counts: n
     flat = slots.reshape(K, -1)
     # the slots' sources, small ints kept in step with the trades (not a window of int64 per
     # trade: a loader worker pays the peak)
-    src = sources[flat].astype(np.int16 if S < 2**15 else np.int32)
+    src = sources.astype(np.int16 if S < 2**15 else np.int32)[flat]  # gathers from 2 MiB
     have = np.stack([np.bincount(src[t], minlength=S) for t in range(K)])
     excess = have - counts
     pairs = [(s, s2) for s in range(S) for s2 in range(S) if s != s2]
@@ -429,35 +429,48 @@ def _even_out(part: np.ndarray, part_costs: np.ndarray, totals: np.ndarray,
         top_b, wo_b = _top2(cb)
         sum_a, sum_b = ca.sum(axis=3), cb.sum(axis=3)
         pad_a, pad_b = B * top_a - sum_a, B * top_b - sum_b  # [n, P, M]
-        # candidate: x = a's (m, i) for y = b's (m', j); axes [n, P, m i, m' j]
-        x = ca.reshape(*ca.shape[:2], MB)[..., :, None]
-        y = cb.reshape(*cb.shape[:2], MB)[..., None, :]
-        rep_a, rep_b = sum_a[..., rep][..., None], sum_b[..., rep][..., None, :]
-        new_pad_a = B * np.maximum(wo_a.reshape(*x.shape[:3], 1), y) - (rep_a - x + y)
-        new_pad_b = B * np.maximum(wo_b.reshape(*y.shape[:2], 1, MB), x) - (rep_b + x - y)
-        added = ((new_pad_a - pad_a[..., rep][..., None])
-                 + (new_pad_b - pad_b[..., rep][..., None, :]))
-        peak = np.maximum(np.maximum(la[..., None, None] - x + y, lb[..., None, None] + x - y),
-                          floor[:, None, None, None])
+        if same_index:  # candidate: x = a's (m, i) for y = b's (m, j); axes [n, P, m, i, j]
+            x, y = ca[..., :, None], cb[..., None, :]
+            wa, wb = wo_a[..., :, None], wo_b[..., None, :]
+            rep_a, rep_b = sum_a[..., None, None], sum_b[..., None, None]
+            pa, pb = pad_a[..., None, None], pad_b[..., None, None]
+        else:  # candidate: x = a's (m, i) for y = b's (m', j); axes [n, P, m i, m' j]
+            x = ca.reshape(*ca.shape[:2], MB)[..., :, None]
+            y = cb.reshape(*cb.shape[:2], MB)[..., None, :]
+            wa, wb = wo_a.reshape(*x.shape[:3], 1), wo_b.reshape(*y.shape[:2], 1, MB)
+            rep_a, rep_b = sum_a[..., rep][..., None], sum_b[..., rep][..., None, :]
+            pa, pb = pad_a[..., rep][..., None], pad_b[..., rep][..., None, :]
+        extra = (1,) * (x.ndim - 2)
+        la_, lb_ = la.reshape(la.shape + extra), lb.reshape(lb.shape + extra)
+        new_pad_a = B * np.maximum(wa, y) - (rep_a - x + y)
+        new_pad_b = B * np.maximum(wb, x) - (rep_b + x - y)
+        added = (new_pad_a - pa) + (new_pad_b - pb)
+        del new_pad_a, new_pad_b
+        peak = np.maximum(np.maximum(la_ - x + y, lb_ + x - y),
+                          floor.reshape((-1,) + (1,) * (x.ndim - 1)))
         # never raise the pair's costlier rank: a swap may trade idle for less padding only
         # where it costs no idle
-        gain = np.where(peak <= la[..., None, None], R * (la[..., None, None] - peak) - added,
-                        -np.inf)
+        gain = np.where(peak <= la_, R * (la_ - peak) - added, -np.inf)
         if micro_batch_weight:
             # how far the cheaper rank's micro-batch rises above the costliest of its index
             mb_peak = mb[active].max(axis=2)  # [n, M]
-            over = (rep_b + x - y) - mb_peak[:, None, None, rep]
+            mb_peak = (mb_peak[:, None, :, None, None] if same_index
+                       else mb_peak[:, None, None, rep])
+            over = (rep_b + x - y) - mb_peak
             gain -= micro_batch_weight * R * np.maximum(over, 0.0)
-        if same_index:
-            gain = np.where(rep[:, None] == rep[None, :], gain, -np.inf)
-        gain = gain.reshape(*la.shape, MB * MB)
+        # the first best swap in (m, i, m', j) order; within an index only those with m' = m
+        gain = gain.reshape(*la.shape, -1)
         best = gain.argmax(axis=2)  # [n, P]
         ok = np.take_along_axis(gain, best[..., None], axis=2)[..., 0] > 1e-9 * la
         step_ok = ok.any(axis=1)
         st, pr = np.nonzero(ok)
         steps_ = active[st]
         ra, rb, bb = a[st, pr], b[st, pr], best[st, pr]
-        (pm, pi), (qm, qj) = np.divmod(bb // MB, B), np.divmod(bb % MB, B)
+        if same_index:
+            pm, (pi, qj) = bb // (B * B), np.divmod(bb % (B * B), B)
+            qm = pm
+        else:
+            (pm, pi), (qm, qj) = np.divmod(bb // MB, B), np.divmod(bb % MB, B)
         sa, sb = part[steps_, pm, ra, pi], part[steps_, qm, rb, qj]
         part[steps_, pm, ra, pi], part[steps_, qm, rb, qj] = sb, sa
         va, vb = pc[steps_, pm, ra, pi], pc[steps_, qm, rb, qj]
