@@ -31,7 +31,7 @@ With ``--throughput N`` it also times, side by side on a real prepared dataset o
 one rank's in-process loader (Energon's own order, no pool) against the planned order at each
 data-parallel size, stepped in turns (:func:`~energon_ordering.inspect.interleaved_timing.
 time_in_turns`), and the share of the planned loader's time spent planning (the seconds inside
-``PlannedSourceDataset._window_steps`` over the wall seconds of its timed turns). A rank's
+``PlannedSourceDataset._plan_rows`` over the wall seconds of its timed turns). A rank's
 planning costs O(R) per step (the plan of every rank), its loading O(1): the share grows with R.
 With ``--node-ranks N`` the process runs N planned ranks that share their plans through
 ``ENERGON_ORDERING_PLAN_DIR`` as a node's ranks do (one plans each window, the others map it):
@@ -153,16 +153,16 @@ def _throughput(folder: Path, n: int, ranks: list[int], rounds: int,
     web = folder / "web"
     build_length_index(web, task_encoder=IndexedSyntheticTaskEncoder())
     planning = [0.0]
-    original = PlannedSourceDataset._window_steps
+    original = PlannedSourceDataset._plan_rows
 
-    def timed(self, window):
+    def timed(self, window, start):
         t = time.perf_counter()
         try:
-            return original(self, window)
+            return original(self, window, start)
         finally:
             planning[0] += time.perf_counter() - t
 
-    PlannedSourceDataset._window_steps = timed
+    PlannedSourceDataset._plan_rows = timed
     rows = []
     try:
         for R in ranks:
@@ -192,7 +192,7 @@ def _throughput(folder: Path, n: int, ranks: list[int], rounds: int,
                          f"{100 * planning[0] / planned_wall:.1f}%",
                          f"{1e3 * sum(mean_wall) / (rounds * per_turn * BATCH):.2f}"])
     finally:
-        PlannedSourceDataset._window_steps = original
+        PlannedSourceDataset._plan_rows = original
     return rows
 
 
