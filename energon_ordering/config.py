@@ -126,7 +126,7 @@ class OrderingConfig:
         pack_pool_placement: With packing and the length pool: ``"packs"`` (default; a pool of
             ``length_sort_pool_size`` packs after packing, sorted by attention cost
             ``sum(L + L^2/4096)`` and permuted with the rank-independent seed) or ``"samples"``
-            (the pool sorts samples before packing, as without packing). See README, "Packing".
+            (the pool sorts samples before packing, as without packing). See docs/concepts.md, "Sequence packing".
         length_index: Which of a dataset's length indexes the pre-encode pool sorts by (the
             ``--name`` given to ``energon-ordering index``; by default named after what computed
             it). None: the one computed by this task encoder, else the unnamed one, else the
