@@ -451,7 +451,9 @@ def main(out: str, quick: bool, samples: int | None, world_size: int,
     n_sync = samples or (8_000 if quick else 80_000)
     path = _dataset(out_dir, n_sync)
     pools = [100, 1_000] if quick else [100, 1_000, 10_000]
-    workers = [1] if quick else [1, 4]
+    # --quick: in-process ranks (0 loader workers: the same order as 1 worker, at about half the
+    # CPU time, which a worker process spends again on its start and on pickling batches)
+    workers = [0] if quick else [1, 4]
     # Micro-batches per rank of every sync run: one full pool of the largest size per rank
     # (1,000 samples with --quick, else 10,000). Every configuration runs once (section 5 reuses section 1's).
     steps = 250 if quick else 2_500
@@ -477,7 +479,7 @@ def main(out: str, quick: bool, samples: int | None, world_size: int,
             lean_pool = share
         lean = bench_lean(path, photo, world_size,
                           encoded_pool=min(200 if quick else 1_000, lean_pool),
-                          lean_pool=lean_pool, repeats=3 if quick else 8, workers=workers[0],
+                          lean_pool=lean_pool, repeats=2 if quick else 8, workers=workers[0],
                           steps=steps, micro_batches_per_step=micro_batches_per_step)
         _print_lean(lean)
         (out_dir / "lean_results.json").write_text(json.dumps(lean, indent=2))

@@ -37,7 +37,7 @@ Reported per configuration:
   warmup.
 
 Usage:
-    python tools/bench_packing.py --quick     # 8,000 samples, 150 packs per rank, 3 rounds
+    python tools/bench_packing.py --quick     # 8,000 samples, 100 packs per rank, 3 rounds
                                               # timed at the first target, no drift baseline
     python tools/bench_packing.py             # 24,000 samples, 600 packs per rank
 """
@@ -173,7 +173,7 @@ def _warmup_figures(run: dict, target: int, warm: SeqLenWarmup, warmup_steps: in
 @click.option("--warmup-start", default=512, help="Warmup start (tokens).")
 @click.option("--samples", "num_samples", default=None, type=int,
               help="Dataset size [8,000 quick, 24,000 full]; >= 8 ranks x 1,000 for the pool.")
-@click.option("--steps", default=None, type=int, help="Packs per rank measured [150 quick, 600 full].")
+@click.option("--steps", default=None, type=int, help="Packs per rank measured [100 quick, 600 full].")
 @click.option("--timed-samples", default=None, type=int,
               help="Samples per loader timed from the start [2,000 quick, 6,000 full].")
 @click.option("--rounds", default=None, type=int, help="Interleaved throughput rounds [3 quick, 8 full].")
@@ -186,7 +186,7 @@ def main(quick: bool, out: str, buffer_size: int, targets: str, warmup_steps: in
     start = begin()
     m = micro_batches_per_step
     num_samples = num_samples or (8000 if quick else 24000)
-    steps = steps or (150 if quick else 600)
+    steps = steps or (100 if quick else 600)
     timed_samples = timed_samples or (2000 if quick else 6000)
     rounds = rounds or (3 if quick else 8)
     warmup_steps = warmup_steps or steps // 2
