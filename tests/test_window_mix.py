@@ -7,6 +7,7 @@ micro-batch per step."""
 from __future__ import annotations
 
 import hashlib
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -389,15 +390,13 @@ def test_one_window_peaks_under_60_bytes_per_sample() -> None:
     most 60 bytes per sample at its peak (tracemalloc sees numpy's buffers; measured 54, and 50
     at 2^20 samples). The gather that copied every source's candidates beside a window of ages
     peaked at 68."""
-    import tracemalloc
-
     lengths = [sample_lengths(LENGTH_PROFILES["trimodal"], 400_000, 0)]
     k, r, m, b = 32, 256, 8, 4
     tracemalloc.start()
     try:
         plan_window(lengths, seed=0, cursor=PlanCursor.start(1),
-                    weights=window_weights([1.0], 0, k), window_steps=k, world_size=r, micro_batch=b, micro_batches_per_step=m,
-                    mix="window")
+                    weights=window_weights([1.0], 0, k), window_steps=k, world_size=r,
+                    micro_batch=b, micro_batches_per_step=m, mix="window")
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
