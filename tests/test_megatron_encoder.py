@@ -4,7 +4,7 @@ The example's encoder reads Megatron's args and tokenizer when constructed, so i
 from the command line without them. ``task_encoder_with_megatron_args`` parses the training flags
 with Megatron-LM's own parser and validation (core_v0.16.1: ``parse_args`` + ``validate_args`` +
 ``set_global_variables``; core_v0.19.0: ``parse_and_validate_args``), then builds the encoder,
-whose lengths ``build_length_index`` writes. Run in a subprocess per tag (a Megatron module
+whose lengths ``energon-ordering index ... --megatron-args "<flags>"`` writes (the CLI calls the same function). Run in a subprocess per tag (a Megatron module
 imported once stays imported), with the tag's sources first on PYTHONPATH as a user's checkout
 would be.
 """
@@ -51,28 +51,27 @@ DRIVER = textwrap.dedent("""
     torchvision_cpu_shim.install()
     megatron_tokenizer_path_shim.install({tok!r})  # core 0.19.2's tokenizer path (NVIDIA/Megatron-LM#3465)
     from energon_ordering.errors import OrderingConfigError
-    from energon_ordering.integrations.megatron_encoder import build_task_encoder, task_encoder_with_megatron_args
-    from energon_ordering.length_index.build import build_length_index
+    from energon_ordering.integrations.megatron_encoder import task_encoder_with_megatron_args
     from energon_ordering.length_index.index import LengthIndex
-    import megatron_example_te
+    from click.testing import CliRunner
+    from energon_ordering.cli import main as cli
     out = {{}}
-    try:  # without the flags: one line naming --megatron-args (was a raw AssertionError)
-        build_task_encoder(megatron_example_te.TE, None)
-    except OrderingConfigError as e:
-        out["no_args"] = str(e)
+    # without the flags: one Error line naming --megatron-args (was a raw AssertionError)
+    res = CliRunner().invoke(cli, ["index", {data!r}, "--task-encoder", "megatron_example_te:TE"])
+    out["no_args"] = [res.exit_code, res.output.strip().splitlines()]
     try:
         task_encoder_with_megatron_args("megatron_example_te:TE", {flags!r} + " --no-such-flag 3")
     except OrderingConfigError as e:
         out["refused"] = str(e)
-    te = task_encoder_with_megatron_args("megatron_example_te:TE", {flags!r})
-    build_length_index({data!r}, task_encoder=te)
+    res = CliRunner().invoke(cli, ["index", {data!r}, "--task-encoder", "megatron_example_te:TE",
+                                   "--megatron-args", {flags!r}])  # the documented command
+    out["cli"] = [res.exit_code, res.output[-3000:]]
     try:  # Megatron parses once per process
         task_encoder_with_megatron_args("megatron_example_te:TE", {flags!r})
     except OrderingConfigError as e:
         out["again"] = str(e)
     index = LengthIndex.open({data!r}, None, prefer=None)
-    out.update(computed_by=index.computed_by, lengths=index.lengths(),
-               emb=te.num_image_embeddings_per_tile)
+    out.update(computed_by=index.computed_by, lengths=index.lengths())
     print("RESULT " + json.dumps(out))
 """)
 
@@ -116,11 +115,15 @@ def test_example_encoder_indexed_with_megatron_args(tmp_path, tag):
     assert run.returncode == 0 and lines, run.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
     assert "unrecognized arguments: --no-such-flag 3" in out["refused"]
-    assert "megatron_example_te:TE reads Megatron-LM's arguments" in out["no_args"]
-    assert "--megatron-args" in out["no_args"] and "is not initialized" in out["no_args"]
+    code, said = out["no_args"]
+    errors = [ln for ln in said if ln.startswith("Error:")]  # (Megatron's import warnings aside)
+    assert code == 2 and len(errors) == 1 and said[-1] == errors[0]
+    assert errors[0].startswith("Error: --task-encoder megatron_example_te:TE reads Megatron-LM's arguments")
+    assert "--megatron-args" in errors[0] and "is not initialized" in errors[0]
+    assert out["cli"][0] == 0, out["cli"][1]
     assert "\n" not in out["refused"]
     assert "already set in this process" in out["again"]
     assert out["computed_by"].endswith("megatron_example_te.TE")
     # 24 samples, each weighed in model tokens: its image is Megatron's 577 embeddings per tile
-    assert len(out["lengths"]) == 24 and out["emb"] == 577
+    assert len(out["lengths"]) == 24
     assert all(length >= 577 for length in out["lengths"])

@@ -55,6 +55,9 @@ IMAGE_DECODERS = ("l8", "rgb8", "rgba8", "l", "rgb", "rgba", "torchl8", "torchrg
               help="With --raw-length-fn: first run the task encoder on N random samples of each "
                    "dataset and compare; every mismatch is listed and the build stops (exit 2) "
                    "unless --allow-mismatch.")
+@click.option("--megatron-args", default=None, metavar='"FLAGS"',
+              help="The training flags, for a task encoder that reads Megatron-LM's arguments "
+                   "when built (examples/multimodal's): parsed by Megatron's own parser first.")
 @click.option("--allow-mismatch", is_flag=True,
               help="With --verify: list the mismatches and build the index anyway.")
 @click.option("--no-reuse", is_flag=True,
@@ -73,7 +76,8 @@ def command(dataset: str, task_encoder: str | None, tokens_per_media: int,
             raw_length_fn: str | None, split_part: str, workers: int, name: str | None,
             index_dir: str | None, skip_bad_samples: bool, image_decode: str | None,
             verify: int | None, allow_mismatch: bool, no_reuse: bool, rendezvous: str | None,
-            rendezvous_timeout: float, stall_timeout: float) -> None:
+            rendezvous_timeout: float, stall_timeout: float,
+            megatron_args: str | None) -> None:
     """Build the length index of DATASET (a prepared folder or a metadataset: every dataset in
     it), for length_sort_placement = pre-encode. Written to <dataset>/.nv-meta/ (or --index-dir),
     tied to the dataset's index.uuid; run it again after `energon prepare` (shards whose content
@@ -91,7 +95,11 @@ def command(dataset: str, task_encoder: str | None, tokens_per_media: int,
         raise UserError(f"--verify {verify} compares --raw-length-fn with the task encoder; "
                         "give --raw-length-fn MODULE:FUNCTION (and --task-encoder), or drop "
                         "--verify.")
-    encoder = resolve_task_encoder(task_encoder, tokens_per_media)()
+    from energon_ordering.integrations.megatron_encoder import build_task_encoder
+
+    with user_errors():
+        encoder = build_task_encoder(resolve_task_encoder(task_encoder, tokens_per_media),
+                                     megatron_args)
     if image_decode is not None:
         from megatron.energon import SampleDecoder
 
