@@ -370,12 +370,17 @@ class OrderingTaskEncoder:
             )
             build.loads.add_length_index(index.identity())
             if index.computed_by != mine:
+                cls = type(self)
+                how = (f"in your training script with `energon_ordering.build_length_index("
+                       f"'{path}', task_encoder={cls.__qualname__}())` (an encoder defined in "
+                       "the script that runs cannot be imported by the command line)"
+                       if cls.__module__ == "__main__" else
+                       f"with `energon-ordering index {path} --task-encoder "
+                       f"{cls.__module__}:{cls.__qualname__}`")
                 warnings.warn(
                     f"length index {index.path} was computed by {index.computed_by}, not by "
-                    f"{mine}; the pool sorts by those lengths. For exact lengths build one with "
-                    f"`energon-ordering index {path} --task-encoder {type(self).__module__}:"
-                    f"{type(self).__qualname__}` (it is kept next to the others, named after "
-                    "what computed it).",
+                    f"{mine}; the pool sorts by those lengths. For exact lengths build one {how} "
+                    "(it is kept next to the others, named after what computed it).",
                     stacklevel=2,
                 )
             return index

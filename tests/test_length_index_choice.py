@@ -87,6 +87,19 @@ def test_indexes_of_several_length_functions_sit_side_by_side(ds):
         _pre_encode(ds, length_index="nope")
 
 
+def test_an_encoder_of_the_running_script_is_pointed_at_build_length_index(ds):
+    """An encoder defined in the script that runs (``__main__``, as in a ``train.py``) cannot be
+    named to ``energon-ordering index --task-encoder``: the warning names the Python call."""
+    main_encoder = type("TrainTE", (IndexedSyntheticTaskEncoder,), {"__module__": "__main__"})
+    build_length_index(ds, raw_length_fn=_double_raw, name="tok-b")
+    with pytest.warns(UserWarning) as caught:
+        close_loader(_pre_encode(ds, te=main_encoder, length_index="tok-b"))
+    text = " ".join(str(w.message) for w in caught)
+    assert (f"build one in your training script with `energon_ordering.build_length_index("
+            f"'{ds}', task_encoder=TrainTE())`") in text, text
+    assert "--task-encoder __main__" not in text
+
+
 def test_several_indexes_and_none_of_this_encoder_is_refused(ds):
     build_length_index(ds, raw_length_fn=_double_raw, name="a")
     build_length_index(ds, raw_length_fn=_double_raw, name="b")
