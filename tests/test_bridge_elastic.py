@@ -32,7 +32,7 @@ try:
 except ModuleNotFoundError:  # no megatron package at all
     _have_bridge = False
 if not _have_bridge:
-    pytest.skip("Megatron-Bridge is not installed (see the README's Megatron-Bridge section)",
+    pytest.skip("Megatron-Bridge is not installed (see docs/megatron-bridge.md)",
                 allow_module_level=True)
 
 from energon_ordering.integrations import bridge_cpu  # noqa: E402

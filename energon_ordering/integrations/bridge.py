@@ -107,12 +107,12 @@ def _missing_dependency_message(error: ImportError) -> str:
         return (
             f"energon_ordering.integrations.bridge needs Megatron-Bridge ({error}). Install it on "
             "Python 3.12 with `pip install --no-deps megatron-bridge==0.6.2 megatron-core==0.19.2` "
-            "and `pip install \"energon-ordering[bridge]\"` (see the README's Megatron-Bridge section)."
+            "and `pip install \"energon-ordering[bridge]\"` (see docs/megatron-bridge.md)."
         )
     return (
         f"energon_ordering.integrations.bridge: Megatron-Bridge is installed but its import needs "
         f"`{missing}`, which is not ({error}). `pip install \"energon-ordering[bridge]\"` installs "
-        "what Bridge's data path imports; see the README's Megatron-Bridge section."
+        "what Bridge's data path imports; see docs/megatron-bridge.md."
     )
 
 
