@@ -52,6 +52,10 @@ RECIPE_STAGES = {
         "load", "RepeatDataset", "FiniteShuffleBufferDataset", "ScheduledBlendDataset",
         "encode_sample", "LengthPoolSortDataset", "InputEndDataset", "BatchDataset", "PipelineStampDataset",
     ],
+    "planned": [
+        "PlannedSourceDataset", "encode_sample", "InputEndDataset", "BatchDataset",
+        "PipelineStampDataset",
+    ],
     "slm_350m_20b": [
         "load", "RepeatDataset", "FiniteShuffleBufferDataset", "ScheduledBlendDataset",
         "encode_sample", "PackCapDataset", "FinitePackingDataset", "PackPoolSortDataset",
