@@ -30,8 +30,11 @@ FN = "test_index_distributed_run:counted_words"
 def counted_words(raw: dict) -> float:
     """Raw length function of the runs: the caption's words. Appends each key it measures to
     ``$EO_COUNT/<rank>`` (torchrun's RANK, srun's SLURM_PROCID); rank 1 kills itself with SIGKILL at its first sample when
-    ``$EO_KILL`` names rank 0's part, once that part exists (rank 0 finished its share)."""
+    ``$EO_KILL`` names rank 0's part, once that part exists (rank 0 finished its share); the rank
+    ``$EO_FAIL`` names raises at its first sample."""
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    if os.environ.get("EO_FAIL") == rank:
+        raise RuntimeError(f"rank {rank} cannot measure")
     kill = os.environ.get("EO_KILL")
     if kill and rank == "1":
         deadline = time.monotonic() + 120
@@ -135,21 +138,47 @@ def test_two_agents_with_a_c10d_rendezvous_build_incrementally(tmp_path):
 
 
 def test_srun_style_tasks_with_a_named_rendezvous_write_the_one_process_index(tmp_path):
-    """What srun starts: plain processes with SLURM_PROCID / SLURM_NTASKS / SLURM_STEP_ID, rank
-    0 hosting the rendezvous named by --rendezvous (no torchrun agent)."""
+    """What srun starts (:func:`_srun`), no torchrun agent: rank 0 serves the store and stays
+    until rank 1 read the merge's result (it exited first, failing rank 1, before)."""
     make_synthetic_dataset(tmp_path, [SourceSpec("web", 40, "short")], shard_size=8)
     web = tmp_path / "web"
     env = _env(tmp_path)
+    outs = _srun(web, env)
+    assert [rc for rc, _, _ in outs] == [0, 0], [err[-2000:] for _, _, err in outs]
+    assert _counts(env) == {"0": 16, "1": 24}  # shards of 8: 2 and 3
+    assert "web" in outs[0][1] and outs[1][1] == ""  # rank 0 prints the table
+    assert _index(web).read_bytes() == _reference(web)
+
+
+def _srun(web: Path, env: dict[str, str], tasks: int = 2) -> list[tuple[int, str, str]]:
+    """``energon-ordering index`` as srun starts it: plain processes with SLURM_PROCID /
+    SLURM_NTASKS / SLURM_STEP_ID, rank 0 hosting the store named by --rendezvous."""
     rendezvous = f"127.0.0.1:{_free_port()}"
-    tasks = [subprocess.Popen(
+    procs = [subprocess.Popen(
         [sys.executable, "-m", "energon_ordering.cli", "index", str(web), "--raw-length-fn", FN,
          "--rendezvous", rendezvous],
-        env={**env, "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [t.communicate(timeout=240) for t in tasks]
-    assert [t.returncode for t in tasks] == [0, 0], [o[1][-2000:] for o in outs]
-    assert _counts(env) == {"0": 16, "1": 24}  # shards of 8: 2 and 3
-    assert "web" in outs[0][0] and outs[1][0] == ""  # rank 0 prints the table
+        env={**env, "SLURM_PROCID": str(r), "SLURM_NTASKS": str(tasks), "SLURM_STEP_ID": "0"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(tasks)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def test_srun_tasks_whose_store_host_fails_end_in_one_line_and_the_rerun_reuses_the_others(
+        tmp_path):
+    """Rank 0 serves the store under srun: when it fails, rank 1 still writes its part and ends
+    in one line (not the store's network error), and the rerun measures rank 0's shards only."""
+    make_synthetic_dataset(tmp_path, [SourceSpec("web", 40, "short")], shard_size=8)
+    web = tmp_path / "web"
+    failed = _env(tmp_path, EO_FAIL="0")
+    (rc0, _, err0), (rc1, _, err1) = _srun(web, failed)
+    assert (rc0, rc1) == (2, 2), (err0[-2000:], err1[-2000:])
+    assert "rank 0 cannot measure" in err0 and "Traceback" not in err0 + err1, (err0, err1)
+    assert "Error: length index:" in err1 and "DistNetworkError" not in err1.split("Error:")[0]
+    assert _counts(failed) == {"1": 24}
+    assert (web / ".nv-meta" / f"{_index(web).name}.part-1-of-2").exists()
+    again = _env(tmp_path)
+    assert [rc for rc, _, _ in _srun(web, again)] == [0, 0]
+    assert _counts(again) == {"0": 16}  # rank 1's part reused
     assert _index(web).read_bytes() == _reference(web)
 
 

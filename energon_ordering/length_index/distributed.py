@@ -32,21 +32,27 @@ __all__ = ["Coordinator", "join", "joined"]
 POLL = 0.2
 #: Seconds between two progress updates a process sends to the store.
 PUBLISH = 0.5
+#: Seconds the process serving the store waits, at its end, for the others to leave it.
+LEAVE_TIMEOUT = 60.0
 
 
 @dataclass
 class Coordinator:
     """This process's view of a build: its rank, the world size and the shared store.
 
-    A one-process build has no store (``store`` None) and never waits.
+    A one-process build has no store (``store`` None) and never waits. ``serves_store``: this
+    process hosts the store (rank 0 of a build srun started: no torchrun agent holds it), so
+    the store ends with it (:meth:`leave`).
     """
 
     rank: int = 0
     world_size: int = 1
     store: Any = None
     stall_timeout: float = 1800.0
+    serves_store: bool = False
     _pending: int = field(default=0, repr=False)
     _published: float = field(default=0.0, repr=False)
+    _store_lost: BaseException | None = field(default=None, repr=False)
 
     @classmethod
     def current(cls, stall_timeout: float = 1800.0) -> Coordinator:
@@ -82,9 +88,12 @@ class Coordinator:
             return
         self._pending += n
         now = time.monotonic()
-        if force or now - self._published >= PUBLISH:
-            self.store.add(f"{tag}/progress", self._pending)
-            self.store.add("beat", 1)
+        if self._store_lost is None and (force or now - self._published >= PUBLISH):
+            try:
+                self.store.add(f"{tag}/progress", self._pending)
+                self.store.add("beat", 1)
+            except Exception as e:  # noqa: BLE001 - rank 0 (serving the store) failed: the
+                self._store_lost = e  # part is finished all the same, for the rerun to reuse
             self._pending, self._published = 0, now
 
     def measured(self, tag: str) -> int:
@@ -97,13 +106,15 @@ class Coordinator:
         """Says that this process's part of ``tag`` is written."""
         if self.store is not None:
             self.progress(tag, 0, force=True)
+            self._raise_if_store_lost()
             self.store.add(f"{tag}/done", 1)
 
     def failed(self, message: str) -> None:
         """Tells every process that this one failed (they stop waiting and fail too)."""
         if self.store is not None:
             with contextlib.suppress(Exception):  # the store may be gone with rank 0
-                self.store.set("failed", f"rank {self.rank}: {message}")
+                if not self.store.check(["failed"]):  # the first failure is the cause
+                    self.store.set("failed", f"rank {self.rank}: {message}")
 
     def wait_parts(self, tag: str, tick: Callable[[], None] | None = None) -> None:
         """Rank 0: waits until every process wrote its part of ``tag``."""
@@ -128,11 +139,35 @@ class Coordinator:
         if self.store is not None:
             self.store.add("beat", 1)
 
+    def leave(self) -> None:
+        """Ends this process's use of the store: the others say so, and the process serving it
+        waits until they all did (at most :data:`LEAVE_TIMEOUT` seconds), since a process still
+        reading the store (rank 0's merge result) would fail once it is gone."""
+        if self.store is None:
+            return
+        if not self.serves_store:
+            with contextlib.suppress(Exception):  # the store may be gone with rank 0
+                self.store.add("left", 1)
+            return
+        deadline = time.monotonic() + LEAVE_TIMEOUT
+        while (int(self.store.add("left", 0)) < self.world_size - 1
+               and time.monotonic() < deadline):
+            time.sleep(POLL / 4)
+
+    def _raise_if_store_lost(self) -> None:
+        if self._store_lost is not None:
+            raise LengthIndexError(
+                f"length index: rank 0, which serves the build's store, is gone "
+                f"({type(self._store_lost).__name__}: {_first_line(self._store_lost)}); its own "
+                "error says why: fix that and run the build again: this process's finished part "
+                "is reused."
+            )
+
     def _wait(self, ready: Callable[[], bool], tick: Callable[[], None] | None) -> None:
         if self.store is None:
             return
         last, since = -1, time.monotonic()
-        while not ready():
+        while not self._store_answers(ready):
             if self.store.check(["failed"]):
                 raise LengthIndexError(
                     f"length index: another process failed ({self.store.get('failed').decode()}); "
@@ -150,6 +185,14 @@ class Coordinator:
             if tick is not None:
                 tick()
             time.sleep(POLL)
+
+    def _store_answers(self, ready: Callable[[], bool]) -> bool:
+        try:
+            return ready()
+        except Exception as e:  # noqa: BLE001 - the store is gone: one line, not a C++ stack
+            self._store_lost = e
+        self._raise_if_store_lost()
+        return False  # not reached
 
 
 def join(launch: Launch, timeout: float, stall_timeout: float = 1800.0) -> Coordinator:
@@ -187,7 +230,7 @@ def join(launch: Launch, timeout: float, stall_timeout: float = 1800.0) -> Coord
                             world_size=launch.world_size,
                             timeout=timedelta(seconds=max(timeout, stall_timeout)))
     return Coordinator(launch.rank, launch.world_size, dist.PrefixStore("build/", store),
-                       stall_timeout)
+                       stall_timeout, serves_store=launch.rank == 0 and not launch.agent_store)
 
 
 def _agree(store: Any, launch: Launch, timeout: float, where: str, fix: str) -> None:
@@ -258,6 +301,7 @@ def joined(launch: Launch | None, timeout: float,
     try:
         yield coord
     finally:
+        coord.leave()
         import gc
 
         import torch.distributed as dist
