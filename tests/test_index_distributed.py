@@ -5,6 +5,7 @@ real torchrun runs are in tests/test_index_distributed_run.py, slow tier)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -348,3 +349,48 @@ def test_processes_that_disagree_on_the_world_size_fail_in_one_line():
     assert "disagree on the world size: this one (rank 0) says 2 (slurm), rank 1 says 3" in str(
         errors[0])
     assert "(rank 1) says 3 (slurm), rank 0 says 2" in str(errors[1])
+
+
+def test_after_prepare_again_a_renamed_shard_keeps_its_lengths_and_a_changed_one_is_measured(
+        tmp_path):
+    """Incremental reuse is keyed by a shard's content, not its name: after one shard is
+    renamed and one caption of another rewritten, `energon prepare` again measures only the
+    rewritten shard's 16 samples, and the index equals a rebuild that measures every sample."""
+    import tarfile
+
+    from energon_ordering.inspect.synthetic import _energon_prepare
+
+    make_synthetic_dataset(tmp_path, [SourceSpec("web", 120, "short")], shard_size=16)
+    web = tmp_path / "web"
+    assert build_length_index(web, raw_length_fn=words)[0].measured == 120
+    for suffix in ("", ".idx"):
+        (web / f"shard-000004.tar{suffix}").rename(web / f"moved-000004.tar{suffix}")
+    changed = web / "shard-000003.tar"
+    with tarfile.open(changed) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    first_caption = next(m for m, _ in members if m.name.endswith(".txt"))
+    with tarfile.open(changed, "w") as tar:
+        for member, data in members:
+            if member is first_caption:
+                data = b"a rewritten caption of seven words here"
+                member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    _energon_prepare(web, "png")
+    MEASURED.clear()
+    again = build_length_index(web, raw_length_fn=words)[0]
+    assert again.measured == 16 and len(next(iter(MEASURED.values()))) == 16
+    assert {key for keys in MEASURED.values() for key in keys} == {
+        m.name.split(".")[0] for m, _ in members}  # the rewritten shard's samples, no other
+    rebuilt = build_length_index(web, raw_length_fn=words, name="rebuilt", reuse=False)[0]
+    assert rebuilt.measured == 120
+    assert _rows(again.summary.path) == _rows(rebuilt.summary.path)
+
+
+def _rows(index: Path) -> list[tuple]:
+    import sqlite3
+
+    con = sqlite3.connect(index)
+    try:
+        return con.execute("SELECT sample_key, length FROM lengths ORDER BY sample_key").fetchall()
+    finally:
+        con.close()

@@ -147,6 +147,9 @@ def test_srun_style_tasks_with_a_named_rendezvous_write_the_one_process_index(tm
     assert [rc for rc, _, _ in outs] == [0, 0], [err[-2000:] for _, _, err in outs]
     assert _counts(env) == {"0": 16, "1": 24}  # shards of 8: 2 and 3
     assert "web" in outs[0][1] and outs[1][1] == ""  # rank 0 prints the table
+    # a progress bar per process on its own stderr, and the combined one on rank 0's
+    assert "[rank 0/2]: 100%" in outs[0][2] and "[all 2 processes]: 100%" in outs[0][2]
+    assert "[rank 1/2]: 100%" in outs[1][2] and "[all 2 processes]" not in outs[1][2]
     assert _index(web).read_bytes() == _reference(web)
 
 
