@@ -44,6 +44,8 @@ CLI = [sys.executable, "-m", "energon_ordering.cli"]
     (["plan", "demo", "--global-batch-size", "0"], 2),  # out of range
     (["plan", "demo_recipe", "--global-batch-size", "8"], 2),  # no such recipe
     (["no-such-command"], 2),
+    (["index", ".", "--name", "../../evil"], 2),  # a name that would leave its folder
+    (["index", ".", "--rendezvous", "nohost"], 2),  # not HOST:PORT
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_cli_answers_without_torch_or_energon(args, exit_code):
     res, modules = _imported([*CLI, *args])

@@ -83,12 +83,13 @@ def command(dataset: str, task_encoder: str | None, tokens_per_media: int,
     tied to the dataset's index.uuid; run it again after `energon prepare` (shards whose content
     is unchanged keep their lengths). Under torchrun or srun every process measures a share of
     the shards and rank 0 writes the index."""
-    from energon_ordering.length_index.build import build_length_index, check_index_name
+    from energon_ordering.length_index.index import check_index_name  # neither torch nor Energon
     from energon_ordering.length_index.launcher import launch_from_env
 
     with user_errors():
         check_index_name(name, "--name")
         launch = launch_from_env(os.environ, rendezvous)
+    from energon_ordering.length_index.build import build_length_index
     check_dataset(dataset, "DATASET", open_train_split=False)  # the split is --split-part
     fn = import_function(raw_length_fn, "--raw-length-fn") if raw_length_fn else None
     if verify is not None and fn is None:

@@ -33,7 +33,6 @@ import dataclasses
 import inspect
 import logging
 import multiprocessing
-import re
 import time
 import warnings
 from collections import deque
@@ -56,6 +55,7 @@ from energon_ordering.length_index.distributed import Coordinator
 from energon_ordering.length_index.index import (
     IndexSummary,
     LengthIndex,
+    check_index_name,
     dataset_uuid,
     index_name,
     index_path,
@@ -72,22 +72,6 @@ from energon_ordering.pool.sample_length import default_sample_length
 __all__ = ["BuiltIndex", "build_length_index", "check_index_name", "sample_length_of"]
 
 logger = logging.getLogger(__name__)
-
-#: A length index's name: a plain part of its file's name (no folder, no leading dot).
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
-
-
-def check_index_name(name: str | None, what: str = "build_length_index: name") -> None:
-    """Raises :class:`LengthIndexError` unless ``name`` (None: the default name) is a plain
-    name: it becomes part of the index's file name, and ``../x`` or ``a/b`` would write the
-    index outside its folder. ``what`` names the argument (``--name`` on the command line)."""
-    if name is not None and (not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name)):
-        raise LengthIndexError(
-            f"{what} {show(name)} is not a plain name: it becomes part of the index's file name "
-            "(energon_ordering_lengths.<name>.sqlite), so use only letters, digits, '.', '_' and "
-            "'-', not starting with '.' (e.g. my_encoder)."
-        )
-
 
 @dataclass(frozen=True)
 class BuiltIndex:

@@ -41,6 +41,7 @@ __all__ = [
     "INDEX_FILE",
     "INDEX_VERSION",
     "LengthIndex",
+    "check_index_name",
     "dataset_uuid",
     "index_path",
     "index_name",
@@ -87,6 +88,22 @@ def _index_folder(dataset: Any, index_dir: str | Path | None) -> Path:
     if index_dir is None:
         return local_dataset_path(dataset) / ".nv-meta"
     return Path(index_dir) / dataset_uuid(dataset)
+
+
+#: A length index's name: a plain part of its file's name (no folder, no leading dot).
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+
+
+def check_index_name(name: str | None, what: str = "build_length_index: name") -> None:
+    """Raises :class:`LengthIndexError` unless ``name`` (None: the default name) is a plain
+    name: it becomes part of the index's file name, and ``../x`` or ``a/b`` would write the
+    index outside its folder. ``what`` names the argument (``--name`` on the command line)."""
+    if name is not None and (not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name)):
+        raise LengthIndexError(
+            f"{what} {show(name)} is not a plain name: it becomes part of the index's file name "
+            "(energon_ordering_lengths.<name>.sqlite), so use only letters, digits, '.', '_' and "
+            "'-', not starting with '.' (e.g. my_encoder)."
+        )
 
 
 def index_path(dataset: Any, name: str | None = None, index_dir: str | Path | None = None) -> Path:

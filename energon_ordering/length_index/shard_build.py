@@ -22,7 +22,7 @@ from typing import Any
 
 from energon_ordering.errors import LengthIndexError
 from energon_ordering.length_index.distributed import Coordinator
-from energon_ordering.length_index.index import IndexSummary, write_length_index
+from energon_ordering.length_index.index import IndexSummary
 from energon_ordering.length_index.parts import (
     PartOwner,
     ShardLengths,
