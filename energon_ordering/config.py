@@ -507,6 +507,13 @@ class OrderingConfig:
         """Loads a recipe file (a YAML mapping of settings, see ``recipes/``)."""
         path = Path(path)
         data = load_yaml(path, "OrderingConfig.from_yaml")
+        if isinstance(data, Mapping) and {"__module__", "__class__"} <= set(data):
+            raise OrderingConfigError(
+                f"OrderingConfig.from_yaml: {path} is an Energon (meta)dataset description "
+                f"(__module__ {show(data['__module__'])}, __class__ {show(data['__class__'])}), "
+                "not a recipe; pass it as the dataset (METADATASET) and the recipe (a file of "
+                "OrderingConfig settings, or a packaged recipe's name) as the recipe."
+            )
         if isinstance(data, Mapping) and isinstance(data.get("mixture_schedule"), str):
             schedule_path = Path(data["mixture_schedule"])
             if not schedule_path.is_absolute():

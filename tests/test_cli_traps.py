@@ -155,6 +155,16 @@ def test_a_mistyped_recipe_key_gets_did_you_mean(runner, tmp_path):
     assert "did you mean" not in str(e.value)
 
 
+def test_a_metadataset_given_as_the_recipe_says_which_is_which(runner, unindexed, tmp_path):
+    """The two YAML files swapped: the metadataset is named as a dataset description, not
+    listed as unknown settings (__module__, __class__, splits)."""
+    for args in (["plan", str(unindexed), "--global-batch-size", "8", "--out", str(tmp_path)],
+                 ["inspect", str(unindexed), "--recipe", str(unindexed), "--out", str(tmp_path)]):
+        line = _one_error_line(runner.invoke(main, args), "is an Energon (meta)dataset description",
+                               "pass it as the dataset (METADATASET)")
+        assert "unknown setting" not in line
+
+
 # ---- the missing length indexes ---------------------------------------------------------------
 
 
