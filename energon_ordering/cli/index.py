@@ -96,7 +96,10 @@ def command(dataset: str, task_encoder: str | None, tokens_per_media: int,
         raise UserError(f"--verify {verify} compares --raw-length-fn with the task encoder; "
                         "give --raw-length-fn MODULE:FUNCTION (and --task-encoder), or drop "
                         "--verify.")
+    from energon_ordering.cli.heap import keep_large_buffers_on_heap
     from energon_ordering.integrations.megatron_encoder import build_task_encoder
+
+    keep_large_buffers_on_heap()  # before the encoder's first buffers (cli/heap.py says why)
 
     with user_errors():
         encoder = build_task_encoder(resolve_task_encoder(task_encoder, tokens_per_media),
@@ -135,7 +138,9 @@ def command(dataset: str, task_encoder: str | None, tokens_per_media: int,
             return bar.update
 
         def log(message: str) -> None:
-            click.echo(f"{prefix}{message}", err=True)
+            from tqdm import tqdm
+
+            tqdm.write(f"{prefix}{message}", file=sys.stderr)  # above the bars, not over them
 
         built = build_length_index(dataset, task_encoder=te, raw_length_fn=fn,
                                    split_part=split_part, workers=workers, progress=progress,
