@@ -230,3 +230,55 @@ def test_verify_reads_only_the_drawn_samples(jpeg_dataset: Path, tmp_path: Path)
     report = verify_raw_length(copy, raw_length_fn=recorded, task_encoder=encoder, samples=2,
                                seed=seed)
     assert drawn == before and report.checked == 2 and report.mismatches == ()
+
+
+@pytest.mark.slow
+def test_header_only_lengths_verify_against_the_local_qwen2_5_vl_processor(
+        jpeg_dataset: Path, tmp_path: Path) -> None:
+    """``--verify`` against the tests' local Qwen2.5-VL processor (the one Bridge's Qwen encoder
+    runs on, tests/bridge_chatml.py: its own tokenizer, chat template and vision settings): the
+    header-only rule with those settings plus the template's text tokens gives the processor's
+    token count on every sample; the rule's defaults (another max_pixels) do not."""
+    import torchvision_cpu_shim
+
+    torchvision_cpu_shim.install()
+    pytest.importorskip("transformers")
+    import bridge_chatml as bc
+    from megatron.energon import SampleDecoder, stateless
+    from transformers import AutoProcessor, Qwen2TokenizerFast
+
+    from energon_ordering.inspect.length_estimate import LengthEstimateTaskEncoder, LengthSample
+    from energon_ordering.length_index.verify import verify_raw_length
+
+    processor = AutoProcessor.from_pretrained(str(bc.make_tiny_qwen_processor(
+        tmp_path / "p", 0, tokenizer_cls=Qwen2TokenizerFast)))
+
+    def chat(caption: str) -> str:
+        return processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": caption}]}])
+
+    class TinyQwenLengths(LengthEstimateTaskEncoder):
+        decoder = SampleDecoder(image_decode="pil")
+
+        @stateless
+        def encode_sample(self, sample: Any) -> LengthSample:
+            ids = processor(text=[chat(sample.caption)], images=[sample.image.convert("RGB")],
+                            return_tensors="pt")["input_ids"][0]
+            return LengthSample(__key__=sample.__key__, __restore_key__=sample.__restore_key__,
+                                __subflavors__=None, __sources__=None, total_len=len(ids),
+                                media_tokens=0, source="-")
+
+    def text_tokens(caption: str) -> int:  # the one <|image_pad|> is the processor's to expand
+        return len(processor.tokenizer(chat(caption))["input_ids"]) - 1
+
+    tiny = Qwen2VLTokens(patch_size=2, merge_size=bc.MERGE, min_pixels=bc.MIN_PIXELS,
+                         max_pixels=bc.MAX_PIXELS)
+    exact = verify_raw_length(
+        jpeg_dataset, raw_length_fn=lambda raw: hl.header_length(raw, tiny, text_tokens=text_tokens),
+        task_encoder=TinyQwenLengths(), samples=NUM_SAMPLES)
+    assert (exact.checked, exact.mismatches) == (NUM_SAMPLES, ())
+    defaults = verify_raw_length(
+        jpeg_dataset,
+        raw_length_fn=lambda raw: hl.header_length(raw, Qwen2VLTokens(), text_tokens=text_tokens),
+        task_encoder=TinyQwenLengths(), samples=NUM_SAMPLES)
+    assert len(defaults.mismatches) > NUM_SAMPLES // 2
