@@ -14,7 +14,9 @@ as the first with them fixed.
 and for the measuring processes it starts (``--workers``: glibc reads ``MALLOC_*_`` variables
 at start). It changes nothing where the user set those variables, on another C library, or in
 a training script calling :func:`~energon_ordering.length_index.build.build_length_index`
-(the allocator of a training process is not this package's to tune).
+(the allocator of a training process is not this package's to tune: a script that builds its
+index in process can start with ``MALLOC_MMAP_THRESHOLD_=67108864`` and
+``MALLOC_TRIM_THRESHOLD_=134217728`` in its environment for the same effect).
 """
 
 from __future__ import annotations
