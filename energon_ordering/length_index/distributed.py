@@ -106,7 +106,8 @@ class Coordinator:
         """Says that this process's part of ``tag`` is written."""
         if self.store is not None:
             self.progress(tag, 0, force=True)
-            self._raise_if_store_lost()
+            if self._store_lost is not None:
+                raise self._lost()
             self.store.add(f"{tag}/done", 1)
 
     def failed(self, message: str) -> None:
@@ -154,14 +155,14 @@ class Coordinator:
                and time.monotonic() < deadline):
             time.sleep(POLL / 4)
 
-    def _raise_if_store_lost(self) -> None:
-        if self._store_lost is not None:
-            raise LengthIndexError(
-                f"length index: rank 0, which serves the build's store, is gone "
-                f"({type(self._store_lost).__name__}: {_first_line(self._store_lost)}); its own "
-                "error says why: fix that and run the build again: this process's finished part "
-                "is reused."
-            )
+    def _lost(self) -> LengthIndexError:
+        """The one-line error of a process whose store (served by rank 0) is gone."""
+        return LengthIndexError(
+            f"length index: rank 0, which serves the build's store, is gone "
+            f"({type(self._store_lost).__name__}: {_first_line(self._store_lost)}); its own "
+            "error says why: fix that and run the build again: this process's finished part "
+            "is reused."
+        )
 
     def _wait(self, ready: Callable[[], bool], tick: Callable[[], None] | None) -> None:
         if self.store is None:
@@ -191,8 +192,7 @@ class Coordinator:
             return ready()
         except Exception as e:  # noqa: BLE001 - the store is gone: one line, not a C++ stack
             self._store_lost = e
-        self._raise_if_store_lost()
-        return False  # not reached
+            raise self._lost() from None
 
 
 def join(launch: Launch, timeout: float, stall_timeout: float = 1800.0) -> Coordinator:
