@@ -32,7 +32,8 @@ CHAT_TEMPLATE = (
 MIN_PIXELS, MAX_PIXELS, MERGE = 64, 1024, 2
 
 
-def make_tiny_qwen_processor(out: Path, num_samples: int, tokenizer_cls: type | None = None) -> Path:
+def make_tiny_qwen_processor(out: Path, num_samples: int,
+                             tokenizer_cls: type | None = None) -> Path:
     """Saves a ``Qwen2_5_VLProcessor`` (Bridge's registry maps it to its Qwen collate) with a
     WordLevel tokenizer knowing ``k0 .. k<num_samples-1>``; returns its folder.
     ``tokenizer_cls``: the tokenizer's class (default ``PreTrainedTokenizerFast``; transformers
@@ -48,8 +49,9 @@ def make_tiny_qwen_processor(out: Path, num_samples: int, tokenizer_cls: type | 
     words = SPECIAL + WORDS + [f"k{i}" for i in range(num_samples)]
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = (tokenizer_cls or PreTrainedTokenizerFast)(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                        eos_token="<|im_end|>", additional_special_tokens=SPECIAL[2:])
+    tokenizer = (tokenizer_cls or PreTrainedTokenizerFast)(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>",
+        additional_special_tokens=SPECIAL[2:])
     vision = dict(patch_size=2, temporal_patch_size=2, merge_size=MERGE)
     processor = Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(**vision, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),

@@ -147,26 +147,30 @@ def _env() -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
-def _torchrun(args: list[str], index: list[str], env: dict[str, str] | None = None,
-              agents: int = 1, start_only: bool = False) -> Any:
-    """Runs ``agents`` torchrun agents of ``energon-ordering index``; their results, wall and
-    CPU seconds (agents and workers, reaped). ``start_only``: the one agent's process, started."""
-    import resource
-
+def _start(args: list[str], index: list[str], env: dict[str, str] | None = None,
+           show: bool = True) -> subprocess.Popen:
+    """Starts one torchrun agent of ``energon-ordering index`` (``show``: printing its command)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "energon_ordering.cli",
            "index", *index]
-    print("  $ " + " ".join(cmd[1:]).replace(str(REPO) + "/", ""), flush=True)
-    if start_only:
-        return subprocess.Popen(cmd, env=env or _env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    if show:
+        print("  $ " + " ".join(cmd[1:]).replace(str(REPO) + "/", ""), flush=True)
+    return subprocess.Popen(cmd, env=env or _env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _torchrun(args: list[str], index: list[str], env: dict[str, str] | None = None,
+              agents: int = 1) -> tuple[list[subprocess.CompletedProcess], float, float]:
+    """Runs ``agents`` torchrun agents of ``energon-ordering index``; their results, wall and
+    CPU seconds (agents and workers, reaped)."""
+    import resource
+
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    procs = [subprocess.Popen(cmd, env=env or _env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(agents)]
+    procs = [_start(args, index, env, show=i == 0) for i in range(agents)]  # one command
     done = []
     for p in procs:
         out, err = p.communicate(timeout=1200)
-        done.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
@@ -257,9 +261,9 @@ def one_vs_two(llava: Path, samples: int, encoder_rate_cpu: float) -> None:
                    f"{speedup:.2f}x (target >= 1.8x; this machine's 2 cores are shared)")
     # What this machine's second core gives any two processes: two independent one-process
     # builds (other index names) at once, against one alone (seconds[1]).
-    runs = [_torchrun(["--nproc-per-node", "1", "--master-port", str(_free_port())],
-                      [str(llava), "--task-encoder", "bench_index:LlavaEncoder", "--name",
-                       f"apart{i}"], start_only=True) for i in range(2)]
+    runs = [_start(["--nproc-per-node", "1", "--master-port", str(_free_port())],
+                   [str(llava), "--task-encoder", "bench_index:LlavaEncoder", "--name", f"apart{i}"])
+            for i in range(2)]
     apart = [_table_seconds(p.communicate(timeout=1200)[0]) for p in runs]
     ceiling = ratio(2 * seconds[1], max(apart))
     print(f"  two independent one-process builds at once: {apart[0]:.2f} s and {apart[1]:.2f} s "

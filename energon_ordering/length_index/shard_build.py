@@ -78,7 +78,7 @@ class Outcome:
 def _raws(job: DatasetJob, positions: list[int], owner: list[int]) -> Iterator[Any]:
     """The raw samples of the shards at ``positions``, as Energon's reader yields them; the
     position of each is appended to ``owner`` as it is yielded."""
-    from megatron.energon.flavors.webdataset.sample_loader import RawSampleData
+    from energon_ordering.pool.index_fill import raw_sample_at
 
     reader = job.reader
     starts = [0]
@@ -86,10 +86,10 @@ def _raws(job: DatasetJob, positions: list[int], owner: list[int]) -> Iterator[A
         starts.append(starts[-1] + count)
     for pos in positions:
         for index in range(starts[pos], starts[pos + 1]):
-            sample = reader.read(index)
-            if sample is not None:  # None: Energon's sample filter excludes it
+            raw = raw_sample_at(reader, index)
+            if raw is not None:  # None: Energon's sample filter excludes it
                 owner.append(pos)
-                yield RawSampleData(__restore_key__=("Webdataset", index), data=(sample,))
+                yield raw
 
 
 def _kept_keys(job: DatasetJob, pos: int) -> list[str]:

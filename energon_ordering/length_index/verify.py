@@ -25,7 +25,11 @@ from megatron.energon.metadataset.loader import load_dataset
 from energon_ordering.errors import LengthIndexError, show
 from energon_ordering.length_index.build import check_split_part, SampleMeasure
 from energon_ordering.pool.deferred_load import split_loader
-from energon_ordering.pool.index_fill import index_fill_problem, loader_byte_reader
+from energon_ordering.pool.index_fill import (
+    index_fill_problem,
+    loader_byte_reader,
+    raw_sample_at,
+)
 
 __all__ = ["LengthMismatch", "VerifyReport", "verify_raw_length"]
 
@@ -119,15 +123,13 @@ def _drawn_raws(raw_ds: Any, size: int, samples: int, rng: random.Random) -> Ite
     """``samples`` seeded random raw samples of ``raw_ds`` (of ``size`` samples; all if fewer),
     as Energon's loader yields them: by byte range where the dataset allows it."""
     if index_fill_problem(raw_ds) is None:
-        from megatron.energon.flavors.webdataset.sample_loader import RawSampleData
-
         reader = loader_byte_reader(raw_ds)
         try:
             # the reader's indexes count the samples a sample filter excludes (read: None)
             for index in sorted(rng.sample(range(len(reader)), min(samples, len(reader)))):
-                sample = reader.read(index)
-                if sample is not None:
-                    yield RawSampleData(__restore_key__=("Webdataset", index), data=(sample,))
+                raw = raw_sample_at(reader, index)
+                if raw is not None:
+                    yield raw
         finally:
             reader.close()
         return

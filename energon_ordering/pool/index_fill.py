@@ -346,6 +346,15 @@ def index_filled(
     return IndexFilledLoader(loader, loader_byte_reader(loader, lengths, lengths_digest))
 
 
+def raw_sample_at(reader: ByteRangeReader, index: int) -> RawSampleData | None:
+    """Sample ``index`` read by byte range, as Energon's loader yields it (its restore key
+    ``("Webdataset", index)``), or None if the reader's sample filter excludes it."""
+    sample = reader.read(index)
+    if sample is None:
+        return None
+    return RawSampleData(__restore_key__=("Webdataset", index), data=(sample,))
+
+
 def loader_byte_reader(
     loader: WebdatasetSampleLoaderDataset,
     lengths: Path | None = None,
