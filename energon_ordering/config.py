@@ -16,6 +16,7 @@ from energon_ordering.pool.ramp import RAMP_MIN_POOL
 from energon_ordering.mixture.schedule import MAX_STEPS, MixtureSchedule
 from energon_ordering.planned.mix import PLANNED_MIXES
 from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
+from energon_ordering.planned.window_size import MAX_WINDOW_STEPS, default_window_steps
 from energon_ordering.warmup.overflow import OVERFLOW_POLICIES
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.yaml_file import load_yaml
@@ -35,7 +36,7 @@ PLANNED = "planned"
 #: The largest ``plan_window_steps``. Balancing a window matches its K steps to K slots per
 #: micro-batch band (K x K distances, sorted): at K = 1,024 that is 80 MiB and 8-80 s per window
 #: on one core (tools/bench_planned.py's shapes), growing as K^2; 10^5 asked for 74.5 GiB.
-MAX_PLAN_WINDOW_STEPS = 1024
+MAX_PLAN_WINDOW_STEPS = MAX_WINDOW_STEPS
 #: The largest plan of one window, in samples: K x R x M x B (steps x data-parallel ranks x
 #: micro-batches per step x micro-batch) int64 ids, 128 MiB at 2^24; planning a window peaks at
 #: about 86 bytes per sample (1.4 GiB here) in every loader worker that plans it. Checked when
@@ -136,8 +137,11 @@ class OrderingConfig:
             (``energon-ordering index --index-dir``; for read-only datasets).
         plan_window_steps: With ``length_sort_mode = "planned"``: optimizer steps per window of
             the plan; the ranks are balanced within each window (larger: less straggler idle
-            and padding, more planning memory). Default
-            :data:`~energon_ordering.planned.window.DEFAULT_WINDOW_STEPS`, measured by
+            and padding, more planning memory). None (default): with ``planned_mix = "step"``
+            :data:`~energon_ordering.planned.window.DEFAULT_WINDOW_STEPS`; with ``"window"``
+            as many steps as hold about 2^20 samples (2^16 packs), sized once the pipeline
+            knows the global batch (:meth:`window_steps`,
+            :mod:`energon_ordering.planned.window_size`), both measured by
             ``tools/bench_planned.py``. Only in planned mode. At most
             :data:`MAX_PLAN_WINDOW_STEPS`, and the window's plan, K x R x M x B sample ids
             (data-parallel ranks R, micro-batch B), at most :data:`MAX_PLAN_WINDOW_SAMPLES`
@@ -407,6 +411,8 @@ class OrderingConfig:
                     "and draws each step's exact source counts (no blend policy). Drop "
                     f"{name} (or use a pool mode)."
                 )
+        if self.plan_window_steps is None and self.planned_mix == "window":
+            return  # sized in samples once the global batch is known: window_steps()
         k = DEFAULT_WINDOW_STEPS if self.plan_window_steps is None else self.plan_window_steps
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
             raise OrderingConfigError(
@@ -431,6 +437,21 @@ class OrderingConfig:
                 f"{max(1, MAX_PLAN_WINDOW_SAMPLES // self.micro_batches_per_step):,}."
             )
         object.__setattr__(self, "plan_window_steps", int(k))
+
+    def window_steps(self, world_size: int, batch_size: int, packed: bool = False) -> int:
+        """K, the optimizer steps of a plan window, for ``world_size`` ranks of micro-batches of
+        ``batch_size`` samples (packed: packs): ``plan_window_steps`` if given, else the
+        default of ``planned_mix`` for that global batch
+        (:func:`~energon_ordering.planned.window_size.default_window_steps`). Planned mode
+        only."""
+        if not self.planned:
+            raise OrderingConfigError(
+                f"OrderingConfig.window_steps: length_sort_mode is {show(self.length_sort_mode)}; "
+                "plan windows exist in length_sort_mode = 'planned' only.")
+        if self.plan_window_steps is not None:
+            return int(self.plan_window_steps)
+        g = int(world_size) * self.micro_batches_per_step * int(batch_size)
+        return default_window_steps(self.planned_mix, g, packed)
 
     @property
     def planned(self) -> bool:

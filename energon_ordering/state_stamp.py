@@ -137,6 +137,12 @@ FIELD_FIXES: dict[str, str] = {
         "pack_selected_samples, or the default packer, by qualified name); resume with the task "
         "encoder the state was written with."
     ),
+    "plan_window_steps": (
+        "The planned order's windows hold another number of optimizer steps "
+        "(OrderingConfig.plan_window_steps, Megatron: --plan-window-steps; left unset with "
+        "planned_mix = 'window' it follows the global batch): set plan_window_steps to the saved "
+        "value to resume."
+    ),
     "seq_length_overflow": (
         "OrderingConfig.seq_length_overflow decides what happens to a sample over the cap "
         "(keep, drop or error); resume with the policy the state was written with."

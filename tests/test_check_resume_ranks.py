@@ -104,9 +104,8 @@ def test_a_global_batch_that_does_not_split_is_refused(data, tmp_path):
 @pytest.mark.parametrize("args, match", [
     (["--cut", "3"], r"--cut 3 lies inside optimizer step 1 \(micro_batches_per_step 2\), .* "
                      r"use --cut 2 or 4\.$"),
-    (["--cut", "2", "--steps", "12"], r"--steps 12 ends inside a plan window \(plan_window_steps"
-                                      r" 4 x micro_batches_per_step 2 = 8 micro-batches\); .* "
-                                      r"use --steps 8 or 16\.$"),
+    (["--cut", "2", "--steps", "13"], r"--steps 13 ends inside optimizer step 6 "
+                                      r"\(micro_batches_per_step 2\); .* use --steps 12 or 14\.$"),
 ])
 def test_a_cut_or_end_off_the_plan_grid_is_refused(data, tmp_path, args, match):
     res = _check(data, _recipe(tmp_path, micro_batches_per_step=2), "--ranks", "2",

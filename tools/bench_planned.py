@@ -74,7 +74,8 @@ from energon_ordering.inspect.synthetic import LENGTH_PROFILES, sample_lengths
 from energon_ordering.planned.balance import sample_cost
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.packs import plan_packed_window
-from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS, plan_window, window_weights
+from energon_ordering.planned.window import plan_window, window_weights
+from energon_ordering.planned.window_size import default_window_steps
 
 BATCH = 4
 RANKS = (2, 8, 64, 1024)
@@ -323,20 +324,24 @@ HEADERS = ["order", "idle/micro-batch", "idle/step", "padding (tokens)", "lost c
            "share of 1 s step", "peak MiB", "targets"]
 
 
-#: plan_window_steps of the run (``--window-steps``).
-WINDOW_STEPS = [DEFAULT_WINDOW_STEPS]
+#: plan_window_steps of the run (``--window-steps``; None: each mix's default).
+WINDOW_STEPS: list[int | None] = [None]
 
 
-def window_steps_for(R: int, M: int, b: int, plan_only: bool) -> int:
-    k = WINDOW_STEPS[0]
+def window_steps_for(R: int, M: int, b: int, plan_only: bool, mix: str, packed: bool) -> int:
+    """K of ``mix`` at the shape: ``--window-steps``, else the package's default
+    (:func:`~energon_ordering.planned.window_size.default_window_steps`); plan-only shapes
+    shrink it to fit their window."""
+    k = WINDOW_STEPS[0] or default_window_steps(mix, R * M * b, packed)
     if not plan_only:
         return k
     return int(max(1, min(k, PLAN_ONLY_WINDOW_SAMPLES // (R * M * b))))
 
 
 def padded_table(name, lengths, weights, pop, R, M, windows, dataset_samples,
-                 plan_only: bool) -> tuple[list[Row], int]:
-    k = window_steps_for(R, M, BATCH, plan_only)
+                 plan_only: bool) -> tuple[list[Row], dict[str, int]]:
+    ks = {mix: window_steps_for(R, M, BATCH, plan_only, mix, False) for mix in ("step", "window")}
+    k = ks["step"]
     rows: list[Row] = []
     pool_rows: list[Row] = []
     if not plan_only:
@@ -354,13 +359,14 @@ def padded_table(name, lengths, weights, pop, R, M, windows, dataset_samples,
     best = min((r.lost for r in pool_rows), default=None)
     runs = {}
     for mix in ("step", "window"):
-        run = plan_padded(lengths, weights, R, M, k, windows, mix)
+        km = ks[mix]
+        run = plan_padded(lengths, weights, R, M, km, windows, mix)
         bound = bound_of(run, R)
         peak = (peak_mib(lambda: plan_window(
             lengths, seed=0, cursor=PlanCursor.start(len(lengths)),
-            weights=_windows(weights, k, 1)[0], window_steps=k, world_size=R,
+            weights=_windows(weights, km, 1)[0], window_steps=km, world_size=R,
             micro_batch=BATCH, micro_batches_per_step=M, mix=mix)) if R >= 64 else float("nan"))
-        rows.append(planned_row(f"planned {mix}", run, weights, R, M, k, bound, best, peak, mix))
+        rows.append(planned_row(f"planned {mix}", run, weights, R, M, km, bound, best, peak, mix))
         runs[mix] = (run, bound)
     rows += pool_rows
     g = global_sort(runs["step"][0].lengths)
@@ -369,12 +375,13 @@ def padded_table(name, lengths, weights, pop, R, M, windows, dataset_samples,
                     padding_by_tokens(g)))
     for mix in ("step", "window"):
         rows.append(Row(f"bound {mix}", idle_step=runs[mix][1]))
-    return rows, k
+    return rows, ks
 
 
 def packed_table(name, lengths, weights, R, M, windows, cap,
-                 plan_only: bool) -> tuple[list[Row], int]:
-    k = window_steps_for(R, M, 1, plan_only)
+                 plan_only: bool) -> tuple[list[Row], dict[str, int]]:
+    ks = {mix: window_steps_for(R, M, 1, plan_only, mix, True) for mix in ("step", "window")}
+    k = ks["step"]
     rows: list[Row] = []
     base = None
     if R <= OWN_PACKS_MAX_RANKS and not plan_only:
@@ -384,19 +391,20 @@ def packed_table(name, lengths, weights, R, M, windows, cap,
                    own.padding, step_dev, window_dev)
     bounds = {}
     for mix in ("step", "window"):
-        run = plan_packed(lengths, weights, R, M, k, windows, mix, cap)
+        km = ks[mix]
+        run = plan_packed(lengths, weights, R, M, km, windows, mix, cap)
         bounds[mix] = bound_of(run, R)
         peak = (peak_mib(lambda: plan_packed_window(
             lengths, seed=0, cursor=PlanCursor.start(len(lengths)),
-            weights=_windows(weights, k, 1)[0], caps=[cap] * k, world_size=R, micro_batch=1,
+            weights=_windows(weights, km, 1)[0], caps=[cap] * km, world_size=R, micro_batch=1,
             micro_batches_per_step=M, mix=mix)) if R >= 64 else float("nan"))
-        rows.append(planned_row(f"planned {mix}", run, weights, R, M, k, bounds[mix],
+        rows.append(planned_row(f"planned {mix}", run, weights, R, M, km, bounds[mix],
                                 None if base is None else base.lost, peak, mix))
     if base is not None:
         rows.append(base)
     for mix in ("step", "window"):
         rows.append(Row(f"bound {mix}", idle_step=bounds[mix]))
-    return rows, k
+    return rows, ks
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -411,15 +419,17 @@ def packed_table(name, lengths, weights, R, M, windows, cap,
 @click.option("--mixes", "mix_names", default="trimodal,demo,heavy", help="Mixes to run.")
 @click.option("--windows", type=int, default=None,
               help="Plan windows per setting (default 2; --quick 1).")
-@click.option("--window-steps", type=int, default=DEFAULT_WINDOW_STEPS,
-              help="plan_window_steps K (the plan-only shapes shrink it to fit their window).")
+@click.option("--window-steps", type=int, default=None,
+              help="plan_window_steps K of both mixes (default: each mix's own: 32 for step, "
+              "about 2^20 samples or 2^16 packs for window; the plan-only shapes shrink it to "
+              "fit their window).")
 @click.option("--cap", type=int, default=8192, help="Tokens per pack (pack_seq_length).")
 @click.option("--samples", type=int, default=2_000_000, help="Samples per mix.")
 @click.option("--dataset-samples", type=int, default=10_000_000,
               help="Dataset size that bounds the pools the package accepts.")
 def main(quick: bool, ranks: str | None, micro_batches: str | None,
          plan_only_ranks: str | None, only: str, mix_names: str, windows: int | None,
-         window_steps: int, cap: int, samples: int, dataset_samples: int) -> None:
+         window_steps: int | None, cap: int, samples: int, dataset_samples: int) -> None:
     """Planned step / window vs batch pools vs global sort vs the free-dealing bound."""
     wall0, cpu0 = time.perf_counter(), time.process_time()
     click.echo("$ " + shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
@@ -433,7 +443,8 @@ def main(quick: bool, ranks: str | None, micro_batches: str | None,
     windows = windows or (1 if quick else 2)
     WINDOW_STEPS[0] = window_steps
     click.echo(f"micro-batch {BATCH} (padded) or one pack of {cap:,} tokens (packed); "
-               f"plan_window_steps {window_steps} ({PLAN_ONLY_WINDOW_SAMPLES:,} samples "
+               f"plan_window_steps {window_steps or 'of each mix (step 32, window ~2^20 samples)'} "
+               f"({PLAN_ONLY_WINDOW_SAMPLES:,} samples "
                f"a window at most at the plan-only shapes); {windows} window(s) per setting; "
                f"pools: a loader worker's share of {dataset_samples:,} samples over R x "
                f"{WORKERS} workers at most")
@@ -458,11 +469,13 @@ def main(quick: bool, ranks: str | None, micro_batches: str | None,
                 for M in ms:
                     po = R in plan_only
                     if kind == "padded":
-                        rows, k = padded_table(name, lengths, weights, pop, R, M, windows,
-                                               dataset_samples, po)
+                        rows, ks = padded_table(name, lengths, weights, pop, R, M, windows,
+                                                dataset_samples, po)
                     else:
-                        rows, k = packed_table(name, lengths, weights, R, M, windows, cap, po)
-                    click.echo(f"{name}, {kind}, {R:,} ranks, M = {M}, K = {k}"
+                        rows, ks = packed_table(name, lengths, weights, R, M, windows, cap, po)
+                    k = (f"K = {ks['step']}" if ks["step"] == ks["window"] else
+                         f"K = {ks['step']} (step) / {ks['window']} (window)")
+                    click.echo(f"{name}, {kind}, {R:,} ranks, M = {M}, {k}"
                                + (" (plan only)" if po else ""))
                     click.echo(table(HEADERS, [_fmt(r, R) for r in rows]) + "\n")
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0

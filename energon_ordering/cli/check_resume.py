@@ -51,11 +51,12 @@ def resume_line(path: str, cfg: OrderingConfig, *, cut: int, steps: int, num_wor
 
 
 def elastic_shape(cfg: OrderingConfig, ranks: int, resume_ranks: int, cut: int,
-                  steps: int | None) -> tuple[int, int]:
+                  steps: int | None, batch_size: int) -> tuple[int, int]:
     """``--cut`` and ``--steps`` (micro-batches per rank of the ``ranks``-rank run) as the
     optimizer steps an elastic check cuts at and runs to; a one-line :class:`UserError` for a
     recipe or shape that cannot resume elastically."""
     from energon_ordering.config import PLANNED
+    from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
 
     if cfg.length_sort_mode != PLANNED:
         raise UserError(
@@ -77,17 +78,18 @@ def elastic_shape(cfg: OrderingConfig, ranks: int, resume_ranks: int, cut: int,
         raise UserError(
             f"--cut {cut} lies inside optimizer step {cut // M} (micro_batches_per_step {M}), "
             f"and an elastic resume starts at a step boundary; use --cut {lower} or {upper}.")
-    K = cfg.plan_window_steps  # set in planned mode (OrderingConfig fills the default)
-    window = K * M  # micro-batches per rank in one plan window
+    # every step after an elastic resume holds the same samples (contract 13), so the check
+    # compares step by step; by default over two windows past the cut's, at most 64 steps
+    K = cfg.window_steps(ranks, batch_size, cfg.packing_buffer_size is not None)
+    span = min(K, DEFAULT_WINDOW_STEPS) * M  # micro-batches per rank
     if steps is None:
-        steps = (cut // window + 2) * window
-    elif steps % window:
-        lower, upper = steps // window * window, (steps // window + 1) * window
+        steps = (cut // span + 2) * span
+    elif steps % M:
+        lower, upper = steps // M * M, (steps // M + 1) * M
         use = f"{lower} or {upper}" if lower > cut else f"{upper}"
         raise UserError(
-            f"--steps {steps} ends inside a plan window (plan_window_steps {K} x "
-            f"micro_batches_per_step {M} = {window} micro-batches); a resume onto other ranks "
-            f"re-plans whole windows, so compare whole ones: use --steps {use}.")
+            f"--steps {steps} ends inside optimizer step {steps // M} (micro_batches_per_step "
+            f"{M}); the check compares whole optimizer steps: use --steps {use}.")
     if cut >= steps:
         raise click.BadParameter(f"cut {cut} must be below --steps {steps}", param_hint="--cut")
     return cut // M, steps // M
@@ -100,7 +102,7 @@ def elastic_line(path: str, cfg: OrderingConfig, *, cut: int, steps: int | None,
     and restored onto ``resume_ranks`` ranks; whether they agree, and the line that says so."""
     from energon_ordering.inspect.inspection import check_elastic_resume
 
-    cut_step, end_step = elastic_shape(cfg, ranks, resume_ranks, cut, steps)
+    cut_step, end_step = elastic_shape(cfg, ranks, resume_ranks, cut, steps, batch_size)
     with user_errors():
         res = check_elastic_resume(path, cfg, cut_step=cut_step, end_step=end_step,
                                    world_size=ranks, resume_world_size=resume_ranks,
@@ -125,8 +127,8 @@ def elastic_line(path: str, cfg: OrderingConfig, *, cut: int, steps: int | None,
                    "optimizer step (a multiple of the recipe's micro_batches_per_step).")
 @click.option("--steps", type=click.IntRange(min=1), default=None,
               help=f"Micro-batches (per rank of --ranks) to compare in all [default: cut + "
-                   f"{DEFAULT_AFTER_CUT}; with --resume-ranks, through the end of the plan "
-                   "window after the cut's, and it must end a plan window].")
+                   f"{DEFAULT_AFTER_CUT}; with --resume-ranks, two plan windows (of at most "
+                   "32 steps) past the cut's, and it must end an optimizer step].")
 @click.option("--ranks", type=click.IntRange(min=1), default=1,
               help="Data-parallel size of the run that is cut (each rank is checked).")
 @click.option("--resume-ranks", type=click.IntRange(min=1), default=None,

@@ -95,14 +95,18 @@ def _mix_line(mix: str | None, lost: dict[str, float], ranks: int, batch_size: i
             "idle per optimizer step + padding by tokens)")
 
 
-def _planned_note(results: dict, name: str, plan_cfg: OrderingConfig, step_samples: int) -> str:
+def _planned_note(results: dict, name: str, plan_cfg: OrderingConfig, ranks: int,
+                  batch_size: int) -> str:
     """What the planned run shows beside the pool: its mix, and the compute each loses."""
     pool = next((n for n in results if n not in ("pool off", name)), None)
     plan, m = results[name], plan_cfg.micro_batches_per_step
-    unit = "packs" if plan_cfg.packing_buffer_size is not None else "samples"
+    packed = plan_cfg.packing_buffer_size is not None
+    unit = "packs" if packed else "samples"
+    step_samples = ranks * batch_size
     held = ("every step holds each source's scheduled share of its samples within one sample"
             if plan_cfg.planned_mix == "step" else
-            f"every plan window of {plan_cfg.plan_window_steps} steps holds each source's "
+            f"every plan window of {plan_cfg.window_steps(ranks, batch_size, packed)} steps "
+            "holds each source's "
             "scheduled share within one sample, and each of its steps takes one band of "
             "lengths, as a pool's steps do")
     text = (f"The planned run: {held} (dispersion per step {plan.step_histogram_dispersion:.2f}"
@@ -173,7 +177,7 @@ def command(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scal
     click.echo(measure_table(results, extra["planned"]))
     click.echo("\n" + definitions(extra))
     click.echo("\n" + _planned_note(results, extra["planned"][0], as_planned(cfg, mix),
-                                    ranks * batch_size))
+                                    ranks, batch_size))
     if extra["note"]:
         click.echo("\n" + extra["note"])
     if epochs is not None:

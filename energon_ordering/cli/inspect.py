@@ -80,9 +80,11 @@ def as_planned(cfg: OrderingConfig, mix: str | None = None) -> OrderingConfig:
                                      **({} if mix is None else {"planned_mix": mix})})
 
 
-def planned_name(cfg: OrderingConfig) -> str:
-    """A planned run's column name: the mode, its window and its mix granularity."""
-    return f"planned (K={cfg.plan_window_steps}, {cfg.planned_mix})"
+def planned_name(cfg: OrderingConfig, ranks: int, batch_size: int) -> str:
+    """A planned run's column name: the mode, its window (at ``ranks`` x micro-batches of
+    ``batch_size``) and its mix granularity."""
+    k = cfg.window_steps(ranks, batch_size, cfg.packing_buffer_size is not None)
+    return f"planned (K={k}, {cfg.planned_mix})"
 
 
 def planned_repeats(path: str, cfg: OrderingConfig, records: list[list[Any]], *,
@@ -103,7 +105,8 @@ def planned_repeats(path: str, cfg: OrderingConfig, records: list[list[Any]], *,
 
     sizes = data_sizes(path)
     names = [n for n, _, _ in sizes]
-    k, m = cfg.plan_window_steps, cfg.micro_batches_per_step
+    k = cfg.window_steps(ranks, batch_size, cfg.packing_buffer_size is not None)
+    m = cfg.micro_batches_per_step
     steps = min(len(r) for r in records) // m
     planned_steps = -(-steps // k) * k
     g = ranks * m * batch_size
@@ -156,7 +159,7 @@ def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, nu
             configs[f"pool {cfg.length_sort_pool_size} ({cfg.length_sort_mode})"] = cfg
         if cfg.planned or planned:
             plan_cfg = as_planned(cfg, planned_mix)
-            configs[planned_name(plan_cfg)] = plan_cfg
+            configs[planned_name(plan_cfg, ranks, batch_size)] = plan_cfg
     preflight(path, list(configs.values())[::-1], batch_size=batch_size, num_workers=num_workers,
               world_size=ranks, task_encoder_factory=task_encoder_factory)
     period = max(1, shard_length(path) // batch_size)

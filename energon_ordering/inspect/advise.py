@@ -93,6 +93,7 @@ from energon_ordering.length_index.index import LengthIndex, length_index_files
 from energon_ordering.pool.order import POOL_ORDERS, pool_seed
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS, plan_window, window_weights
+from energon_ordering.planned.window_size import default_window_steps
 from energon_ordering.pool.ramp import RAMP_MIN_POOL, pool_size_at
 from energon_ordering.sqlite_file import connect_readonly
 from energon_ordering.errors import show
@@ -720,7 +721,7 @@ def predict_planned(
     step_ranks: int,
     micro_batches_per_step: int = 1,
     steps: int = 1000,
-    window_steps: int = DEFAULT_WINDOW_STEPS,
+    window_steps: int | None = None,
     seed: int = 0,
     has_index: bool | None = None,
     mix: str = "step",
@@ -737,7 +738,9 @@ def predict_planned(
         steps: Micro-batches per rank, as ``predict_order``'s: ``steps // M`` optimizer steps
             are planned (whole windows, at most :data:`PLANNED_MAX_SAMPLES` samples per rank
             count, at least one window).
-        window_steps: K, ``plan_window_steps``.
+        window_steps: K, ``plan_window_steps``; None: the default of ``mix`` at each rank
+            count's global batch (:func:`~energon_ordering.planned.window_size.
+            default_window_steps`).
         seed: The ordering seed.
         has_index: Whether every dataset has a length index (default: the population's lengths
             come from one).
@@ -755,20 +758,23 @@ def predict_planned(
     planned_steps: dict[int, int] = {}
     padding = padding_tokens = disp_batch = disp_step = float("nan")
     share_pp: dict[str, tuple[float, float]] = {}
+    def k_at(r: int) -> int:
+        return (default_window_steps(mix, r * m * batch_size) if window_steps is None
+                else window_steps)
+
     for r in sorted(set(ranks) | {step_ranks}):
-        g = r * m * batch_size
-        windows = max(1, min(-(-max(1, steps // m) // window_steps),
-                             PLANNED_MAX_SAMPLES // (window_steps * g)))
+        g, k = r * m * batch_size, k_at(r)
+        windows = max(1, min(-(-max(1, steps // m) // k), PLANNED_MAX_SAMPLES // (k * g)))
         run = planned_run(per_source, weights, world_size=r, micro_batch=batch_size,
-                          micro_batches_per_step=m, steps=windows * window_steps,
-                          window_steps=window_steps, seed=seed, mix=mix)
+                          micro_batches_per_step=m, steps=windows * k,
+                          window_steps=k, seed=seed, mix=mix)
         lengths = PlannedRun.rank_major(run.lengths)
         idle[r] = vector_straggler_idle(lengths)
         idle_step[r] = step_straggler_idle(lengths, m)
         worst[r] = run.worst_step_samples
         worst_window[r] = run.worst_window_samples
         plan_seconds[r] = run.plan_seconds_per_step
-        planned_steps[r] = windows * window_steps
+        planned_steps[r] = windows * k
         if r != step_ranks:
             continue
         padding, padding_tokens = _padding(lengths), padding_by_tokens(lengths)
@@ -776,7 +782,7 @@ def predict_planned(
             codes = np.asarray(present)[run.sources]  # population source codes
             disp_batch, disp_step, share_pp = _source_mix(pop, PlannedRun.rank_major(codes), m)
     return PlannedPrediction(
-        window_steps, {r: idle[r] for r in sorted(idle)}, padding, disp_batch, disp_step,
+        k_at(step_ranks), {r: idle[r] for r in sorted(idle)}, padding, disp_batch, disp_step,
         share_pp, worst, plan_seconds, planned_steps,
         pop.origin == "length index" if has_index is None else has_index,
         idle_step={r: idle_step[r] for r in sorted(idle_step)}, padding_tokens=padding_tokens,
@@ -1118,9 +1124,10 @@ def planned_requirements() -> str:
     """What a recommended planned order needs beside ``length_sort_mode: planned``."""
     return ("planned mode needs length_sort_placement: pre-encode, length_sort_pool_holds: keys "
             "and a length index for every dataset (with packing also pack_seq_length: the plan "
-            f"builds the packs); plan_window_steps defaults to {DEFAULT_WINDOW_STEPS}; planned_mix: "
-            "step holds each source's share in every optimizer step, window in every plan "
-            "window (its steps free to take one band of lengths each).")
+            f"builds the packs); plan_window_steps defaults to {DEFAULT_WINDOW_STEPS} with "
+            "planned_mix: step, which holds each source's share in every optimizer step, and to "
+            "about 2^20 samples' worth of steps with planned_mix: window, which holds it in every "
+            "plan window (its steps free to take one band of lengths each).")
 
 
 def other_mode_note(advice: Advice, good: float = GOOD_IDLE) -> str | None:
@@ -1215,7 +1222,7 @@ def advise(
     task_encoder_factory: Callable[[], Any] | None = None,
     measure: bool = True,
     progress: Callable[[str], None] | None = None,
-    window_steps: int = DEFAULT_WINDOW_STEPS,
+    window_steps: int | None = None,
     length_index: str | None = None,
 ) -> Advice:
     """Predicts every (mode, pool size) and the planned order, measures every placement;
@@ -1237,7 +1244,8 @@ def advise(
             measured loaders.
         measure: Measure time to first batch and memory on real loaders.
         progress: Called with a line of text per stage.
-        window_steps: ``plan_window_steps`` of the planned order's prediction.
+        window_steps: ``plan_window_steps`` of the planned order's prediction; None: each
+            ``planned_mix``'s default at the run's global batch.
         length_index: The length index to read where a dataset has several (None: its only
             one; ``OrderingConfig.length_index``).
 
@@ -1273,7 +1281,9 @@ def advise(
             predictions.append(predict_order(pop, mode=mode, pool_size=size, **common))
     mixes = []
     for mix in PLANNED_MIXES:
-        say(f"planned order (K={window_steps}, planned_mix: {mix})")
+        k = (default_window_steps(mix, ranks * micro_batches_per_step * batch_size)
+             if window_steps is None else window_steps)
+        say(f"planned order (K={k}, planned_mix: {mix})")
         mixes.append(predict_planned(pop, batch_size=batch_size, ranks=counts, step_ranks=ranks,
                                      micro_batches_per_step=micro_batches_per_step, steps=steps,
                                      window_steps=window_steps, seed=seed, mix=mix))

@@ -328,8 +328,9 @@ def check_elastic_resume(
     samples, cut to the same token lengths, in the same packs; the rank and micro-batch a
     sample lands on may differ).
 
-    Only ``length_sort_mode = 'planned'``. ``end_step`` must end a plan window (within a window
-    the samples are dealt to steps for the shape, so only whole windows are comparable).
+    Only ``length_sort_mode = 'planned'``. Any ``end_step`` after the cut compares: an elastic
+    resume keeps every step's samples (each window is composed for the run's first shape, its
+    steps dealt onto the new ranks: DESIGN.md, contract 13).
     """
     if ordering.length_sort_mode != PLANNED:
         raise OrderingConfigError(
@@ -342,11 +343,11 @@ def check_elastic_resume(
             f"check_elastic_resume: {world_size} ranks x {M} micro-batches per step do not split "
             f"over resume_world_size = {resume_world_size} ranks; it must divide {world_size * M}.")
     M2 = world_size * M // resume_world_size
-    K = ordering.plan_window_steps  # set in planned mode (OrderingConfig fills the default)
-    if not 0 <= cut_step < end_step or end_step % K:
+    K = ordering.window_steps(world_size, batch_size, ordering.packing_buffer_size is not None)
+    if not 0 <= cut_step < end_step:
         raise OrderingConfigError(
             f"check_elastic_resume: cut_step = {cut_step}, end_step = {end_step}: need "
-            f"0 <= cut_step < end_step and end_step a multiple of plan_window_steps = {K}.")
+            "0 <= cut_step < end_step (optimizer steps).")
 
     def make(cfg: OrderingConfig, rank: int, size: int) -> Callable[[], Any]:
         return lambda: build_train_loader(path, ordering=cfg, rank=rank, world_size=size,

@@ -300,7 +300,7 @@ def _validate_planned(cfg: OrderingConfig, args: BuildArgs, packing: int | None)
             f"{mode}: the metadataset uses `blend_epochized` repetitions; the planned order "
             "draws by blend weights: use `blend:` with weights.")
     _check_planned_weights(args)
-    _check_window_size(cfg, args)
+    _check_window_size(cfg, args, packing is not None)
 
 
 def _check_planned_weights(args: BuildArgs) -> None:
@@ -322,11 +322,17 @@ def _check_planned_weights(args: BuildArgs) -> None:
             "least one `blend:` entry a weight > 0.")
 
 
-def _check_window_size(cfg: OrderingConfig, args: BuildArgs) -> None:
+def window_steps(cfg: OrderingConfig, args: BuildArgs, packed: bool) -> int:
+    """K of the planned order under ``cfg`` for Energon's build arguments (``plan_window_steps``,
+    or its default for the global batch: :meth:`OrderingConfig.window_steps`)."""
+    return cfg.window_steps(args.world_size or 1, args.batch_size or 1, packed)
+
+
+def _check_window_size(cfg: OrderingConfig, args: BuildArgs, packed: bool) -> None:
     """The plan of a window, K x R x M x B sample ids, within
     :data:`~energon_ordering.config.MAX_PLAN_WINDOW_SAMPLES` (every loader worker that plans
     a window holds it, and about 11 times as much while planning it)."""
-    K, M, B = cfg.plan_window_steps or 1, cfg.micro_batches_per_step, args.batch_size or 1
+    K, M, B = window_steps(cfg, args, packed), cfg.micro_batches_per_step, args.batch_size or 1
     R = args.world_size or 1
     samples = K * R * M * B
     if samples > MAX_PLAN_WINDOW_SAMPLES:
@@ -508,7 +514,7 @@ def _planned_stages(cfg: OrderingConfig, args: BuildArgs,
             *((("pack_seq_length", cfg.pack_seq_length),
                ("warmup", cfg.seq_length_warmup)) if packed else ()),
             ("seed", cfg.seed),
-            ("window_steps", cfg.plan_window_steps),
+            ("window_steps", window_steps(cfg, args, packed)),
             ("micro_batches_per_step", cfg.micro_batches_per_step),
             ("batch_size", args.batch_size),
             ("weights", weights),

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from energon_ordering.planned.window import PLAN_VERSION
-from energon_ordering.pipeline.plan import BLEND, PACKING, REPEAT, SCHEDULED_BLEND, PipelinePlan
+from energon_ordering.pipeline.plan import (BLEND, PACKING, REPEAT, SCHEDULED_BLEND, PipelinePlan,
+                                            window_steps)
 
 __all__ = ["pipeline_stamp"]
 
@@ -40,7 +41,8 @@ def pipeline_stamp(plan: PipelinePlan, *, length_indexes: list[dict[str, Any]] |
             "length_sort_placement": cfg.length_sort_placement,
             "seed": cfg.seed,
             "micro_batches_per_step": cfg.micro_batches_per_step,
-            "plan_window_steps": cfg.plan_window_steps,
+            "plan_window_steps": window_steps(cfg, plan.args,
+                                              plan.packing_buffer_size is not None),
             "plan_version": PLAN_VERSION,
         })
     return stamp

@@ -1,0 +1,70 @@
+"""How many optimizer steps a plan window holds when ``plan_window_steps`` is not given.
+
+``planned_mix="step"`` keeps :data:`~.window.DEFAULT_WINDOW_STEPS` (32) steps: its balancing
+matches a window's K steps to K slots per band, memory and time growing as K^2.
+
+``planned_mix="window"`` sizes its window in samples, not steps: a window's steps are bands of
+the window's sorted lengths, so what decides how narrow a band is (padding) and how alike a
+step's samples are (idle) is how many samples the window sorts, the more the better, while its
+memory grows as the samples (about 45 bytes each while a loader worker plans it). So the window
+holds about :data:`WINDOW_MIX_SAMPLES` samples (packed: :data:`WINDOW_MIX_PACKS` packs of about
+seven samples each at 8,192 tokens), at most :data:`MAX_WINDOW_STEPS` steps, at least one:
+
+============================  ===========  ===============================================
+shape (G = R M B per step)    K            samples per window
+============================  ===========  ===============================================
+8 ranks, M = 2, B = 4         1,024        65,536 (at K = 32: 2,048)
+1,024 ranks, M = 8, B = 4     32           1,048,576 (as the fixed default)
+16,384 ranks, M = 8, B = 4    2            1,048,576 (a fixed K = 32 is over 2^24: refused)
+============================  ===========  ===============================================
+
+Measured by ``tools/bench_planned.py`` (8 ranks, M = 1 and 2, B = 4, padded; windows of 1,024
+or 2,048 samples at K = 32 against 32,768-65,536 at K = 1,024): lost compute (idle per optimizer
+step + padding by tokens) 5.3-11.9% -> 0.4-0.9% at M = 1 and 1.6-5.2% -> 0.1-0.3% at M = 2 on
+the trimodal, demo and heavy-tailed mixes, where a batch pool of 100,000 samples loses 0.6-1.1%.
+
+The mix of a ``"window"`` plan holds per window, so a longer window spreads a source's share
+over more steps: a mixture schedule whose weights change within K steps is followed per window
+(its zero weights still per step). Set ``plan_window_steps`` to bound that. K depends only on
+the global batch, which an elastic resume keeps; a resume that changes the global batch
+(``allow_global_batch_change``) needs ``plan_window_steps`` set to the saved run's K.
+"""
+
+from __future__ import annotations
+
+from .mix import PlannedMix, check_planned_mix
+from .window import DEFAULT_WINDOW_STEPS
+
+__all__ = ["MAX_WINDOW_STEPS", "WINDOW_MIX_PACKS", "WINDOW_MIX_SAMPLES", "default_window_steps"]
+
+#: The largest ``plan_window_steps`` (``OrderingConfig`` refuses more): the step mix's balancing
+#: costs memory and time that grow as K^2.
+MAX_WINDOW_STEPS = 1024
+#: Samples a ``"window"`` plan of padded micro-batches aims for: 2^20 ids, a peak of 42-50 MiB
+#: while a loader worker plans them (``tools/bench_planned.py``, 1,024 ranks, M = 8).
+WINDOW_MIX_SAMPLES = 1 << 20
+#: Packs a packed ``"window"`` plan aims for: 2^16 packs of 8,192 tokens hold about 460,000
+#: samples of the trimodal mix, a peak of 38-43 MiB (1,024 ranks, M = 8: K = 8; K = 32 peaked
+#: at 143-203 MiB).
+WINDOW_MIX_PACKS = 1 << 16
+
+
+def default_window_steps(mix: PlannedMix | str, draws_per_step: int, packed: bool = False) -> int:
+    """K when ``plan_window_steps`` is not given (module docstring).
+
+    Args:
+        mix: ``planned_mix``.
+        draws_per_step: G = R M B: samples (padded) or packs (packed) per optimizer step.
+        packed: Whether the plan packs (G counts packs).
+
+    Returns:
+        ``DEFAULT_WINDOW_STEPS`` for ``"step"``; for ``"window"``
+        ``clamp(target // G, 1, MAX_WINDOW_STEPS)``.
+    """
+    if check_planned_mix(mix) == "step":
+        return DEFAULT_WINDOW_STEPS
+    g = int(draws_per_step)
+    if g < 1:
+        raise ValueError(f"default_window_steps: draws_per_step = {g}; give an int >= 1.")
+    target = WINDOW_MIX_PACKS if packed else WINDOW_MIX_SAMPLES
+    return max(1, min(MAX_WINDOW_STEPS, target // g))

@@ -1,0 +1,84 @@
+"""How many steps a plan window holds when plan_window_steps is not given (issue 32): the step
+mix keeps 32, the window mix sizes its window in samples (2^20) or packs (2^16), and what the
+pipeline plans and stamps is that K."""
+
+import pytest
+
+from energon_ordering import OrderingConfig
+from energon_ordering.errors import OrderingConfigError
+from energon_ordering.pipeline.plan import PLANNED_SOURCE, BuildArgs, Source, plan_pipeline
+from energon_ordering.pipeline.stamp import pipeline_stamp
+from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
+from energon_ordering.planned.window_size import (MAX_WINDOW_STEPS, WINDOW_MIX_PACKS,
+                                                  WINDOW_MIX_SAMPLES, default_window_steps)
+
+PLANNED = dict(length_sort_mode="planned", length_sort_placement="pre-encode",
+               length_sort_pool_holds="keys")
+
+
+@pytest.mark.parametrize("g", [1, 32, 4096, 32768, 1 << 22])
+def test_the_step_mix_keeps_its_window_at_every_global_batch(g):
+    assert default_window_steps("step", g) == DEFAULT_WINDOW_STEPS
+    assert default_window_steps("step", g, packed=True) == DEFAULT_WINDOW_STEPS
+
+
+@pytest.mark.parametrize("g, k", [
+    (8 * 2 * 4, MAX_WINDOW_STEPS),        # 8 ranks, M 2, B 4: capped, 65,536 samples
+    (256 * 2 * 4, 512),                   # 256 ranks: 2^20 / 2,048
+    (1024 * 8 * 4, 32),                   # 1,024 ranks, M 8: as the fixed default
+    (16384 * 8 * 4, 2),                   # 16,384 ranks: a fixed 32 would be over 2^24
+    (1 << 21, 1),                         # a step over the target: one step per window
+])
+def test_the_window_mix_holds_about_a_million_samples(g, k):
+    assert default_window_steps("window", g) == k
+    assert k * g <= max(WINDOW_MIX_SAMPLES, g)
+
+
+def test_packed_window_mix_counts_packs():
+    assert default_window_steps("window", 1024 * 8, packed=True) == 8
+    assert default_window_steps("window", 8 * 2, packed=True) == MAX_WINDOW_STEPS
+    assert 8 * 1024 * 8 == WINDOW_MIX_PACKS
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(OrderingConfigError, match="planned_mix = 'bands'"):
+        default_window_steps("bands", 64)
+    with pytest.raises(ValueError, match="draws_per_step = 0"):
+        default_window_steps("window", 0)
+
+
+def test_the_config_leaves_the_window_mixs_k_to_the_global_batch():
+    cfg = OrderingConfig(**PLANNED, planned_mix="window", micro_batches_per_step=2)
+    assert cfg.plan_window_steps is None
+    assert cfg.window_steps(8, 4) == 1024
+    assert cfg.window_steps(1024, 4) == 128
+    assert cfg.window_steps(1024, 1, packed=True) == 32
+    # round trip keeps "not given"
+    assert OrderingConfig.from_dict(cfg.to_dict()).plan_window_steps is None
+    given = OrderingConfig(**PLANNED, planned_mix="window", plan_window_steps=48)
+    assert given.window_steps(8, 4) == 48
+    step = OrderingConfig(**PLANNED)
+    assert step.plan_window_steps == DEFAULT_WINDOW_STEPS and step.window_steps(8, 4) == 32
+    with pytest.raises(OrderingConfigError, match="length_sort_mode = 'planned' only"):
+        OrderingConfig().window_steps(8, 4)
+
+
+@pytest.mark.parametrize("packing", [None, 16])
+def test_the_pipeline_plans_and_stamps_the_resolved_window(packing):
+    cfg = OrderingConfig(**PLANNED, planned_mix="window", micro_batches_per_step=2,
+                         pack_seq_length=None if packing is None else 256)
+    args = BuildArgs(batch_size=4, world_size=512, packing_buffer_size=packing,
+                     sources=(Source(name="a"),))
+    plan = plan_pipeline(cfg, args)
+    k = dict(plan.stage(PLANNED_SOURCE).settings)["window_steps"]
+    assert k == default_window_steps("window", 512 * 2 * 4, packed=packing is not None) < 1024
+    assert pipeline_stamp(plan, length_indexes=None)["plan_window_steps"] == k
+    # the same global batch on other ranks (an elastic resume): the same window
+    other = plan_pipeline(cfg, BuildArgs(batch_size=4, world_size=256, packing_buffer_size=packing,
+                                         sources=(Source(name="a"),)))
+    cfg2 = OrderingConfig(**PLANNED, planned_mix="window", micro_batches_per_step=4,
+                          pack_seq_length=None if packing is None else 256)
+    same = plan_pipeline(cfg2, BuildArgs(batch_size=4, world_size=256, packing_buffer_size=packing,
+                                         sources=(Source(name="a"),)))
+    assert dict(same.stage(PLANNED_SOURCE).settings)["window_steps"] == k
+    assert dict(other.stage(PLANNED_SOURCE).settings)["window_steps"] != k  # half the batch
