@@ -379,7 +379,8 @@ class OrderingConfig:
             )
 
     def _check_planned(self) -> None:
-        """The settings ``length_sort_mode = "planned"`` needs; fills the default window."""
+        """The settings ``length_sort_mode = "planned"`` needs (``plan_window_steps`` None stays
+        None: :meth:`window_steps` gives the mix's default for a global batch)."""
         if self.length_sort_pool_size != 0:
             raise OrderingConfigError(
                 f"OrderingConfig.length_sort_pool_size = {self.length_sort_pool_size}: "
@@ -411,9 +412,9 @@ class OrderingConfig:
                     "and draws each step's exact source counts (no blend policy). Drop "
                     f"{name} (or use a pool mode)."
                 )
-        if self.plan_window_steps is None and self.planned_mix == "window":
-            return  # sized in samples once the global batch is known: window_steps()
-        k = DEFAULT_WINDOW_STEPS if self.plan_window_steps is None else self.plan_window_steps
+        if self.plan_window_steps is None:
+            return  # the mix's default, where the global batch is known: window_steps()
+        k = self.plan_window_steps
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
             raise OrderingConfigError(
                 f"OrderingConfig.plan_window_steps = {show(k)}: the plan balances ranks over "

@@ -172,3 +172,39 @@ def test_a_finite_epoch_with_the_window_mix_is_refused_in_one_line(data):
                            world_size=2, batch_size=B, repeat=False,
                            task_encoder_factory=IndexedSyntheticTaskEncoder)
     assert "\n" not in str(e.value)
+
+
+# -- the window sized by the global batch (plan_window_steps unset) ---------------------------
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_default_window_resumes_exactly_and_elastically(data, workers):
+    """plan_window_steps unset: the window mix holds 1,024 steps of this small global batch
+    (2^20 samples' worth, at most 1,024 steps). States at cuts inside it resume exactly, and a
+    resume at another data-parallel size with the same global batch keeps the same K and every
+    step's samples, cut to the same lengths (the warmup ramps inside the window)."""
+    kw = dict(plan_window_steps=None, num_workers=workers)
+    whole, _ = _run(data, 3, 2, 10 * 2, **kw)
+    _, states = _run(data, 3, 2, 6 * 2, save_at={5, 6 * 2}, **kw)
+    rest, _ = _run(data, 2, 3, 4 * 3, state=states[6 * 2], **kw)
+    assert _seen(rest, 3) == _seen(whole, 2)[6:]
+
+    def make():
+        return _loader(data, 3, 2, 0, workers, plan_window_steps=None)
+
+    assert resume(make, states[5], 20 - 5) == whole[0][5:]
+
+
+def test_a_global_batch_change_under_the_default_window_names_plan_window_steps(data):
+    """The default K follows the global batch: a resume that changes it (allowed) would plan
+    windows of another K, so it is refused naming plan_window_steps and the saved K."""
+    kw = dict(plan_window_steps=None, allow_global_batch_change=True)
+    _, states = _run(data, 2, 64, 64, save_at={64}, **kw)  # G = 512: K = 2,048 -> 1,024
+    _, states2 = _run(data, 2, 256, 256, save_at={256}, **kw)  # G = 2,048: K = 512
+    loader = _loader(data, 2, 64, 0, plan_window_steps=None, allow_global_batch_change=True)
+    try:
+        with pytest.raises(StateMismatchError, match=r"plan_window_steps: saved 512 != "
+                                                     r"configured 1024.*set plan_window_steps"):
+            restore_state_rank(loader, states2[256])
+    finally:
+        close_loader(loader)
+    assert states[64] is not None

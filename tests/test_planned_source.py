@@ -228,7 +228,8 @@ def test_planned_config_defaults_the_window():
     cfg = OrderingConfig(length_sort_mode="planned", length_sort_placement="pre-encode",
                          length_sort_pool_holds="keys")
     assert cfg.planned and not cfg.length_sort_enabled
-    assert cfg.plan_window_steps == DEFAULT_WINDOW_STEPS
+    assert cfg.plan_window_steps is None  # the mix's default, for the global batch
+    assert cfg.window_steps(1024, 4) == DEFAULT_WINDOW_STEPS
     assert OrderingConfig.from_dict(cfg.to_dict()) == cfg
 
 

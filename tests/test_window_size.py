@@ -2,6 +2,8 @@
 mix keeps 32, the window mix sizes its window in samples (2^20) or packs (2^16), and what the
 pipeline plans and stamps is that K."""
 
+import dataclasses
+
 import pytest
 
 from energon_ordering import OrderingConfig
@@ -58,7 +60,9 @@ def test_the_config_leaves_the_window_mixs_k_to_the_global_batch():
     given = OrderingConfig(**PLANNED, planned_mix="window", plan_window_steps=48)
     assert given.window_steps(8, 4) == 48
     step = OrderingConfig(**PLANNED)
-    assert step.plan_window_steps == DEFAULT_WINDOW_STEPS and step.window_steps(8, 4) == 32
+    assert step.plan_window_steps is None and step.window_steps(8, 4) == DEFAULT_WINDOW_STEPS
+    # a step config turned to the window mix sizes its window anew (nothing was given)
+    assert dataclasses.replace(step, planned_mix="window").window_steps(8, 4) == 1024
     with pytest.raises(OrderingConfigError, match="length_sort_mode = 'planned' only"):
         OrderingConfig().window_steps(8, 4)
 

@@ -18,10 +18,12 @@ shape (G = R M B per step)    K            samples per window
 16,384 ranks, M = 8, B = 4    2            1,048,576 (a fixed K = 32 is over 2^24: refused)
 ============================  ===========  ===============================================
 
-Measured by ``tools/bench_planned.py`` (8 ranks, M = 1 and 2, B = 4, padded; windows of 1,024
-or 2,048 samples at K = 32 against 32,768-65,536 at K = 1,024): lost compute (idle per optimizer
-step + padding by tokens) 5.3-11.9% -> 0.4-0.9% at M = 1 and 1.6-5.2% -> 0.1-0.3% at M = 2 on
-the trimodal, demo and heavy-tailed mixes, where a batch pool of 100,000 samples loses 0.6-1.1%.
+Measured by ``tools/bench_planned.py --quick`` (5 December, 8 ranks, M = 2, B = 4, padded):
+lost compute (idle per optimizer step + padding by tokens) 0.05-0.14% on the trimodal, demo and
+heavy-tailed mixes with K = 1,024, against 1.4-4.0% with K = 32 (2,048 samples a window) and
+0.77-0.93% for a batch pool of 100,000 samples; on the demo's data at M = 1 (``advise``) 0.2%
+against 5.6% with K = 32. Packed at 1,024 ranks, M = 8, K = 8 peaks at 30-36 MiB (K = 32: 143-203
+MiB) for the same idle and padding.
 
 The mix of a ``"window"`` plan holds per window, so a longer window spreads a source's share
 over more steps: a mixture schedule whose weights change within K steps is followed per window
