@@ -1,7 +1,9 @@
 """How many optimizer steps a plan window holds when ``plan_window_steps`` is not given.
 
 ``planned_mix="step"`` keeps :data:`~.window.DEFAULT_WINDOW_STEPS` (32) steps: its balancing
-matches a window's K steps to K slots per band, memory and time growing as K^2.
+matches a window's K steps to K slots per band, memory and time growing as K^2; above 32,768
+samples per step it takes fewer, so that a window stays within the same 2^20 samples (a loader
+worker planning 32 steps of 16,384 ranks x 8 x 4 would hold 2^24 ids and 1.4 GiB).
 
 ``planned_mix="window"`` sizes its window in samples, not steps: a window's steps are bands of
 the window's sorted lengths, so what decides how narrow a band is (padding) and how alike a
@@ -37,7 +39,8 @@ from __future__ import annotations
 from .mix import PlannedMix, check_planned_mix
 from .window import DEFAULT_WINDOW_STEPS
 
-__all__ = ["MAX_WINDOW_STEPS", "WINDOW_MIX_PACKS", "WINDOW_MIX_SAMPLES", "default_window_steps"]
+__all__ = ["MAX_WINDOW_STEPS", "STEP_MIX_PACKS", "WINDOW_MIX_PACKS", "WINDOW_MIX_SAMPLES",
+           "default_window_steps"]
 
 #: The largest ``plan_window_steps`` (``OrderingConfig`` refuses more): the step mix's balancing
 #: costs memory and time that grow as K^2.
@@ -49,6 +52,9 @@ WINDOW_MIX_SAMPLES = 1 << 20
 #: samples of the trimodal mix, a peak of 38-43 MiB (1,024 ranks, M = 8: K = 8; K = 32 peaked
 #: at 143-203 MiB).
 WINDOW_MIX_PACKS = 1 << 16
+#: Packs a packed ``"step"`` plan's window holds at most: it packs step by step, so 32 steps of
+#: 1,024 ranks x 8 packs (2^18) peaked at 29-35 MiB; 16,384 ranks plan fewer steps.
+STEP_MIX_PACKS = 1 << 18
 
 
 def default_window_steps(mix: PlannedMix | str, draws_per_step: int, packed: bool = False) -> int:
@@ -60,13 +66,15 @@ def default_window_steps(mix: PlannedMix | str, draws_per_step: int, packed: boo
         packed: Whether the plan packs (G counts packs).
 
     Returns:
-        ``DEFAULT_WINDOW_STEPS`` for ``"step"``; for ``"window"``
-        ``clamp(target // G, 1, MAX_WINDOW_STEPS)``.
+        ``clamp(target // G, 1, most)``: ``most`` is ``DEFAULT_WINDOW_STEPS`` for ``"step"``,
+        ``MAX_WINDOW_STEPS`` for ``"window"``.
     """
-    if check_planned_mix(mix) == "step":
-        return DEFAULT_WINDOW_STEPS
+    mix = check_planned_mix(mix)
     g = int(draws_per_step)
     if g < 1:
         raise ValueError(f"default_window_steps: draws_per_step = {g}; give an int >= 1.")
-    target = WINDOW_MIX_PACKS if packed else WINDOW_MIX_SAMPLES
-    return max(1, min(MAX_WINDOW_STEPS, target // g))
+    if mix == "step":
+        target, most = (STEP_MIX_PACKS if packed else WINDOW_MIX_SAMPLES), DEFAULT_WINDOW_STEPS
+    else:
+        target, most = (WINDOW_MIX_PACKS if packed else WINDOW_MIX_SAMPLES), MAX_WINDOW_STEPS
+    return max(1, min(most, target // g))
