@@ -56,6 +56,7 @@ from .lpt import deal_tuples
 from .cursor import PlanCursor, draws
 from .permutation import permutation_key, permute
 from .sample_ids import SampleIds
+from .sort_order import stable_ascending
 
 __all__ = ["DEFER_ROUNDS", "MAX_DEFERRED", "band_order", "deal_bands", "mix_window",
            "window_totals"]
@@ -191,7 +192,7 @@ def _sweep(L: np.ndarray, band_caps: np.ndarray | None, G: int) -> np.ndarray:
     """Slot of each sample in the bands (band ``slot // G``), or -1 where it overflows (see the
     module docstring, step 3)."""
     n = len(L)
-    order = np.argsort(L, kind="stable")
+    order = stable_ascending(L)
     slot = np.empty(n, dtype=np.int64)
     if band_caps is None:
         slot[order] = np.arange(n, dtype=np.int64)
@@ -257,7 +258,7 @@ def mix_window(lengths: Sequence[np.ndarray], *, seed: int, cursor: PlanCursor,
         band_caps = None if caps is None else np.asarray(caps, dtype=np.float64)[steps]
         gid, age, src, L = _gather(streams, split[g], D, lengths, caps is not None)
         if band_caps is None:  # nothing overflows: the bands are the samples by length
-            _place(out_gid, out_len, counts, steps, gid, src, L, np.argsort(L, kind="stable"))
+            _place(out_gid, out_len, counts, steps, gid, src, L, stable_ascending(L))
             del gid, src, L
             continue
         over = np.zeros(0, dtype=np.int64)
@@ -370,7 +371,14 @@ def _deal_steps(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int) ->
     mb_cost = cost.reshape(n * R * M, B).sum(axis=1)
     dealt = deal_tuples(np.arange(n * R * M).reshape(n, R * M), mb_cost, R, M)  # [n, R, M]
     best = ((dealt % (R * M)) * B)[..., None] + np.arange(B)
-    score, idle = share(best, np.arange(n))
+    # share() of this dealing without gathering the steps: its micro-batches are the sorted
+    # blocks of B, whichever rank takes them (the same sums: whole lengths' costs add exactly)
+    rank = mb_cost[dealt].sum(axis=2)  # [n, R]
+    idle = 1 - rank.mean(axis=1) / np.maximum(rank.max(axis=1), 1e-300)
+    blocks = L.reshape(n, R * M, B)
+    pad = (B * blocks[:, :, -1] - blocks.sum(axis=2)).sum(axis=1)  # each block ascending
+    score = idle / K + PADDING_WEIGHT * pad / tokens
+    del rank, blocks, pad
     rows = np.flatnonzero(idle > LEVEL_ENOUGH)
     if not len(rows):
         return best
