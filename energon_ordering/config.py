@@ -137,12 +137,12 @@ class OrderingConfig:
             (``energon-ordering index --index-dir``; for read-only datasets).
         plan_window_steps: With ``length_sort_mode = "planned"``: optimizer steps per window of
             the plan; the ranks are balanced within each window (larger: less straggler idle
-            and padding, more planning memory). None (default): with ``planned_mix = "step"``
-            :data:`~energon_ordering.planned.window.DEFAULT_WINDOW_STEPS`; with ``"window"``
-            as many steps as hold about 2^20 samples (2^16 packs), sized once the pipeline
-            knows the global batch (:meth:`window_steps`,
-            :mod:`energon_ordering.planned.window_size`), both measured by
-            ``tools/bench_planned.py``. Only in planned mode. At most
+            and padding, more planning memory). None (default): sized in samples once the
+            pipeline knows the global batch (:meth:`window_steps`,
+            :mod:`energon_ordering.planned.window_size`, measured by
+            ``tools/bench_planned.py``): with ``planned_mix = "step"`` about 2^19 samples in
+            32-128 steps (packed: 32 steps); with ``"window"`` about 2^20 samples (packed 2^16
+            packs) in at most 1,024 steps. Only in planned mode. At most
             :data:`MAX_PLAN_WINDOW_STEPS`, and the window's plan, K x R x M x B sample ids
             (data-parallel ranks R, micro-batch B), at most :data:`MAX_PLAN_WINDOW_SAMPLES`
             (checked when the pipeline is planned, where R and B are known). The settings of

@@ -75,7 +75,8 @@ def window(heavy_pop):
 def test_planned_row_idles_less_than_the_batch_pool_at_64_ranks(predictions):
     pools, planned = predictions
     batch = {p.pool_size: p for p in pools if p.mode == "batch"}
-    assert planned.has_index and planned.name == "planned (K=32, step)"
+    k = default_window_steps("step", R * M * B)  # 2^19 samples would be 256 steps: at most 128
+    assert planned.has_index and planned.name == f"planned (K={k}, step)" and k == 128
     assert planned.idle[R] < batch[10_000].idle[R] / 2, (planned.idle, batch[10_000].idle)
     assert planned.idle[R] < 0.01 and planned.padding < 0.02
     # the plan is exact per step: every source within one sample of weight x G, at every R
@@ -224,7 +225,8 @@ def test_without_an_index_one_line_says_so(heavy_pop, predictions):
     assert line.startswith("planned order: not recommended, it needs a length index for every "
                            "dataset (the lengths here: estimate (4000 samples, X))")
     assert "energon-ordering index DATASET" in line
-    assert re.search(r"planned \(K=32, step\) .* needs a length index", advice_tables(adv))
+    assert re.search(rf"planned \(K={planned.window_steps}, step\) .* needs a length index",
+                     advice_tables(adv))
     assert planned_note(_advice(heavy_pop, pools, planned, None)) is None
 
 

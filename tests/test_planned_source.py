@@ -229,7 +229,7 @@ def test_planned_config_defaults_the_window():
                          length_sort_pool_holds="keys")
     assert cfg.planned and not cfg.length_sort_enabled
     assert cfg.plan_window_steps is None  # the mix's default, for the global batch
-    assert cfg.window_steps(1024, 4) == DEFAULT_WINDOW_STEPS
+    assert cfg.window_steps(8192, 4) == DEFAULT_WINDOW_STEPS
     assert OrderingConfig.from_dict(cfg.to_dict()) == cfg
 
 

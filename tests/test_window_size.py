@@ -18,16 +18,19 @@ PLANNED = dict(length_sort_mode="planned", length_sort_placement="pre-encode",
                length_sort_pool_holds="keys")
 
 
-@pytest.mark.parametrize("g", [1, 32, 4096, 32768])
-def test_the_step_mix_keeps_its_window_up_to_a_million_samples(g):
-    assert default_window_steps("step", g) == DEFAULT_WINDOW_STEPS
-    assert default_window_steps("step", g // 4 or 1, packed=True) == DEFAULT_WINDOW_STEPS
+@pytest.mark.parametrize("g, k", [
+    (1, 128), (32, 128), (4096, 128),     # up to 2^19 samples: at most 128 steps
+    (8192, 64),                           # 2^19 samples
+    (16384, 32), (32768, 32),             # at least 32 up to 2^20 samples
+    (16384 * 8 * 4, 2), (1 << 22, 1),     # fewer only beyond (32 steps: 2^24 ids, 1.4 GiB)
+])
+def test_the_step_mix_holds_half_a_million_samples_32_to_128_steps(g, k):
+    assert default_window_steps("step", g) == k
 
 
-def test_the_step_mix_shortens_its_window_beyond():
-    assert default_window_steps("step", 16384 * 8 * 4) == 2  # 32 steps: 2^24 ids, 1.4 GiB
-    assert default_window_steps("step", 1 << 22) == 1
-    assert default_window_steps("step", 16384 * 8, packed=True) == 2
+@pytest.mark.parametrize("g, k", [(1, 32), (8192, 32), (16384, 16), (16384 * 8, 2)])
+def test_the_packed_step_mix_keeps_32_steps_up_to_2_18_packs(g, k):
+    assert default_window_steps("step", g, packed=True) == k
 
 
 @pytest.mark.parametrize("g, k", [
@@ -66,7 +69,8 @@ def test_the_config_leaves_the_window_mixs_k_to_the_global_batch():
     given = OrderingConfig(**PLANNED, planned_mix="window", plan_window_steps=48)
     assert given.window_steps(8, 4) == 48
     step = OrderingConfig(**PLANNED)
-    assert step.plan_window_steps is None and step.window_steps(8, 4) == DEFAULT_WINDOW_STEPS
+    assert step.plan_window_steps is None and step.window_steps(8, 4) == 128
+    assert step.window_steps(8192, 4) == DEFAULT_WINDOW_STEPS
     # a step config turned to the window mix sizes its window anew (nothing was given)
     assert dataclasses.replace(step, planned_mix="window").window_steps(8, 4) == 1024
     with pytest.raises(OrderingConfigError, match="length_sort_mode = 'planned' only"):

@@ -60,7 +60,7 @@ class _NoReader:
         pass
 
 
-def _source(world_size: int, window_steps: int, packed: bool, ahead: bool):
+def _source(world_size: int, window_steps: int, packed: bool, ahead: bool, mix: str):
     """Loader worker 1 of the last rank, over a heavy-tailed two-source mix (lengths only)."""
     from megatron.energon import WorkerConfig
 
@@ -72,7 +72,7 @@ def _source(world_size: int, window_steps: int, packed: bool, ahead: bool):
     short = np.minimum(rng.lognormal(6.0, 0.9, n), PACK_SEQ_LENGTH).round().clip(16)
     long_ = np.minimum(3 * rng.lognormal(6.0, 0.9, n), PACK_SEQ_LENGTH).round().clip(16)
     kw = dict(weights=[0.7, 0.3], seed=0, window_steps=window_steps, micro_batches_per_step=M,
-              batch_size=1 if packed else BATCH,
+              batch_size=1 if packed else BATCH, planned_mix=mix,
               worker_config=WorkerConfig(rank=world_size - 1, world_size=world_size,
                                          num_workers=WORKERS))
     lengths = [short, long_]
@@ -88,10 +88,10 @@ def _source(world_size: int, window_steps: int, packed: bool, ahead: bool):
 
 
 def _gaps(world_size: int, window_steps: int, windows: int, step_s: float, packed: bool,
-          ahead: bool) -> tuple[float, float, float, list[int]]:
+          ahead: bool, mix: str) -> tuple[float, float, float, list[int]]:
     """(longest in-window gap, longest boundary gap, first micro-batch s, a digest of the
     ids) over ``windows`` windows of worker 1."""
-    ds = _source(world_size, window_steps, packed, ahead)
+    ds = _source(world_size, window_steps, packed, ahead, mix)
     consume = step_s / M * WORKERS
     per_window = window_steps * M
     inside, boundary, digest = 0.0, 0.0, []
@@ -122,29 +122,32 @@ def _gaps(world_size: int, window_steps: int, windows: int, step_s: float, packe
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--ranks", default=1024, help="Data-parallel size R.")
 @click.option("--window-steps", type=int, default=None,
-              help="plan_window_steps (default: the package's).")
+              help="plan_window_steps (default: the package's for the mix and the global batch).")
+@click.option("--mix", "mixes", default="step", help="planned_mix granularities (step, window).")
 @click.option("--windows", default=2, help="Windows the worker runs through (boundaries: one "
               "fewer).")
 @click.option("--step-s", default=1.0, help="Seconds per optimizer step (the consumer's pace).")
 @click.option("--orders", default="padded,packed", help="Which orders to run.")
 @click.option("--modes", default="boundary,ahead",
               help="Planned at the boundary, ahead, or both (then also checked alike).")
-def main(ranks: int, window_steps: int | None, windows: int, step_s: float, orders: str,
-         modes: str) -> None:
+def main(ranks: int, window_steps: int | None, mixes: str, windows: int, step_s: float,
+         orders: str, modes: str) -> None:
     """Longest micro-batch gap at a window boundary and inside a window, per mode."""
-    from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
+    from energon_ordering.planned.window_size import default_window_steps
 
     click.echo(f"$ {shlex.join(['python', *sys.argv])}")
     t0 = time.perf_counter()
-    k = window_steps or DEFAULT_WINDOW_STEPS
     rows, differ = [], []
     wanted = [m.strip() for m in modes.split(",")]
-    for packed in [o.strip() == "packed" for o in orders.split(",")]:
+    for packed, mix in [(o.strip() == "packed", x.strip()) for o in orders.split(",")
+                        for x in mixes.split(",")]:
+        k = window_steps or default_window_steps(mix, ranks * M * (1 if packed else BATCH),
+                                                 packed)
         digests = {}
         for ahead in [m == "ahead" for m in wanted]:
             inside, boundary, first, digests[ahead] = _gaps(ranks, k, windows, step_s, packed,
-                                                            ahead)
-            rows.append(["packed" if packed else "padded",
+                                                            ahead, mix)
+            rows.append(["packed" if packed else "padded", mix, f"{k}",
                          "ahead" if ahead else "at the boundary", f"{1e3 * first:,.0f}",
                          f"{1e3 * inside:,.1f}", f"{1e3 * boundary:,.1f}",
                          f"{1e3 * (boundary - inside):+,.1f}"])
@@ -155,13 +158,13 @@ def main(ranks: int, window_steps: int | None, windows: int, step_s: float, orde
                            f"(target <= +50 ms: {'met' if over <= 0.05 else 'missed'}; not a "
                            "failure)")
         if len(digests) == 2 and digests[False] != digests[True]:
-            differ.append("packed" if packed else "padded")
+            differ.append(f"{'packed' if packed else 'padded'} {mix}")
     click.echo(f"\n{ranks:,} ranks, micro-batch {BATCH} samples (packed: one pack of "
                f"{PACK_SEQ_LENGTH:,} tokens), {M} micro-batches per step, "
-               f"plan_window_steps {k}, loader worker 1 of {WORKERS} of the last rank, a step "
+               f"loader worker 1 of {WORKERS} of the last rank, a step "
                f"every {step_s} s, {windows} windows (plan only, plans not shared)")
-    click.echo(table(["order", "window planned", "first ids ms", "in-window gap ms",
-                      "boundary gap ms", "boundary - in-window ms"], rows))
+    click.echo(table(["order", "planned_mix", "K", "window planned", "first ids ms",
+                      "in-window gap ms", "boundary gap ms", "boundary - in-window ms"], rows))
     click.echo(f"({time.perf_counter() - t0:.0f} s wall)")
     if differ:
         click.echo(f"check FAILED: {', '.join(differ)}: planning ahead changed the micro-batches")

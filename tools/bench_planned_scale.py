@@ -72,7 +72,7 @@ def _status() -> dict[str, int]:
     return out
 
 
-def _worker(path: str, world_size: int, window_steps: int, queue) -> None:
+def _worker(path: str, world_size: int, window_steps: int, mix: str, queue) -> None:
     """One loader worker's ordering work (spawned), reported to ``queue``."""
     from megatron.energon import WorkerConfig
 
@@ -86,7 +86,7 @@ def _worker(path: str, world_size: int, window_steps: int, queue) -> None:
     lengths = split_lengths(Path(path), lambda: None)  # exists: mapped
     ds = PlannedSourceDataset(
         [None], [[]], [lengths], weights=[1.0], seed=0, window_steps=window_steps,
-        micro_batches_per_step=M, batch_size=BATCH,
+        micro_batches_per_step=M, batch_size=BATCH, planned_mix=mix,
         worker_config=WorkerConfig(rank=world_size - 1, world_size=world_size, num_workers=2),
     )
     first = ds.micro_batch_ids(1)  # worker 1 of rank R-1
@@ -215,7 +215,9 @@ def _lengths_file(folder: Path, n: int) -> Path:
 @click.option("--sizes", default="1e7,1e8", help="Index sizes (samples).")
 @click.option("--ranks", default="8,1024", help="Data-parallel sizes.")
 @click.option("--window-steps", type=int, default=None,
-              help="plan_window_steps (default: the package's).")
+              help="plan_window_steps (default: the package's for the mix and the global batch).")
+@click.option("--mix", "mixes", default="step",
+              help="planned_mix granularities, comma-separated (step, window).")
 @click.option("--dir", "folder", type=click.Path(file_okay=False), default=None,
               help="Where the synthetic lengths files go (default: a temporary folder).")
 @click.option("--join-samples", type=int, default=0,
@@ -226,12 +228,11 @@ def _lengths_file(folder: Path, n: int) -> Path:
 @click.option("--node-ranks", type=int, default=1,
               help="Planned ranks in this process (--throughput), sharing their plans as the "
                    "ranks of a node do (ENERGON_ORDERING_PLAN_DIR); 1: a rank alone.")
-def main(sizes: str, ranks: str, window_steps: int | None, folder: str | None,
+def main(sizes: str, ranks: str, window_steps: int | None, mixes: str, folder: str | None,
          join_samples: int, throughput: int, rounds: int, node_ranks: int) -> None:
     """One planned loader worker's time to its first micro-batch and its memory, per size."""
-    from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
+    from energon_ordering.planned.window_size import default_window_steps
 
-    k = window_steps or DEFAULT_WINDOW_STEPS
     ctx = multiprocessing.get_context("spawn")
     rows = []
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
@@ -241,22 +242,24 @@ def main(sizes: str, ranks: str, window_steps: int | None, folder: str | None,
             made = time.perf_counter() - t0
             click.echo(f"{n:,} samples: synthetic lengths file {path.stat().st_size / 2**20:,.0f} "
                        f"MiB, written in {made:.1f} s")
-            for R in (int(r) for r in ranks.split(",")):
+            for R, mix in ((int(r), x) for r in ranks.split(",") for x in mixes.split(",")):
+                k = window_steps or default_window_steps(mix, R * M * BATCH)
                 queue = ctx.Queue()
-                p = ctx.Process(target=_worker, args=(str(path), R, k, queue))
+                p = ctx.Process(target=_worker, args=(str(path), R, k, mix, queue))
                 p.start()
                 got = queue.get()
                 p.join()
-                rows.append([f"{n:,}", f"{R:,}", f"{R * M * BATCH * k:,}",
+                rows.append([f"{n:,}", f"{R:,}", mix, f"{k:,}", f"{R * M * BATCH * k:,}",
                              f"{got['first']:.2f}", f"{got['next']:.2f}",
                              f"{got['peak'] / 2**20:.1f}", f"{got['anon'] / 2**20:.1f}",
                              f"{got['file'] / 2**20:.0f}"])
             path.unlink()
     if rows:
-        click.echo(f"\nmicro-batch {BATCH}, {M} micro-batches per step, plan_window_steps {k}; "
-                   "one spawned process per row (loader worker 1 of the last rank)")
-        click.echo(table(["samples", "ranks", "samples per window", "first ids s",
-                          "next window s", "peak alloc MiB", "anon MiB", "file MiB"], rows))
+        click.echo(f"\nmicro-batch {BATCH}, {M} micro-batches per step; one spawned process per "
+                   "row (loader worker 1 of the last rank)")
+        click.echo(table(["samples", "ranks", "planned_mix", "K", "samples per window",
+                          "first ids s", "next window s", "peak alloc MiB", "anon MiB",
+                          "file MiB"], rows))
     if join_samples:
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             first, mapped = _join_times(Path(tmp), join_samples)

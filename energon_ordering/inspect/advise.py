@@ -48,8 +48,9 @@ need more memory than ``advise`` allows itself are refused with a typed error.
 
 **The planned order** (``length_sort_mode: planned``) is a pure function of the lengths, so it
 is not modelled but computed: :func:`planned_run` splits the population by source and runs the
-plan itself (:func:`energon_ordering.planned.window.plan_window`, windows of
-:data:`~energon_ordering.planned.window.DEFAULT_WINDOW_STEPS` steps) at each rank count and at
+plan itself (:func:`energon_ordering.planned.window.plan_window`, windows of each mix's default
+length at the rank count's global batch, :mod:`energon_ordering.planned.window_size`) at each
+rank count and at
 each mix granularity (``planned_mix``: the mix held per optimizer step, or per plan window
 with the window's samples free to move between its steps), and :func:`predict_planned`
 measures it with the same definitions, plus the worst per-step and per-window deviation of a
@@ -1124,10 +1125,11 @@ def planned_requirements() -> str:
     """What a recommended planned order needs beside ``length_sort_mode: planned``."""
     return ("planned mode needs length_sort_placement: pre-encode, length_sort_pool_holds: keys "
             "and a length index for every dataset (with packing also pack_seq_length: the plan "
-            f"builds the packs); plan_window_steps defaults to {DEFAULT_WINDOW_STEPS} with "
-            "planned_mix: step, which holds each source's share in every optimizer step, and to "
-            "about 2^20 samples' worth of steps with planned_mix: window, which holds it in every "
-            "plan window (its steps free to take one band of lengths each).")
+            "builds the packs); plan_window_steps defaults to about 2^19 samples' worth of steps "
+            f"({DEFAULT_WINDOW_STEPS}-128) with planned_mix: step, which holds each source's "
+            "share in every optimizer step, and to about 2^20 samples' worth (at most 1,024) with "
+            "planned_mix: window, which holds it in every plan window (its steps free to take one "
+            "band of lengths each).")
 
 
 def other_mode_note(advice: Advice, good: float = GOOD_IDLE) -> str | None:

@@ -1,9 +1,16 @@
 """How many optimizer steps a plan window holds when ``plan_window_steps`` is not given.
 
-``planned_mix="step"`` keeps :data:`~.window.DEFAULT_WINDOW_STEPS` (32) steps: its balancing
-matches a window's K steps to K slots per band, memory and time growing as K^2; above 32,768
-samples per step it takes fewer, so that a window stays within the same 2^20 samples (a loader
-worker planning 32 steps of 16,384 ranks x 8 x 4 would hold 2^24 ids and 1.4 GiB).
+``planned_mix="step"`` sorts its window into M bands of K slots, one slot of each band per step,
+so a slot spans 1/(K M) of the window's lengths: padding by tokens falls about as 1/K. Its
+balancing grows as K^2 in memory and time, so its window holds about :data:`STEP_MIX_SAMPLES`
+samples, between :data:`~.window.DEFAULT_WINDOW_STEPS` (32) and :data:`STEP_MAX_WINDOW_STEPS`
+(128) steps, and fewer than 32 only where 32 steps would be over 2^20 samples (a loader worker
+planning 32 steps of 16,384 ranks x 8 x 4 would hold 2^24 ids and 1.4 GiB). Measured with
+``tools/bench_planned.py``'s mixes at M = 8, B = 4 (K = 32 -> 64 -> 128): padding by tokens on
+the heavy-tailed mix 3.1% -> 1.7% -> 0.9% at 8-256 ranks, idle per step 0.27-0.78% -> 0.08-0.15%,
+CPU per step not higher, peak 9-25 -> 16-61 MiB (1M samples at 256 ranks and K = 128: 61-67 MiB,
+so K = 64 there). Packed, it packs step by step (K does not change the packs): 32 steps, at most
+:data:`STEP_MIX_PACKS` packs.
 
 ``planned_mix="window"`` sizes its window in samples, not steps: a window's steps are bands of
 the window's sorted lengths, so what decides how narrow a band is (padding) and how alike a
@@ -17,7 +24,7 @@ shape (G = R M B per step)    K            samples per window
 ============================  ===========  ===============================================
 8 ranks, M = 2, B = 4         1,024        65,536 (at K = 32: 2,048)
 1,024 ranks, M = 8, B = 4     32           1,048,576 (as the fixed default)
-16,384 ranks, M = 8, B = 4    2            1,048,576 (a fixed K = 32 is over 2^24: refused)
+16,384 ranks, M = 8, B = 4    2            1,048,576 (K = 32: 2^24 ids, 1.4 GiB planning)
 ============================  ===========  ===============================================
 
 Measured by ``tools/bench_planned.py --quick`` (5 December, 8 ranks, M = 2, B = 4, padded):
@@ -39,8 +46,8 @@ from __future__ import annotations
 from .mix import PlannedMix, check_planned_mix
 from .window import DEFAULT_WINDOW_STEPS
 
-__all__ = ["MAX_WINDOW_STEPS", "STEP_MIX_PACKS", "WINDOW_MIX_PACKS", "WINDOW_MIX_SAMPLES",
-           "default_window_steps"]
+__all__ = ["MAX_WINDOW_STEPS", "STEP_MAX_WINDOW_STEPS", "STEP_MIX_PACKS", "STEP_MIX_SAMPLES",
+           "WINDOW_MIX_PACKS", "WINDOW_MIX_SAMPLES", "default_window_steps"]
 
 #: The largest ``plan_window_steps`` (``OrderingConfig`` refuses more): the step mix's balancing
 #: costs memory and time that grow as K^2.
@@ -52,6 +59,10 @@ WINDOW_MIX_SAMPLES = 1 << 20
 #: samples of the trimodal mix, a peak of 38-43 MiB (1,024 ranks, M = 8: K = 8; K = 32 peaked
 #: at 143-203 MiB).
 WINDOW_MIX_PACKS = 1 << 16
+#: Samples a padded ``"step"`` plan's window aims for (module docstring).
+STEP_MIX_SAMPLES = 1 << 19
+#: The most steps a ``"step"`` window takes by default (its balancing grows as K^2).
+STEP_MAX_WINDOW_STEPS = 128
 #: Packs a packed ``"step"`` plan's window holds at most: it packs step by step, so 32 steps of
 #: 1,024 ranks x 8 packs (2^18) peaked at 29-35 MiB; 16,384 ranks plan fewer steps.
 STEP_MIX_PACKS = 1 << 18
@@ -66,15 +77,18 @@ def default_window_steps(mix: PlannedMix | str, draws_per_step: int, packed: boo
         packed: Whether the plan packs (G counts packs).
 
     Returns:
-        ``clamp(target // G, 1, most)``: ``most`` is ``DEFAULT_WINDOW_STEPS`` for ``"step"``,
-        ``MAX_WINDOW_STEPS`` for ``"window"``.
+        ``"window"``: ``clamp(2^20 // G, 1, 1,024)`` (packed ``2^16 // G``); ``"step"``:
+        ``clamp(2^19 // G, 32, 128)``, below 32 only as ``2^20 // G`` (packed
+        ``clamp(2^18 // G, 1, 32)``).
     """
     mix = check_planned_mix(mix)
     g = int(draws_per_step)
     if g < 1:
         raise ValueError(f"default_window_steps: draws_per_step = {g}; give an int >= 1.")
-    if mix == "step":
-        target, most = (STEP_MIX_PACKS if packed else WINDOW_MIX_SAMPLES), DEFAULT_WINDOW_STEPS
-    else:
-        target, most = (WINDOW_MIX_PACKS if packed else WINDOW_MIX_SAMPLES), MAX_WINDOW_STEPS
-    return max(1, min(most, target // g))
+    if mix == "window":
+        return max(1, min(MAX_WINDOW_STEPS, (WINDOW_MIX_PACKS if packed else WINDOW_MIX_SAMPLES)
+                          // g))
+    if packed:
+        return max(1, min(DEFAULT_WINDOW_STEPS, STEP_MIX_PACKS // g))
+    at_most_32 = min(DEFAULT_WINDOW_STEPS, WINDOW_MIX_SAMPLES // g)  # 32 up to 2^20 samples
+    return max(1, min(STEP_MAX_WINDOW_STEPS, max(at_most_32, STEP_MIX_SAMPLES // g)))
