@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from energon_ordering import OrderingConfig
 from energon_ordering.cli import main
+from energon_ordering.planned.window_size import default_window_steps
 from energon_ordering.errors import OrderingConfigError
 from energon_ordering.inspect.advise import (
     LengthPopulation,
@@ -187,10 +188,12 @@ def test_advise_cli_prints_the_table_recommends_and_plots(advise_run):
                               "pad/mb", "disp/mb", "disp/step", "accepted"]
     assert "idle per optimizer step at each rank count (* requested):" in out
     assert re.search(r"order +8\* +64 +256 +1,024\n", out)
-    for mix in ("step", "window"):
-        assert re.search(rf"planned \(K=32, {mix}\) .* yes \(index\)", out)
+    for mix in ("step", "window"):  # each mix's default window at 8 ranks x 1 x 4
+        k = default_window_steps(mix, 8 * 1 * 4)
+        assert re.search(rf"planned \(K={k}, {mix}\) .* yes \(index\)", out)
     assert "pre-encode/keys" in out and "post-encode/encoded" in out
-    assert "recommended: length_sort_pool_size:" in out
+    # the planned order, window mix, loses least here (every dataset has a length index)
+    assert "recommended: length_sort_mode: planned, planned_mix: window" in out
     # Absolute per-step mix, defined, and stratified described by what it does.
     assert "pp typical/worst: code" in out and "typical = median step" in out
     assert "mixes sources" not in out
@@ -205,11 +208,11 @@ def test_advise_recommends_only_pools_the_package_accepts(advise_run, two_source
     assert result.exit_code == 0, result.output
     assert re.search(r"batch 1,000 .* needs 16,000", result.output)
     assert re.search(r"batch 800 .* yes", result.output)
-    m = re.search(r"recommended: length_sort_pool_size: (\d+), length_sort_mode: (\w+), "
-                  r"length_sort_placement: ([\w-]+)(?:, length_sort_pool_holds: (\w+))?",
-                  result.output)
+    # the planned order is recommended; the best pool it is weighed against is one accepted
+    m = re.search(r"for the best pool setting, (\w+) ([\d,]+) ([\w-]+)/(\w+)", result.output)
     assert m, result.output
-    size, mode, placement, holds = int(m[1]), m[2], m[3], m[4] or "raw"
+    mode, size, placement, holds = m[1], int(m[2].replace(",", "")), m[3], m[4]
+    holds = "raw" if holds in ("raw", "encoded") else holds
     assert 0 < size <= 800
 
     def build(pool):

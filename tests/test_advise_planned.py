@@ -268,8 +268,9 @@ def test_advise_cli_recommends_planned_with_its_settings(tmp_path):
         "8", "--steps", "256", "--out", str(tmp_path),
         "--task-encoder", "energon_ordering.inspect.synthetic_task:IndexedSyntheticTaskEncoder"])
     assert res.exit_code == 0, res.output
-    for mix in ("step", "window"):
-        assert re.search(rf"planned \(K=32, {mix}\) .* yes \(index\)", res.output)
+    for mix in ("step", "window"):  # each mix's default window at 64 ranks x 8 x 4
+        k = default_window_steps(mix, 64 * 8 * 4)
+        assert re.search(rf"planned \(K={k}, {mix}\) .* yes \(index\)", res.output)
     assert re.search(r"recommended: length_sort_mode: planned, planned_mix: (step|window), "
                      "length_sort_placement: pre-encode, length_sort_pool_holds: keys",
                      res.output)

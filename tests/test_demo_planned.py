@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from energon_ordering.cli import main
 from energon_ordering.cli.demo import winning_mix
 from energon_ordering.cli.inspect import as_planned, planned_repeats, pool_off
+from energon_ordering.planned.window_size import default_window_steps
 from energon_ordering.inspect.rank_simulation import BatchRecord
 from energon_ordering.inspect.synthetic import SourceSpec
 from energon_ordering import OrderingConfig
@@ -136,11 +137,12 @@ def test_demo_shows_the_planned_order_as_a_third_run(tmp_path):
     lost = results["predicted_lost_compute"]
     mix = min(lost, key=lost.get)
     assert f"planned run: planned_mix: {mix}, the granularity that loses the least" in res.output
-    name = f"planned (K=32, {mix})"
+    k = default_window_steps(mix, 4 * 1 * 4)  # the demo's shape: 4 ranks x 1 x 4
+    name = f"planned (K={k}, {mix})"
     assert results["planned_mix"] == {name: mix}
     header = next(line for line in res.output.splitlines()  # not the progress lines
                   if line.startswith(" ") and line.lstrip().startswith("pool off"))
-    assert header.split() == ["pool", "off", "pool", "256", "(batch)", "planned", "(K=32,",
+    assert header.split() == ["pool", "off", "pool", "256", "(batch)", "planned", f"(K={k},",
                               f"{mix})"]
     plan, off, pool = results[name], results["pool off"], results["pool 256 (batch)"]
     assert f"It loses {100 * plan['lost_compute']:.1f}% of compute" in res.output
@@ -167,7 +169,7 @@ def test_demo_plans_the_packs_of_a_packing_recipe(tmp_path):
     header = next(line for line in res.output.splitlines()
                   if line.startswith(" ") and line.lstrip().startswith("pool off"))
     # planned_mix 'window' does not plan packs: the recipe's mix, said so
-    assert "planned (K=32, step)" in header
+    assert "planned (K=32, step)" in header  # packed step: 32 steps
     assert "planned run: the recipe's planned_mix (with packing the plan builds the packs" in \
         res.output
     assert "packs per step here, each pack built to its step's cap" in res.output
