@@ -16,7 +16,8 @@ from energon_ordering.pool.ramp import RAMP_MIN_POOL
 from energon_ordering.mixture.schedule import MAX_STEPS, MixtureSchedule
 from energon_ordering.planned.mix import PLANNED_MIXES
 from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
-from energon_ordering.planned.window_size import MAX_WINDOW_STEPS, default_window_steps
+from energon_ordering.planned.window_size import (MAX_WINDOW_MIX_STEPS, MAX_WINDOW_STEPS,
+                                                  default_window_steps)
 from energon_ordering.warmup.overflow import OVERFLOW_POLICIES
 from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.yaml_file import load_yaml
@@ -421,7 +422,13 @@ class OrderingConfig:
                 "windows of this many optimizer steps; give an int >= 1 (default "
                 f"{DEFAULT_WINDOW_STEPS})."
             )
-        if k > MAX_PLAN_WINDOW_STEPS:
+        if self.planned_mix == "window" and k > MAX_WINDOW_MIX_STEPS:
+            raise OrderingConfigError(
+                f"OrderingConfig.plan_window_steps = {show(k)} is over the window mix's limit of "
+                f"{MAX_WINDOW_MIX_STEPS:,} steps (a window's mix holds over its steps); use "
+                f"plan_window_steps <= {MAX_WINDOW_MIX_STEPS:,}, or leave it unset (sized for "
+                "the global batch).")
+        if self.planned_mix != "window" and k > MAX_PLAN_WINDOW_STEPS:
             raise OrderingConfigError(
                 f"OrderingConfig.plan_window_steps = {show(k)} is over the limit of "
                 f"{MAX_PLAN_WINDOW_STEPS:,}: balancing a window costs memory and time that "

@@ -62,7 +62,7 @@ def test_pipeline_figures_are_the_plans(data, mix, m):
     lengths = [np.array([rd.visit(i)[2] for i in range(len(rd))]) for rd in readers]
     offsets = np.concatenate(([0], np.cumsum([len(x) for x in lengths])))
     k = default_window_steps(mix, R * m * B)
-    assert k == (128 if mix == "step" else 1024)
+    assert k == (128 if mix == "step" else 4096)
     plan = plan_window(lengths, seed=7, cursor=PlanCursor.start(2),
                        weights=window_weights(np.array([0.7, 0.3]), 0, k), window_steps=k,
                        world_size=R, micro_batch=B, micro_batches_per_step=m, mix=mix)

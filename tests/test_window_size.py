@@ -11,7 +11,7 @@ from energon_ordering.errors import OrderingConfigError
 from energon_ordering.pipeline.plan import PLANNED_SOURCE, BuildArgs, Source, plan_pipeline
 from energon_ordering.pipeline.stamp import pipeline_stamp
 from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
-from energon_ordering.planned.window_size import (MAX_WINDOW_STEPS, WINDOW_MIX_PACKS,
+from energon_ordering.planned.window_size import (MAX_WINDOW_MIX_STEPS, WINDOW_MIX_PACKS,
                                                   WINDOW_MIX_SAMPLES, default_window_steps)
 
 PLANNED = dict(length_sort_mode="planned", length_sort_placement="pre-encode",
@@ -28,13 +28,14 @@ def test_the_step_mix_holds_half_a_million_samples_32_to_128_steps(g, k):
     assert default_window_steps("step", g) == k
 
 
-@pytest.mark.parametrize("g, k", [(1, 32), (8192, 32), (16384, 16), (16384 * 8, 2)])
-def test_the_packed_step_mix_keeps_32_steps_up_to_2_18_packs(g, k):
+@pytest.mark.parametrize("g, k", [(1, 32), (4096, 32), (8192, 16), (16384 * 8, 1)])
+def test_the_packed_step_mix_keeps_32_steps_up_to_2_17_packs(g, k):
     assert default_window_steps("step", g, packed=True) == k
 
 
 @pytest.mark.parametrize("g, k", [
-    (8 * 2 * 4, MAX_WINDOW_STEPS),        # 8 ranks, M 2, B 4: capped, 65,536 samples
+    (2 * 1 * 4, MAX_WINDOW_MIX_STEPS),    # 2 ranks, M 1, B 4: capped, 32,768 samples
+    (8 * 2 * 4, MAX_WINDOW_MIX_STEPS),    # 8 ranks, M 2, B 4: capped, 262,144 samples
     (256 * 2 * 4, 512),                   # 256 ranks: 2^20 / 2,048
     (1024 * 8 * 4, 32),                   # 1,024 ranks, M 8: as the fixed default
     (16384 * 8 * 4, 2),                   # 16,384 ranks: a fixed 32 would be over 2^24
@@ -47,7 +48,7 @@ def test_the_window_mix_holds_about_a_million_samples(g, k):
 
 def test_packed_window_mix_counts_packs():
     assert default_window_steps("window", 1024 * 8, packed=True) == 8
-    assert default_window_steps("window", 8 * 2, packed=True) == MAX_WINDOW_STEPS
+    assert default_window_steps("window", 8 * 2, packed=True) == MAX_WINDOW_MIX_STEPS
     assert 8 * 1024 * 8 == WINDOW_MIX_PACKS
 
 
@@ -61,7 +62,7 @@ def test_bad_inputs_are_named():
 def test_the_config_leaves_the_window_mixs_k_to_the_global_batch():
     cfg = OrderingConfig(**PLANNED, planned_mix="window", micro_batches_per_step=2)
     assert cfg.plan_window_steps is None
-    assert cfg.window_steps(8, 4) == 1024
+    assert cfg.window_steps(8, 4) == MAX_WINDOW_MIX_STEPS
     assert cfg.window_steps(1024, 4) == 128
     assert cfg.window_steps(1024, 1, packed=True) == 32
     # round trip keeps "not given"
@@ -72,7 +73,7 @@ def test_the_config_leaves_the_window_mixs_k_to_the_global_batch():
     assert step.plan_window_steps is None and step.window_steps(8, 4) == 128
     assert step.window_steps(8192, 4) == DEFAULT_WINDOW_STEPS
     # a step config turned to the window mix sizes its window anew (nothing was given)
-    assert dataclasses.replace(step, planned_mix="window").window_steps(8, 4) == 1024
+    assert dataclasses.replace(step, planned_mix="window").window_steps(8, 4) == 4096
     with pytest.raises(OrderingConfigError, match="length_sort_mode = 'planned' only"):
         OrderingConfig().window_steps(8, 4)
 
@@ -96,3 +97,12 @@ def test_the_pipeline_plans_and_stamps_the_resolved_window(packing):
                                          sources=(Source(name="a"),)))
     assert dict(same.stage(PLANNED_SOURCE).settings)["window_steps"] == k
     assert dict(other.stage(PLANNED_SOURCE).settings)["window_steps"] != k  # half the batch
+
+
+def test_each_mix_refuses_its_own_largest_window():
+    ok = OrderingConfig(**PLANNED, planned_mix="window", plan_window_steps=4096)
+    assert ok.window_steps(2, 4) == 4096
+    with pytest.raises(OrderingConfigError, match="over the window mix's limit of 4,096"):
+        OrderingConfig(**PLANNED, planned_mix="window", plan_window_steps=4097)
+    with pytest.raises(OrderingConfigError, match="over the limit of 1,024"):
+        OrderingConfig(**PLANNED, plan_window_steps=1025)

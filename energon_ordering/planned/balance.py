@@ -531,7 +531,9 @@ def balance_window(
         step, micro-batch, rank, sample.
     """
     costs = np.asarray(costs, dtype=np.float64)
-    sources = np.asarray(sources, dtype=np.int64)
+    sources = np.asarray(sources)  # small ints stay small: a loader worker pays the peak
+    if sources.dtype.kind not in "iu":
+        sources = sources.astype(np.int64)
     counts = np.asarray(counts, dtype=np.int64)
     K, S = counts.shape
     R, B, M = int(world_size), int(micro_batch), int(micro_batches_per_step)

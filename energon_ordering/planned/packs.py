@@ -157,7 +157,9 @@ class _Draws:
         more = max(int(count) - have, have, 256)
         ix = draws(self.seed, self.source, len(self.lengths), self.first + have, more)
         self.index = np.concatenate((self.index, ix))
-        self.length = np.concatenate((self.length, np.asarray(self.lengths, np.float64)[ix]))
+        # gather, then convert: converting the source first copied all of its lengths (a
+        # 10^8-sample lengths file: 800 MiB) at every call
+        self.length = np.concatenate((self.length, np.asarray(self.lengths)[ix].astype(np.float64)))
 
     def take(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Removes and returns the next ``count`` draws (indices, lengths)."""

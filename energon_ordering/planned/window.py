@@ -204,7 +204,7 @@ def plan_window(
     drawn = np.concatenate([np.asarray(lengths[s])[gid[bounds[s]:bounds[s + 1]] - off]
                             for s, off in enumerate(ids.offsets.tolist())])
     cost = sample_cost(drawn)
-    src = np.repeat(np.arange(S, dtype=np.int64), per_source)
+    src = np.repeat(np.arange(S, dtype=np.int16 if S < 2**15 else np.int64), per_source)
     pos = balance_window(cost, src, counts, world_size=R, micro_batch=B,
                          micro_batches_per_step=M, lengths=drawn)  # [K, M, R, B]
     del cost, src, drawn

@@ -17,12 +17,13 @@ the window's sorted lengths, so what decides how narrow a band is (padding) and 
 step's samples are (idle) is how many samples the window sorts, the more the better, while its
 memory grows as the samples (about 45 bytes each while a loader worker plans it). So the window
 holds about :data:`WINDOW_MIX_SAMPLES` samples (packed: :data:`WINDOW_MIX_PACKS` packs of about
-seven samples each at 8,192 tokens), at most :data:`MAX_WINDOW_STEPS` steps, at least one:
+seven samples each at 8,192 tokens), at most :data:`MAX_WINDOW_MIX_STEPS` steps, at least one:
 
 ============================  ===========  ===============================================
 shape (G = R M B per step)    K            samples per window
 ============================  ===========  ===============================================
-8 ranks, M = 2, B = 4         1,024        65,536 (at K = 32: 2,048)
+2 ranks, M = 1, B = 4         4,096        32,768 (at K = 32: 256)
+8 ranks, M = 2, B = 4         4,096        262,144 (at K = 32: 2,048)
 1,024 ranks, M = 8, B = 4     32           1,048,576 (as the fixed default)
 16,384 ranks, M = 8, B = 4    2            1,048,576 (K = 32: 2^24 ids, 1.4 GiB planning)
 ============================  ===========  ===============================================
@@ -46,12 +47,16 @@ from __future__ import annotations
 from .mix import PlannedMix, check_planned_mix
 from .window import DEFAULT_WINDOW_STEPS
 
-__all__ = ["MAX_WINDOW_STEPS", "STEP_MAX_WINDOW_STEPS", "STEP_MIX_PACKS", "STEP_MIX_SAMPLES",
+__all__ = ["MAX_WINDOW_MIX_STEPS", "MAX_WINDOW_STEPS", "STEP_MAX_WINDOW_STEPS", "STEP_MIX_PACKS", "STEP_MIX_SAMPLES",
            "WINDOW_MIX_PACKS", "WINDOW_MIX_SAMPLES", "default_window_steps"]
 
-#: The largest ``plan_window_steps`` (``OrderingConfig`` refuses more): the step mix's balancing
-#: costs memory and time that grow as K^2.
+#: The largest ``plan_window_steps`` of the step mix (``OrderingConfig`` refuses more): its
+#: balancing costs memory and time that grow as K^2.
 MAX_WINDOW_STEPS = 1024
+#: The largest ``plan_window_steps`` of the window mix, whose cost grows with its samples only:
+#: at 2 ranks x 1 x 4 a window of 1,024 steps (8,192 samples) lost 0.20-0.56% where a 100,000-
+#: sample batch pool lost 0.20-0.24%; 4,096 steps lost 0.06-0.16% (``tools/bench_planned.py``).
+MAX_WINDOW_MIX_STEPS = 4096
 #: Samples a ``"window"`` plan of padded micro-batches aims for: 2^20 ids, a peak of 42-50 MiB
 #: while a loader worker plans them (``tools/bench_planned.py``, 1,024 ranks, M = 8).
 WINDOW_MIX_SAMPLES = 1 << 20
@@ -63,9 +68,9 @@ WINDOW_MIX_PACKS = 1 << 16
 STEP_MIX_SAMPLES = 1 << 19
 #: The most steps a ``"step"`` window takes by default (its balancing grows as K^2).
 STEP_MAX_WINDOW_STEPS = 128
-#: Packs a packed ``"step"`` plan's window holds at most: it packs step by step, so 32 steps of
-#: 1,024 ranks x 8 packs (2^18) peaked at 29-35 MiB; 16,384 ranks plan fewer steps.
-STEP_MIX_PACKS = 1 << 18
+#: Packs a packed ``"step"`` plan's window holds at most: it packs step by step, so 16 steps of
+#: 1,024 ranks x 8 packs (2^17); 2^18 packs (2 steps of 16,384 ranks x 8) peaked at 109 MiB.
+STEP_MIX_PACKS = 1 << 17
 
 
 def default_window_steps(mix: PlannedMix | str, draws_per_step: int, packed: bool = False) -> int:
@@ -77,17 +82,17 @@ def default_window_steps(mix: PlannedMix | str, draws_per_step: int, packed: boo
         packed: Whether the plan packs (G counts packs).
 
     Returns:
-        ``"window"``: ``clamp(2^20 // G, 1, 1,024)`` (packed ``2^16 // G``); ``"step"``:
+        ``"window"``: ``clamp(2^20 // G, 1, 4,096)`` (packed ``2^16 // G``); ``"step"``:
         ``clamp(2^19 // G, 32, 128)``, below 32 only as ``2^20 // G`` (packed
-        ``clamp(2^18 // G, 1, 32)``).
+        ``clamp(2^17 // G, 1, 32)``).
     """
     mix = check_planned_mix(mix)
     g = int(draws_per_step)
     if g < 1:
         raise ValueError(f"default_window_steps: draws_per_step = {g}; give an int >= 1.")
     if mix == "window":
-        return max(1, min(MAX_WINDOW_STEPS, (WINDOW_MIX_PACKS if packed else WINDOW_MIX_SAMPLES)
-                          // g))
+        return max(1, min(MAX_WINDOW_MIX_STEPS,
+                          (WINDOW_MIX_PACKS if packed else WINDOW_MIX_SAMPLES) // g))
     if packed:
         return max(1, min(DEFAULT_WINDOW_STEPS, STEP_MIX_PACKS // g))
     at_most_32 = min(DEFAULT_WINDOW_STEPS, WINDOW_MIX_SAMPLES // g)  # 32 up to 2^20 samples
