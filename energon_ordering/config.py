@@ -143,8 +143,10 @@ class OrderingConfig:
             :mod:`energon_ordering.planned.window_size`, measured by
             ``tools/bench_planned.py``): with ``planned_mix = "step"`` about 2^19 samples in
             32-128 steps (packed: 32 steps); with ``"window"`` about 2^20 samples (packed 2^16
-            packs) in at most 1,024 steps. Only in planned mode. At most
-            :data:`MAX_PLAN_WINDOW_STEPS`, and the window's plan, K x R x M x B sample ids
+            packs) in at most 4,096 steps. Only in planned mode. At most
+            :data:`MAX_PLAN_WINDOW_STEPS` (step mix) or 4,096 (window mix,
+            :data:`~energon_ordering.planned.window_size.MAX_WINDOW_MIX_STEPS`), and the
+            window's plan, K x R x M x B sample ids
             (data-parallel ranks R, micro-batch B), at most :data:`MAX_PLAN_WINDOW_SAMPLES`
             (checked when the pipeline is planned, where R and B are known). The settings of
             the pools and the blend (``length_sort_pool_size``, ``length_sort_pool_ramp``,

@@ -198,12 +198,12 @@ def test_a_global_batch_change_under_the_default_window_names_plan_window_steps(
     """The default K follows the global batch: a resume that changes it (allowed) would plan
     windows of another K, so it is refused naming plan_window_steps and the saved K."""
     kw = dict(plan_window_steps=None, allow_global_batch_change=True)
-    _, states = _run(data, 2, 64, 64, save_at={64}, **kw)  # G = 512: K = 2,048 -> 1,024
+    _, states = _run(data, 2, 64, 64, save_at={64}, **kw)  # G = 512: K = 2^20 / 512 = 2,048
     _, states2 = _run(data, 2, 256, 256, save_at={256}, **kw)  # G = 2,048: K = 512
     loader = _loader(data, 2, 64, 0, plan_window_steps=None, allow_global_batch_change=True)
     try:
         with pytest.raises(StateMismatchError, match=r"plan_window_steps: saved 512 != "
-                                                     r"configured 1024.*set plan_window_steps"):
+                                                     r"configured 2048.*set plan_window_steps"):
             restore_state_rank(loader, states2[256])
     finally:
         close_loader(loader)

@@ -29,11 +29,11 @@ shape (G = R M B per step)    K            samples per window
 ============================  ===========  ===============================================
 
 Measured by ``tools/bench_planned.py --quick`` (5 December, 8 ranks, M = 2, B = 4, padded):
-lost compute (idle per optimizer step + padding by tokens) 0.05-0.14% on the trimodal, demo and
-heavy-tailed mixes with K = 1,024, against 1.4-4.0% with K = 32 (2,048 samples a window) and
-0.77-0.93% for a batch pool of 100,000 samples; on the demo's data at M = 1 (``advise``) 0.2%
-against 5.6% with K = 32. Packed at 1,024 ranks, M = 8, K = 8 peaks at 30-36 MiB (K = 32: 143-203
-MiB) for the same idle and padding.
+lost compute (idle per optimizer step + padding by tokens) 0.02-0.04% on the trimodal, demo and
+heavy-tailed mixes with K = 4,096, 0.05-0.14% with K = 1,024, 1.4-4.0% with K = 32 (2,048
+samples a window), against 0.79-1.14% for a batch pool of 100,000 samples; on the demo's data
+at M = 1 (``advise``) 0.1% against 5.6% with K = 32. Packed at 1,024 ranks, M = 8, K = 8 peaks
+at 30-51 MiB (K = 32: 143-203 MiB) for about the same idle and padding.
 
 The mix of a ``"window"`` plan holds per window, so a longer window spreads a source's share
 over more steps: a mixture schedule whose weights change within K steps is followed per window
