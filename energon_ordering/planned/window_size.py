@@ -47,8 +47,8 @@ from __future__ import annotations
 from .mix import PlannedMix, check_planned_mix
 from .window import DEFAULT_WINDOW_STEPS
 
-__all__ = ["MAX_WINDOW_MIX_STEPS", "MAX_WINDOW_STEPS", "STEP_MAX_WINDOW_STEPS", "STEP_MIX_PACKS", "STEP_MIX_SAMPLES",
-           "WINDOW_MIX_PACKS", "WINDOW_MIX_SAMPLES", "default_window_steps"]
+__all__ = ["MAX_WINDOW_MIX_STEPS", "MAX_WINDOW_STEPS", "STEP_MAX_WINDOW_STEPS", "STEP_MIX_PACKS",
+           "STEP_MIX_SAMPLES", "WINDOW_MIX_PACKS", "WINDOW_MIX_SAMPLES", "default_window_steps"]
 
 #: The largest ``plan_window_steps`` of the step mix (``OrderingConfig`` refuses more): its
 #: balancing costs memory and time that grow as K^2.
@@ -61,8 +61,8 @@ MAX_WINDOW_MIX_STEPS = 4096
 #: while a loader worker plans them (``tools/bench_planned.py``, 1,024 ranks, M = 8).
 WINDOW_MIX_SAMPLES = 1 << 20
 #: Packs a packed ``"window"`` plan aims for: 2^16 packs of 8,192 tokens hold about 460,000
-#: samples of the trimodal mix, a peak of 38-43 MiB (1,024 ranks, M = 8: K = 8; K = 32 peaked
-#: at 143-203 MiB).
+#: samples of the trimodal mix, a peak of 30-51 MiB on the three mixes (1,024 ranks, M = 8:
+#: K = 8; K = 32 peaked at 143-203 MiB).
 WINDOW_MIX_PACKS = 1 << 16
 #: Samples a padded ``"step"`` plan's window aims for (module docstring).
 STEP_MIX_SAMPLES = 1 << 19
