@@ -208,3 +208,25 @@ def test_a_global_batch_change_under_the_default_window_names_plan_window_steps(
     finally:
         close_loader(loader)
     assert states[64] is not None
+
+
+@pytest.mark.parametrize("mix, k", [("step", 128), ("window", 4096)])
+def test_a_state_of_the_old_fixed_window_is_refused_naming_plan_window_steps(data, mix, k):
+    """A state saved when the default window was 32 steps (plan_window_steps: 32 stands for
+    it) restored with today's default (128 steps for the step mix, 4,096 for the window mix at
+    this global batch): refused, naming the setting, both values and the fix; with
+    plan_window_steps: 32 the same state resumes exactly."""
+    _, states = _run(data, 2, 2, 4, save_at={3}, mix=mix, plan_window_steps=32)
+    loader = _loader(data, 2, 2, 0, mix=mix, plan_window_steps=None)
+    try:
+        with pytest.raises(StateMismatchError, match=rf"plan_window_steps: saved 32 != "
+                                                     rf"configured {k}.*set plan_window_steps"):
+            restore_state_rank(loader, states[3])
+    finally:
+        close_loader(loader)
+    whole, _ = _run(data, 2, 2, 8, mix=mix, plan_window_steps=32)
+
+    def make():
+        return _loader(data, 2, 2, 0, mix=mix, plan_window_steps=32)
+
+    assert resume(make, states[3], 5) == whole[0][3:]
