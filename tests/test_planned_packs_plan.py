@@ -172,3 +172,28 @@ def test_the_packed_plan_is_pinned_to_its_version():
     assert hashlib.sha256(_pinned_packed_plans()).hexdigest() == PINNED_PACKED_DIGEST, (
         "the packed plan of the same inputs changed: bump PACKED_PLAN_VERSION "
         "(planned/packs.py) and pin the new digest")
+
+
+def test_a_packed_plan_reads_only_the_lengths_it_draws(tmp_path):
+    """A packed window of a few steps over a 2 x 10^7-sample lengths file (float32, mapped, as
+    the length index's lengths file is) allocates what its draws need, not a float64 copy of
+    every source's lengths (160 MiB here; it was made at every fetch of more draws)."""
+    import tracemalloc
+
+    path = tmp_path / "lengths.npy"
+    n = 10_000_000
+    mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n,))
+    mm[:] = 300.0
+    mm.flush()
+    del mm
+    lengths = [np.load(path, mmap_mode="r"), np.load(path, mmap_mode="r")]
+    tracemalloc.start()
+    try:
+        plan = plan_packed_window(lengths, seed=0, cursor=PlanCursor.start(2),
+                                  weights=np.full((2, 2), 0.5), caps=[4096, 4096],
+                                  world_size=4, micro_batch=1, micro_batches_per_step=2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert plan.counts.sum() > 0
+    assert peak < 8 * 2**20, peak
