@@ -448,11 +448,13 @@ class OrderingConfig:
             )
         object.__setattr__(self, "plan_window_steps", int(k))
 
-    def window_steps(self, world_size: int, batch_size: int, packed: bool = False) -> int:
+    def window_steps(self, world_size: int, batch_size: int, packed: bool | None = None) -> int:
         """K, the optimizer steps of a plan window, for ``world_size`` ranks of micro-batches of
         ``batch_size`` samples (packed: packs): ``plan_window_steps`` if given, else the
         default of ``planned_mix`` for that global batch
-        (:func:`~energon_ordering.planned.window_size.default_window_steps`). Planned mode
+        (:func:`~energon_ordering.planned.window_size.default_window_steps`). ``packed``:
+        None reads it off ``packing_buffer_size`` (the pipeline passes it: Energon's
+        ``get_train_dataset`` may pack where the config does not say so). Planned mode
         only."""
         if not self.planned:
             raise OrderingConfigError(
@@ -460,6 +462,8 @@ class OrderingConfig:
                 "plan windows exist in length_sort_mode = 'planned' only.")
         if self.plan_window_steps is not None:
             return int(self.plan_window_steps)
+        if packed is None:
+            packed = self.packing_buffer_size is not None
         g = int(world_size) * self.micro_batches_per_step * int(batch_size)
         return default_window_steps(self.planned_mix, g, packed)
 

@@ -139,9 +139,8 @@ FIELD_FIXES: dict[str, str] = {
     ),
     "plan_window_steps": (
         "The planned order's windows hold another number of optimizer steps "
-        "(OrderingConfig.plan_window_steps, Megatron: --plan-window-steps; left unset with "
-        "planned_mix = 'window' it follows the global batch): set plan_window_steps to the saved "
-        "value to resume."
+        "(OrderingConfig.plan_window_steps, Megatron: --plan-window-steps; left unset it "
+        "follows the global batch): set plan_window_steps to the saved value to resume."
     ),
     "seq_length_overflow": (
         "OrderingConfig.seq_length_overflow decides what happens to a sample over the cap "

@@ -80,7 +80,7 @@ def elastic_shape(cfg: OrderingConfig, ranks: int, resume_ranks: int, cut: int,
             f"and an elastic resume starts at a step boundary; use --cut {lower} or {upper}.")
     # every step after an elastic resume holds the same samples (contract 13), so the check
     # compares step by step; by default over two windows past the cut's, at most 64 steps
-    K = cfg.window_steps(ranks, batch_size, cfg.packing_buffer_size is not None)
+    K = cfg.window_steps(ranks, batch_size)
     span = min(K, DEFAULT_WINDOW_STEPS) * M  # micro-batches per rank
     if steps is None:
         steps = (cut // span + 2) * span

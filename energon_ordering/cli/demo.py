@@ -100,15 +100,13 @@ def _planned_note(results: dict, name: str, plan_cfg: OrderingConfig, ranks: int
     """What the planned run shows beside the pool: its mix, and the compute each loses."""
     pool = next((n for n in results if n not in ("pool off", name)), None)
     plan, m = results[name], plan_cfg.micro_batches_per_step
-    packed = plan_cfg.packing_buffer_size is not None
-    unit = "packs" if packed else "samples"
+    unit = "packs" if plan_cfg.packing_buffer_size is not None else "samples"
     step_samples = ranks * batch_size
     held = ("every step holds each source's scheduled share of its samples within one sample"
             if plan_cfg.planned_mix == "step" else
-            f"every plan window of {plan_cfg.window_steps(ranks, batch_size, packed)} steps "
-            "holds each source's "
-            "scheduled share within one sample, and each of its steps takes one band of "
-            "lengths, as a pool's steps do")
+            f"every plan window of {plan_cfg.window_steps(ranks, batch_size)} steps holds each "
+            "source's scheduled share within one sample, and each of its steps takes one band "
+            "of lengths, as a pool's steps do")
     text = (f"The planned run: {held} (dispersion per step {plan.step_histogram_dispersion:.2f}"
             + (f", {results[pool].step_histogram_dispersion:.2f} with the pool" if pool else "")
             + f"); ranks are balanced over {m} micro-batch(es) per rank per step "

@@ -83,7 +83,7 @@ def as_planned(cfg: OrderingConfig, mix: str | None = None) -> OrderingConfig:
 def planned_name(cfg: OrderingConfig, ranks: int, batch_size: int) -> str:
     """A planned run's column name: the mode, its window (at ``ranks`` x micro-batches of
     ``batch_size``) and its mix granularity."""
-    k = cfg.window_steps(ranks, batch_size, cfg.packing_buffer_size is not None)
+    k = cfg.window_steps(ranks, batch_size)
     return f"planned (K={k}, {cfg.planned_mix})"
 
 
@@ -105,7 +105,7 @@ def planned_repeats(path: str, cfg: OrderingConfig, records: list[list[Any]], *,
 
     sizes = data_sizes(path)
     names = [n for n, _, _ in sizes]
-    k = cfg.window_steps(ranks, batch_size, cfg.packing_buffer_size is not None)
+    k = cfg.window_steps(ranks, batch_size)
     m = cfg.micro_batches_per_step
     steps = min(len(r) for r in records) // m
     planned_steps = -(-steps // k) * k

@@ -714,6 +714,13 @@ class PlannedPrediction:
         return self.worst_step_samples if self.mix == "step" else self.worst_window_samples
 
 
+def planned_window_steps(mix: str, draws_per_step: int, window_steps: int | None) -> int:
+    """K of a planned prediction: ``window_steps``, or ``mix``'s default for a global batch of
+    ``draws_per_step`` samples (:func:`~energon_ordering.planned.window_size.
+    default_window_steps`)."""
+    return default_window_steps(mix, draws_per_step) if window_steps is None else window_steps
+
+
 def predict_planned(
     pop: LengthPopulation,
     *,
@@ -759,12 +766,9 @@ def predict_planned(
     planned_steps: dict[int, int] = {}
     padding = padding_tokens = disp_batch = disp_step = float("nan")
     share_pp: dict[str, tuple[float, float]] = {}
-    def k_at(r: int) -> int:
-        return (default_window_steps(mix, r * m * batch_size) if window_steps is None
-                else window_steps)
-
     for r in sorted(set(ranks) | {step_ranks}):
-        g, k = r * m * batch_size, k_at(r)
+        g = r * m * batch_size
+        k = planned_window_steps(mix, g, window_steps)
         windows = max(1, min(-(-max(1, steps // m) // k), PLANNED_MAX_SAMPLES // (k * g)))
         run = planned_run(per_source, weights, world_size=r, micro_batch=batch_size,
                           micro_batches_per_step=m, steps=windows * k,
@@ -783,7 +787,8 @@ def predict_planned(
             codes = np.asarray(present)[run.sources]  # population source codes
             disp_batch, disp_step, share_pp = _source_mix(pop, PlannedRun.rank_major(codes), m)
     return PlannedPrediction(
-        k_at(step_ranks), {r: idle[r] for r in sorted(idle)}, padding, disp_batch, disp_step,
+        planned_window_steps(mix, step_ranks * m * batch_size, window_steps),
+        {r: idle[r] for r in sorted(idle)}, padding, disp_batch, disp_step,
         share_pp, worst, plan_seconds, planned_steps,
         pop.origin == "length index" if has_index is None else has_index,
         idle_step={r: idle_step[r] for r in sorted(idle_step)}, padding_tokens=padding_tokens,
@@ -1283,8 +1288,7 @@ def advise(
             predictions.append(predict_order(pop, mode=mode, pool_size=size, **common))
     mixes = []
     for mix in PLANNED_MIXES:
-        k = (default_window_steps(mix, ranks * micro_batches_per_step * batch_size)
-             if window_steps is None else window_steps)
+        k = planned_window_steps(mix, ranks * micro_batches_per_step * batch_size, window_steps)
         say(f"planned order (K={k}, planned_mix: {mix})")
         mixes.append(predict_planned(pop, batch_size=batch_size, ranks=counts, step_ranks=ranks,
                                      micro_batches_per_step=micro_batches_per_step, steps=steps,

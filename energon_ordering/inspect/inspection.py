@@ -343,7 +343,7 @@ def check_elastic_resume(
             f"check_elastic_resume: {world_size} ranks x {M} micro-batches per step do not split "
             f"over resume_world_size = {resume_world_size} ranks; it must divide {world_size * M}.")
     M2 = world_size * M // resume_world_size
-    K = ordering.window_steps(world_size, batch_size, ordering.packing_buffer_size is not None)
+    K = ordering.window_steps(world_size, batch_size)
     if not 0 <= cut_step < end_step:
         raise OrderingConfigError(
             f"check_elastic_resume: cut_step = {cut_step}, end_step = {end_step}: need "

@@ -17,7 +17,7 @@ information (the sources' lengths, the seed, the schedule), with no communicatio
   in the cursor);
 - :mod:`.window`: the plan of one window of steps, composing the above;
 - :mod:`.window_size`: how many steps a window holds when ``plan_window_steps`` is not given
-  (the step mix 32; the window mix about 2^20 samples of the global batch);
+  (the step mix about 2^19 samples in 32-128 steps; the window mix about 2^20 samples);
 - :mod:`.packs`: with sequence packing, each step's packs built to its cap, the ranks balanced
   by the packs' attention cost, the per-step mix exact for the step's sample count;
 - :mod:`.window_packs`: the same with ``planned_mix="window"``: a window's packs built from the
