@@ -26,7 +26,6 @@ from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_elastic_exact import B, K, _packs_seen, _seen, data  # noqa: E402,F401  (data: fixture)
-from test_elastic_exact import _config  # noqa: E402
 from test_elastic_exact import _loader as _any_loader  # noqa: E402
 from test_elastic_exact import _run as _any_run  # noqa: E402
 from tiers import cases  # noqa: E402
@@ -162,16 +161,6 @@ def test_a_state_written_before_planned_mix_restores_as_the_step_mix(data):
     with pytest.raises(StateMismatchError, match=r"planned_mix: saved 'step' != configured"):
         restore_state_rank(loader, states[4])
     close_loader(loader)
-
-
-def test_a_finite_epoch_with_the_window_mix_is_refused_in_one_line(data):
-    with pytest.raises(OrderingConfigError, match=r"^OrderingConfig.planned_mix = 'window' "
-                       r"plans windows without a finite epoch's end \(repeat=False\): use "
-                       r"planned_mix = 'step'") as e:
-        build_train_loader(data, ordering=_config(2, planned_mix="window"), rank=0,
-                           world_size=2, batch_size=B, repeat=False,
-                           task_encoder_factory=IndexedSyntheticTaskEncoder)
-    assert "\n" not in str(e.value)
 
 
 # -- the window sized by the global batch (plan_window_steps unset) ---------------------------

@@ -48,7 +48,8 @@ moved to another step.
 Finite epochs (``repeat=False``, :meth:`PlannedSourceDataset.end_step`): the epoch ends before
 the first step at which some source would run out, known from the sizes, weights and global
 batch, so every rank stops after the same step; epoch e draws each source's epoch-e
-permutation.
+permutation. Under the window mix the epoch ends with a window (its last one shorter), and
+no window of a finite epoch defers a sample (:mod:`energon_ordering.planned.epoch_end`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ from energon_ordering.length_index.lengths_file import (
 from energon_ordering.mixture.step_counts import step_source_counts
 from energon_ordering.planned.balance import deal_step
 from energon_ordering.planned.cursor import PlanCursor, advance
+from energon_ordering.planned.epoch_end import step_mix_end_step, window_mix_end_step
 from energon_ordering.planned.sample_ids import SampleIds
 from energon_ordering.planned.saved_state import (
     check_next_in_epoch,
@@ -155,7 +157,8 @@ class PlannedSourceDataset(SavableDataset[Any]):
         planned_mix: ``"step"``: every optimizer step holds each source's share; ``"window"``:
             every plan window does, each step one band of lengths
             (:mod:`energon_ordering.planned.mix`). Stamped: a state of the other is refused.
-            ``"window"`` needs ``finite=False``.
+            With ``finite``, the window mix's windows defer no sample, and its last window
+            ends with the epoch (:mod:`energon_ordering.planned.epoch_end`).
         warmup: With ``planned_mix="window"``: the sequence-length warmup, whose cap at each
             step the window's samples are placed under (None: no caps). Unused by the step mix
             (the warmup stage cuts each step's samples).
@@ -214,11 +217,6 @@ class PlannedSourceDataset(SavableDataset[Any]):
             self._columns = [list(schedule.sources).index(n) for n in names]
         self._end_step: int | None = None
         self._history: list[dict[str, Any]] = []  # set by reset_state_own / restore_state
-        if self.finite and self.planned_mix == "window":
-            raise OrderingConfigError(
-                "OrderingConfig.planned_mix = 'window' plans windows without a finite epoch's "
-                "end (repeat=False): use planned_mix = 'step' for a finite epoch, or "
-                "repeat=True.")
         if self.finite and self.end_step() == 0:
             raise OrderingConfigError(
                 f"planned order: a finite epoch (repeat=False) of sources of "
@@ -294,30 +292,23 @@ class PlannedSourceDataset(SavableDataset[Any]):
         """The optimizer steps of a finite epoch (None: repeating).
 
         Epoch e draws each source's epoch-e permutation from its start. It ends before the
-        first step at which some source would run out: every rank stops after the same step,
-        every sample is drawn at most once per epoch, and what is left of the sources at the
-        end (less than one step's count of the first source to run out, more of the others)
-        is not drawn in that epoch. A pure function of the sizes, weights and the global batch
-        of each step (an elastic resume with the same global batch keeps it; one with
+        first step at which some source would run out (:mod:`~energon_ordering.planned.
+        epoch_end`; the window mix: whole windows while their totals fit, then the longest
+        start of the next): every rank stops after the same step, every sample is drawn at
+        most once per epoch, and what is left of the sources at the end is not drawn in that
+        epoch. A pure function of the sizes, weights and the global batch of each step (an
+        elastic resume with the same global batch keeps it; one with
         ``allow_global_batch_change`` moves it)."""
         if not self.finite:
             return None
         if self._end_step is None:
-            sizes = np.asarray(self.ids.sizes, dtype=np.int64)
-            drawn = np.zeros_like(sizes)
-            changes = sorted(int(h["at_step"]) for h in self._history)
-            carry, step = None, 0
-            while True:
-                # a chunk of steps with one global batch (it changes only at a restore's step)
-                chunk = min([4096] + [c - step for c in changes if c > step])
-                counts, carry = step_source_counts(self._step_weights(step, chunk),
-                                                   self._global_batch_at(step), carry)
-                cum = drawn + np.cumsum(counts, axis=0)
-                over = (cum > sizes).any(axis=1)
-                if over.any():
-                    self._end_step = step + int(np.argmax(over))
-                    break
-                step, drawn = step + chunk, cum[-1]
+            if self.planned_mix == "window":
+                self._end_step = window_mix_end_step(self.ids.sizes, self._step_weights,
+                                                     self._global_batch_at, self.window_steps)
+            else:
+                self._end_step = step_mix_end_step(
+                    self.ids.sizes, self._step_weights, self._global_batch_at,
+                    [int(h["at_step"]) for h in self._history])
         return self._end_step
 
     def _workers(self) -> int:
@@ -517,25 +508,19 @@ class PlannedSourceDataset(SavableDataset[Any]):
             raise OrderingConfigError(
                 f"PlannedSourceDataset: window {window} lies before the cursor's window "
                 f"{cursor.window}; the state is inconsistent, start fresh.")
-        end = self.end_step()
-
-        def steps_of(c: PlanCursor) -> int:  # a finite epoch's last window ends with the epoch
-            k = self.window_steps
-            return k if end is None else min(k, end - c.window * k)
-
         while cursor.window < window:  # earlier windows: their counts only, not their plans
             first = cursor.window * self.window_steps
             if self.planned_mix == "window":
                 cursor = self._mix_plan(cursor, *self._plan_shape(first))[1]
                 continue
-            k = steps_of(cursor)
+            k = self._steps_in(cursor.window)
             counts, carry = step_source_counts(
                 self._step_weights(first, k), self._global_batch_at(first), cursor.carry)
             cursor = advance(cursor, counts, carry)
         if self.planned_mix == "window":
             ids, nxt = self._mix_plan(cursor, world_size, micro_batches, batch_size)
             return ids, cursor, nxt
-        k = steps_of(cursor)
+        k = self._steps_in(cursor.window)
         first = cursor.window * self.window_steps
         weights = self._step_weights(first, k)
         B = batch_size
@@ -551,6 +536,12 @@ class PlannedSourceDataset(SavableDataset[Any]):
         )
         return ids, cursor, advance(cursor, counts, carry)
 
+    def _steps_in(self, window: int) -> int:
+        """Steps of ``window``: ``plan_window_steps``, fewer in a finite epoch's last window
+        (it ends with the epoch)."""
+        k, end = self.window_steps, self.end_step()
+        return k if end is None else min(k, end - window * k)
+
     def _caps(self, first: int, steps: int) -> list[int] | None:
         """Most tokens per sample of global optimizer steps ``first ..`` (the warmup's caps;
         None: no warmup): the window mix places each sample at a step it fits."""
@@ -563,26 +554,29 @@ class PlannedSourceDataset(SavableDataset[Any]):
         """``(ids [K, R, M, B], next cursor)`` of the cursor's window under
         ``planned_mix="window"``, shared with the node's other processes with its next cursor
         (:mod:`.window_mix_share`)."""
-        K, R, M, B = self.window_steps, world_size, micro_batches, batch_size
-        first = cursor.window * K
+        R, M, B = world_size, micro_batches, batch_size
+        first = cursor.window * self.window_steps
+        K = self._steps_in(cursor.window)  # a finite epoch's last window: up to its end
         weights, caps = self._step_weights(first, K), self._caps(first, K)
         shape = (K, R, M, B)
+        defer = not self.finite  # a sample deferred past a finite epoch's end would be lost
 
         def plan() -> np.ndarray:
             planned = plan_window(self.lengths, seed=self.seed, cursor=cursor, weights=weights,
                                   window_steps=K, world_size=R, micro_batch=B,
-                                  micro_batches_per_step=M, mix="window", caps=caps)
+                                  micro_batches_per_step=M, mix="window", caps=caps,
+                                  defer=defer)
             return encode_window_mix_plan(planned.ids, planned.next_cursor)
 
         flat = self._shared_plans(R, M, B).ids(
             cursor.window,
             stream_digest("window", WINDOW_MIX_PLAN_VERSION, _cursor_state(cursor),
-                          hashlib.sha256(weights.tobytes()).hexdigest(), caps),
+                          hashlib.sha256(weights.tobytes()).hexdigest(), caps, defer),
             (-1,), plan,
             check=lambda a: window_mix_plan_problem(a, seed=self.seed, sizes=self.ids.sizes,
                                                     cursor=cursor, weights=weights,
                                                     shape=shape, caps=caps,
-                                                    lengths=self.lengths))
+                                                    lengths=self.lengths, deferrable=defer))
         return decode_window_mix_plan(flat, cursor, shape)
 
     def _shared_plans(self, world_size: int, micro_batches: int, batch_size: int) -> SharedPlans:

@@ -56,7 +56,8 @@ def window_mix_plan_problem(a: np.ndarray, *, seed: int, sizes: Sequence[int],
                             cursor: PlanCursor, weights: np.ndarray,
                             shape: tuple[int, int, int, int],
                             caps: Sequence[int] | None = None,
-                            lengths: Sequence[np.ndarray] | None = None) -> str | None:
+                            lengths: Sequence[np.ndarray] | None = None,
+                            deferrable: bool = True) -> str | None:
     """Why ``a`` is not a window-mix plan of the window at ``cursor``, or None: its layout,
     then :func:`~energon_ordering.planned.plan_check.plan_matches_inputs` of its ids and next
     cursor (see the module docstring).
@@ -68,6 +69,8 @@ def window_mix_plan_problem(a: np.ndarray, *, seed: int, sizes: Sequence[int],
         shape: ``(K, R, M, B)`` of the window's plan.
         caps: The ``[K]`` caps the window was planned under (None: none).
         lengths: Per source, every sample's length (needed with ``caps``).
+        deferrable: False: the window was planned to defer nothing (a finite epoch's), so a
+            plan naming deferred samples is refused.
     """
     a = np.asarray(a).reshape(-1)
     n, S = int(np.prod(shape)), len(sizes)
@@ -75,9 +78,10 @@ def window_mix_plan_problem(a: np.ndarray, *, seed: int, sizes: Sequence[int],
     if len(a) < head:
         return f"it holds {len(a)} values, fewer than a window-mix plan of {shape} needs"
     D = int(a[head - 1])
-    if not 0 <= D <= MAX_DEFERRED or len(a) != head + D:
+    most = MAX_DEFERRED if deferrable else 0
+    if not 0 <= D <= most or len(a) != head + D:
         return (f"it holds {len(a)} values and names {D} deferred samples; a plan of {shape} "
-                f"holds {head} values and at most {MAX_DEFERRED} deferred")
+                f"holds {head} values and at most {most} deferred")
     ids, nxt = decode_window_mix_plan(a, cursor, shape)
     return plan_matches_inputs(ids, seed=seed, sizes=sizes, cursor=cursor, weights=weights,
                                next_cursor=nxt, mix="window", caps=caps, lengths=lengths)

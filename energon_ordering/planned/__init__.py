@@ -16,6 +16,7 @@ information (the sources' lengths, the seed, the schedule), with no communicatio
   steps (the schedule's zeros and the warmup's caps per step; a sample that fits no step waits
   in the cursor);
 - :mod:`.window`: the plan of one window of steps, composing the above;
+- :mod:`.epoch_end`: where a finite epoch ends, per mix granularity;
 - :mod:`.window_size`: how many steps a window holds when ``plan_window_steps`` is not given
   (the step mix about 2^19 samples in 32-128 steps; the window mix about 2^20 samples);
 - :mod:`.packs`: with sequence packing, each step's packs built to its cap, the ranks balanced

@@ -140,6 +140,7 @@ def plan_window(
     micro_batches_per_step: int,
     mix: PlannedMix = "step",
     caps: np.ndarray | Sequence[int] | None = None,
+    defer: bool = True,
 ) -> WindowPlan:
     """Plans window ``cursor.window``.
 
@@ -160,6 +161,9 @@ def plan_window(
             (the sequence-length warmup's caps), or None (no cap). A sample fitting no step is
             deferred to a later window (``next_cursor.deferred``). ``"step"`` ignores it (the
             warmup cuts a step's samples to its cap).
+        defer: ``"window"`` only: False defers no sample (a finite epoch's windows,
+            :mod:`.epoch_end`); one that fits no step's cap takes a free slot and the warmup
+            cuts it, as in the step mix.
 
     Returns:
         The :class:`WindowPlan`. ``counts`` are the realised samples per step and source
@@ -190,7 +194,7 @@ def plan_window(
     if mix == "window":
         gid, step_lengths, counts, nxt = mix_window(
             lengths, seed=seed, cursor=cursor, weights=w, caps=check_caps(caps, k),
-            draws_per_step=R * M * B)
+            draws_per_step=R * M * B, defer=defer)
         pos = deal_bands(step_lengths, world_size=R, micro_batch=B, micro_batches_per_step=M)
         del step_lengths
         flat = np.take_along_axis(gid, pos.reshape(k, -1), axis=1).reshape(pos.shape)

@@ -209,8 +209,8 @@ def _sweep(L: np.ndarray, band_caps: np.ndarray | None, G: int) -> np.ndarray:
 
 
 def mix_window(lengths: Sequence[np.ndarray], *, seed: int, cursor: PlanCursor,
-               weights: np.ndarray, caps: np.ndarray | None, draws_per_step: int
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, PlanCursor]:
+               weights: np.ndarray, caps: np.ndarray | None, draws_per_step: int,
+               defer: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, PlanCursor]:
     """The window's samples per step, each step one band of lengths (module docstring, 1-4).
 
     Args:
@@ -220,6 +220,9 @@ def mix_window(lengths: Sequence[np.ndarray], *, seed: int, cursor: PlanCursor,
         caps: ``[K]`` most tokens a sample of each step may have (the sequence-length warmup),
             or None.
         draws_per_step: G.
+        defer: False: no sample is deferred (a finite epoch's windows, :mod:`.epoch_end`): one
+            that fits no step takes a free slot (step 4's forced placement). The cursor's
+            deferred samples are still placed first.
 
     Returns:
         ``(gid [K, G], length [K, G], counts [K, S], next cursor)``: each step's samples sorted
@@ -265,7 +268,8 @@ def mix_window(lengths: Sequence[np.ndarray], *, seed: int, cursor: PlanCursor,
         for round_ in range(DEFER_ROUNDS + 1):
             slot = _sweep(L, band_caps, G)
             over = np.flatnonzero(slot < 0)
-            room = MAX_DEFERRED - len(deferred) - sum(len(c.left_over()) for c in streams)
+            room = (MAX_DEFERRED - len(deferred) - sum(len(c.left_over()) for c in streams)
+                    if defer else 0)
             if not len(over) or round_ == DEFER_ROUNDS or room <= 0:
                 break
             over = over[np.argsort(age[over], kind="stable")][:room]
