@@ -142,6 +142,11 @@ FIELD_FIXES: dict[str, str] = {
         "(OrderingConfig.plan_window_steps, Megatron: --plan-window-steps; left unset it "
         "follows the global batch): set plan_window_steps to the saved value to resume."
     ),
+    "window_mix_plan_version": (
+        "This version of energon_ordering plans planned_mix: window windows with other logic "
+        "(its WINDOW_MIX_PLAN_VERSION), so the saved position names other samples: resume with "
+        "the energon_ordering version that wrote the state, or start the data stream fresh."
+    ),
     "seq_length_overflow": (
         "OrderingConfig.seq_length_overflow decides what happens to a sample over the cap "
         "(keep, drop or error); resume with the policy the state was written with."

@@ -401,3 +401,41 @@ def test_one_window_peaks_under_60_bytes_per_sample() -> None:
     finally:
         tracemalloc.stop()
     assert peak / (k * r * m * b) <= 60, peak / (k * r * m * b)
+
+
+#: sha256 of :func:`_window_digest`'s plans (every id in place, counts and cursors), computed
+#: with WINDOW_MIX_PLAN_VERSION 2 (deal_bands without re-sorting).
+WINDOW_DIGEST = "214d09ff76062788a6bc6ddca5ccaf19218fe6b3e84b77e8188e622ba9570ab3"
+
+
+def _window_digest() -> str:
+    rng = np.random.default_rng(9)
+    lengths = [rng.integers(16, 4000, 3000), rng.integers(100, 30000, 2000),
+               np.round(rng.lognormal(5, 1, 4000), 1) + 1]  # whole and fractional lengths
+    h = hashlib.sha256()
+    for r, m, b, k, capped in ((4, 1, 2, 64, True), (8, 2, 4, 8, False), (16, 8, 1, 4, True),
+                               (6, 1, 4, 16, False)):
+        cursor = PlanCursor.start(3)
+        for window in range(2):
+            t = np.linspace(0, 1, k)[:, None]
+            w = np.hstack([0.5 - 0.3 * t, 0.2 + 0.3 * t, np.where(t < 0.5, 0.3, 0.0)])
+            w /= w.sum(axis=1, keepdims=True)
+            caps = (np.linspace(128, 8192, k).astype(np.int64) if capped and window == 0
+                    else None)
+            plan = plan_window(lengths, seed=11, cursor=cursor, weights=w, window_steps=k,
+                               world_size=r, micro_batch=b, micro_batches_per_step=m,
+                               mix="window", caps=caps)
+            h.update(np.ascontiguousarray(plan.ids).tobytes())
+            h.update(plan.counts.tobytes())
+            cursor = plan.next_cursor
+            h.update(repr(cursor).encode())
+    return h.hexdigest()
+
+
+def test_window_mix_plans_are_pinned_to_their_version() -> None:
+    """Any change to the window mix's plans (which sample goes to which step, rank and
+    micro-batch) must bump WINDOW_MIX_PLAN_VERSION: a state saved before it names other samples,
+    and the stamp refuses it only if the version moved."""
+    from energon_ordering.planned.window import WINDOW_MIX_PLAN_VERSION
+
+    assert (WINDOW_MIX_PLAN_VERSION, _window_digest()) == (2, WINDOW_DIGEST)

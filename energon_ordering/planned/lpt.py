@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["deal_tuples"]
+__all__ = ["deal_sorted", "deal_tuples"]
 
 
 def deal_tuples(slots: np.ndarray, costs: np.ndarray, world_size: int, per_rank: int,
@@ -44,3 +44,30 @@ def deal_tuples(slots: np.ndarray, costs: np.ndarray, world_size: int, per_rank:
             part[rows, ranks, j] = tuples[:, j, :]
             totals[rows, ranks] += costs[tuples[:, j, :]]
     return out.reshape(*shape, R, P)
+
+
+def deal_sorted(costs: np.ndarray, world_size: int, per_rank: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`deal_tuples` of slots whose items are already in ascending cost order, without
+    sorting them: each row of ``costs`` ``[n, R P]`` (ascending) is one slot, its items taken
+    from the costliest (ties: the later column first). Also returns each rank's total.
+
+    Returns:
+        ``(column [n, R, P], totals [n, R])``: the column (into the row) of each rank's item of
+        each tuple, and each rank's summed cost.
+    """
+    c = np.asarray(costs, dtype=np.float64)
+    n = c.shape[0]
+    R, P = int(world_size), int(per_rank)
+    desc = c[:, ::-1]
+    column = (R * P - 1) - np.arange(R * P, dtype=np.int64).reshape(P, R)  # tuple j, item k
+    out = np.empty((n, R, P), dtype=np.int64)
+    totals = np.zeros((n, R))
+    rows = np.arange(n)[:, None]
+    out[:, :, 0] = column[0]  # the first tuple: every total is 0, item k to rank k
+    totals += desc[:, :R]
+    for j in range(1, P):
+        ranks = np.argsort(totals, axis=1, kind="stable")  # cheapest rank first
+        out[rows, ranks, j] = column[j]
+        totals[rows, ranks] += desc[:, j * R:(j + 1) * R]
+    return out, totals
