@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from energon_ordering.planned.sort_order import stable_ascending
+from energon_ordering.planned.sort_order import sorted_by_length, stable_ascending
 
 
 @pytest.mark.parametrize("make", [
@@ -26,3 +26,25 @@ def test_it_is_numpys_stable_order(make):
 def test_nan_falls_back():
     v = np.array([3.0, np.nan, 1.0, 1.0])
     assert np.array_equal(stable_ascending(v), np.argsort(v, kind="stable"))
+
+
+@pytest.mark.parametrize("make", [
+    lambda r: r.integers(0, 8, 5000).astype(np.float64),     # many ties: broken by id
+    lambda r: r.integers(0, 1 << 20, 5000),
+    lambda r: r.random(5000) * 100,                          # fractions: None
+    lambda r: r.integers(-5, 5, 5000),                       # negative: None
+    lambda r: np.full(5000, 2.0**45),                        # no room beside the ids: None
+])
+def test_sorted_by_length_orders_by_length_then_id_or_declines(make):
+    r = np.random.default_rng(1)
+    lengths = make(r)
+    ids = r.permutation(1 << 22)[:len(lengths)]
+    got = sorted_by_length(lengths, ids, 1 << 22)
+    whole = (lengths >= 0).all() and np.array_equal(lengths, np.floor(lengths)) and (
+        lengths.max() < 2**41)
+    if not whole:
+        assert got is None
+        return
+    order = np.lexsort((ids, lengths))
+    assert np.array_equal(got[0], ids[order]) and np.array_equal(got[1], lengths[order])
+    assert got[1].dtype == lengths.dtype

@@ -81,24 +81,36 @@ def _feistel(x: np.ndarray, bits: np.ndarray, keys: tuple[tuple[int, int], ...],
     one = np.uint64(1)
     rounds = [(np.uint64(k), np.uint64(m)) for k, m in keys]
 
+    buffer = np.empty_like(x)
+
     def f(half: np.ndarray, k: np.uint64, m: np.uint64, width: np.ndarray) -> np.ndarray:
-        return ((half ^ k) * m) >> (np.uint64(64) - width)  # the top `width` bits
+        """The top ``width`` bits of ``(half ^ k) * m``, in ``buffer`` (no temporaries)."""
+        out = np.bitwise_xor(half, k, out=buffer)
+        out *= m
+        out >>= np.uint64(64) - width
+        return out
 
     if not inverse:
         left, right = x >> narrow, x & ((one << narrow) - one)
         w_left, w_right = wide, narrow
         for k, m in rounds:
-            left, right = right, left ^ f(right, k, m, w_left)
+            left ^= f(right, k, m, w_left)  # (left, right) -> (right, left ^ f(right))
+            left, right = right, left
             w_left, w_right = w_right, w_left
-        return (left << w_right) | right
+        left <<= w_right
+        left |= right
+        return left
     # undo the rounds last to first; after an even number of rounds the widths are as above
     w_left, w_right = (wide, narrow) if len(rounds) % 2 == 0 else (narrow, wide)
     left, right = x >> w_right, x & ((one << w_right) - one)
     for k, m in reversed(rounds):
         # (left, right) = (r, l ^ f(r)) of the round's input (l, r): l has right's width
-        left, right = right ^ f(left, k, m, w_right), left
+        right ^= f(left, k, m, w_right)
+        left, right = right, left
         w_left, w_right = w_right, w_left
-    return (left << w_right) | right
+    left <<= w_right
+    left |= right
+    return left
 
 
 #: Indices transformed at once: bounds the temporaries (about 20 arrays of this many 8-byte

@@ -6,13 +6,18 @@ the machine's sorting code). ``np.argsort(kind="stable")`` of 2^20 float lengths
 packed with their index into one int64 key, ``length << 24 | index``: the keys are distinct, so
 any sort orders them alike, and numpy's (vectorised) sort of the keys gives the stable order in
 about 9 ms. Lengths with fractions, negative or larger ones fall back to the stable argsort.
+
+:func:`sorted_by_length` sorts samples by length with ties by their global id instead, packing
+``length << id_bits | id``: the sorted ids and lengths are read off the keys, with no gather
+through an order (a random read per sample of the window's ids: 1,024 ranks x 8 x 4, about a
+quarter of the window mix's CPU).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["stable_ascending"]
+__all__ = ["sorted_by_length", "stable_ascending"]
 
 #: Bits of the index in a composite key (at most 2^24 values: a window's plan is capped there).
 _INDEX_BITS = 24
@@ -38,3 +43,27 @@ def stable_ascending(values: np.ndarray) -> np.ndarray:
     whole.sort()
     whole &= (1 << _INDEX_BITS) - 1
     return whole
+
+
+def sorted_by_length(lengths: np.ndarray, ids: np.ndarray, id_bound: int
+                     ) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(ids, lengths)`` sorted by length ascending, ties by id (ids distinct, in
+    ``[0, id_bound)``), or None where a key ``length << id_bits | id`` does not fit an int64
+    (fractional, negative or too long lengths; the caller sorts otherwise)."""
+    L = np.asarray(lengths)
+    n = len(L)
+    bits = max(1, int(id_bound - 1).bit_length())
+    if n == 0 or bits > 62 or L.dtype.kind not in "iuf":
+        return None
+    lo, hi = L.min(), L.max()
+    if not (0 <= lo and hi < (1 << (63 - bits))):
+        return None
+    key = L.astype(np.int64)
+    if L.dtype.kind == "f" and not np.array_equal(key, L):
+        return None
+    key <<= bits
+    key |= ids
+    key.sort()
+    ordered = (key >> bits).astype(L.dtype)
+    key &= (1 << bits) - 1
+    return key, ordered

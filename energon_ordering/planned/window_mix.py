@@ -60,7 +60,7 @@ from .lpt import deal_sorted
 from .cursor import PlanCursor, draws
 from .permutation import permutation_key, permute
 from .sample_ids import SampleIds
-from .sort_order import stable_ascending
+from .sort_order import sorted_by_length, stable_ascending
 
 __all__ = ["DEFER_ROUNDS", "MAX_DEFERRED", "band_order", "deal_bands", "mix_window",
            "window_totals"]
@@ -265,7 +265,7 @@ def mix_window(lengths: Sequence[np.ndarray], *, seed: int, cursor: PlanCursor,
         band_caps = None if caps is None else np.asarray(caps, dtype=np.float64)[steps]
         gid, age, src, L = _gather(streams, split[g], D, lengths, caps is not None)
         if band_caps is None:  # nothing overflows: the bands are the samples by length
-            _place(out_gid, out_len, counts, steps, gid, src, L, stable_ascending(L))
+            _place_by_length(out_gid, out_len, counts, steps, gid, src, L, ids)
             del gid, src, L
             continue
         over = np.zeros(0, dtype=np.int64)
@@ -313,6 +313,30 @@ def _place(out_gid: np.ndarray, out_len: np.ndarray, counts: np.ndarray, steps: 
         np.take(gid, part, out=out_gid[step], mode="clip")
         np.take(L, part, out=out_len[step], mode="clip")
         counts[step] = np.bincount(src[part], minlength=counts.shape[1])
+
+
+def _place_by_length(out_gid: np.ndarray, out_len: np.ndarray, counts: np.ndarray,
+                     steps: np.ndarray, gid: np.ndarray, src: np.ndarray, L: np.ndarray,
+                     ids: SampleIds) -> None:
+    """:func:`_place` of a group without caps: its samples by length (ties by global id), band
+    b to step ``steps[b]``."""
+    G, S = out_gid.shape[1], counts.shape[1]
+    rows = np.asarray(steps)
+    n = len(rows)
+    by_length = sorted_by_length(L, gid, ids.total)
+    if by_length is None:
+        order = np.lexsort((gid, L))
+        by_length = gid[order], L[order]
+        del order
+    out_gid[rows] = by_length[0].reshape(n, G)
+    out_len[rows] = by_length[1].reshape(n, G)
+    if S == 1:
+        counts[rows, 0] = G
+        return
+    bounds = ids.offsets[1:]
+    for step in rows.tolist():  # one step's temporaries at a time
+        counts[step] = np.bincount(np.searchsorted(bounds, out_gid[step], "right"),
+                                   minlength=S)
 
 
 def _gather(streams: list[_Candidates], counts: np.ndarray, age_base: int,
