@@ -110,12 +110,14 @@ def fill_packs(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: i
             break
         big = queue[0]
         roomy = np.flatnonzero(room >= L[big])
-        roomy = roomy[np.argsort(rcost[roomy], kind="stable")]
         # as longest-processing-time dealing one item at a time would: the ranks with room
-        # within the longest item's cost of the cheapest of them take one item each, in order
-        take = int(np.searchsorted(rcost[roomy], rcost[roomy[0]] + cost[big], "right"))
-        items, queue = queue[:take], queue[take:]
-        ranks = roomy[:len(items)]
+        # within the longest item's cost of the cheapest of them take one item each, cheapest
+        # first (ties by rank); only those few are sorted (the same order as sorting all)
+        near = rcost[roomy]
+        near = roomy[near <= near.min() + cost[big]]
+        near = near[np.argsort(rcost[near], kind="stable")]
+        items, queue = queue[:len(near)], queue[len(near):]
+        ranks = near[:len(items)]
         # each item into its rank's cheapest pack with room (every rank here has room for it)
         ok = (cap - load[ranks]) >= L[items][:, None]
         pk = np.argmin(np.where(ok, pcost[ranks], np.inf), axis=1)
