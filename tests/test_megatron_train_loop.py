@@ -101,7 +101,7 @@ def _argv(out: Path, data: Path, phase: str, num_workers: int, load_step: int | 
 
 def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: int,
             load_step: int | None, world: int = WORLD, planned: bool = False,
-            packed: bool = False, ramp: bool = False) -> None:
+            packed: bool = False, ramp: bool = False, mix: str = "step") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     megatron_lm_sources.use_megatron_lm(tag)
     import megatron_cpu_device_shim
@@ -163,7 +163,7 @@ def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: i
         provider = functools.partial(train_valid_test_dataloaders_provider, task_encoder=encoder,
                                      repeat=ramp, image_decode=None)  # the ramp-up run repeats
         provider.is_distributed = True
-        flags = PLANNED_FLAGS if planned else POOL_FLAGS
+        flags = f"{PLANNED_FLAGS} --planned-mix {mix}" if planned else POOL_FLAGS
         if packed:
             flags += f" --packing-buffer-size 16 --packing-seq-length {PACK}"
         run = dict(length=RAMP_LENGTH[tag], save_interval=RAMP_CUT) if ramp else {}
@@ -192,8 +192,9 @@ def _worker(rank: int, tag: str, phase: str, data: str, out: str, num_workers: i
 
 def _spawn(out: Path, data: Path, tag: str, phase: str, num_workers: int,
            load_step: int | None = None, world: int = WORLD, planned: bool = False,
-           packed: bool = False, ramp: bool = False) -> list[dict]:
-    args = (tag, phase, str(data), str(out), num_workers, load_step, world, planned, packed, ramp)
+           packed: bool = False, ramp: bool = False, mix: str = "step") -> list[dict]:
+    args = (tag, phase, str(data), str(out), num_workers, load_step, world, planned, packed, ramp,
+            mix)
     return megatron_lm_sources.spawn_ranks(_worker, args, out, phase, world, "Megatron's training loop")
 
 
@@ -251,14 +252,16 @@ def test_finite_data_ends_megatrons_real_training_loop_on_every_rank_at_once(tmp
 
 
 @pytest.mark.timeout(1500)
+@pytest.mark.parametrize("mix", ["step", "window"])
 @pytest.mark.parametrize("tag", TAGS)
-def test_a_planned_run_on_two_ranks_resumes_on_one_from_megatrons_checkpoint(tmp_path, tag):
+def test_a_planned_run_on_two_ranks_resumes_on_one_from_megatrons_checkpoint(tmp_path, tag, mix):
     """Issue 23: the planned order under Megatron-LM's real loop on 2 gloo ranks (finite data,
     --num-workers 2), Megatron's own save_checkpoint at iteration 2; then ``pretrain`` on ONE
     rank with the same --global-batch-size (so 4 micro-batches per iteration), Megatron's own
     load_checkpoint of iteration 2. The one rank has dprank 0's file (Megatron names it for its
     DP rank), continues the global order, and with the first run's first two iterations it draws
-    every sample of the epoch once, ending at the same iteration as the 2-rank run."""
+    every sample of the epoch once, ending at the same iteration as the 2-rank run. Both mix
+    granularities (``--planned-mix``; the window mix's finite epoch ends with a window)."""
     from energon_ordering.inspect.synthetic import SourceSpec, make_synthetic_dataset
     from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
     from energon_ordering.length_index.build import build_length_index
@@ -266,14 +269,15 @@ def test_a_planned_run_on_two_ranks_resumes_on_one_from_megatrons_checkpoint(tmp
     make_synthetic_dataset(tmp_path / "data", [SourceSpec("web", 96, "short")], shard_size=12)
     data = tmp_path / "data" / "web"
     build_length_index(data, task_encoder=IndexedSyntheticTaskEncoder())
-    first = _spawn(tmp_path, data, tag, "first", 2, planned=True)
+    first = _spawn(tmp_path, data, tag, "first", 2, planned=True, mix=mix)
     steps = first[0]["train_iters"]
     assert steps > CUT and all(r["train_iters"] == steps for r in first)
     assert all(len(r["drawn"]) == MBPS * steps for r in first)
     epoch = sorted(k for r in first for batch in r["drawn"] for k in batch)
     assert len(epoch) == len(set(epoch)) == MBS * WORLD * MBPS * steps
 
-    resumed = _spawn(tmp_path, data, tag, "resume_one", 2, load_step=CUT, world=1, planned=True)
+    resumed = _spawn(tmp_path, data, tag, "resume_one", 2, load_step=CUT, world=1, planned=True,
+                     mix=mix)
     [one] = resumed
     assert one["returned"] and one["loaded_iteration"] == CUT and one["train_iters"] == steps
     assert len(one["drawn"]) == WORLD * MBPS * (steps - CUT)  # 4 micro-batches per iteration
