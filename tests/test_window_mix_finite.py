@@ -10,6 +10,7 @@ every source anew. Compared by what the model sees (keys and tokens after the wa
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import sys
 from pathlib import Path
@@ -92,7 +93,7 @@ def test_every_cut_of_the_epoch_resumes_exactly_to_nothing_after_its_last_step(d
 def test_an_elastic_resume_draws_the_rest_of_the_epoch_once_in_the_same_steps(data):
     """3 ranks x 2 saved at step 5 (inside window 1 and the warmup), resumed from rank 0's file
     on 2 ranks x 3: every later step holds the uninterrupted run's samples, cut alike, and the
-    epoch ends at the same step."""
+    epoch ends at the same step; a state saved mid-step after that restore resumes exactly."""
     whole = _epoch(data, 3, 2)
     at = 5
     loader = _loader(data, 3, 2, 0)
@@ -102,13 +103,27 @@ def test_an_elastic_resume_draws_the_rest_of_the_epoch_once_in_the_same_steps(da
     state = pickle.loads(pickle.dumps(loader.save_state_rank()))
     del it
     close_loader(loader)
-    rest = []
+    rest, again = [], None
     for rank in range(2):
         loader = _loader(data, 2, 3, rank)
         restore_state_rank(loader, state)
-        rest.append([record_batch(b) for b in loader])
+        recs, it = [], iter(loader)
+        for b in itertools.count():
+            if rank == 0 and b == 4:  # mid-step, after the elastic restore
+                again = pickle.loads(pickle.dumps(loader.save_state_rank()))
+            try:
+                recs.append(record_batch(next(it)))
+            except StopIteration:
+                break
+        rest.append(recs)
+        del it
         close_loader(loader)
     assert _seen(rest, 3) == _seen(whole, 2)[at:]
+    # the resume of the resume: rank 0's state saved after the elastic restore continues exactly
+    loader = _loader(data, 2, 3, 0)
+    restore_state_rank(loader, again)
+    assert [record_batch(b) for b in loader] == rest[0][4:]
+    close_loader(loader)
 
 
 def test_the_next_epoch_draws_every_source_anew(data):
