@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["sorted_by_length", "stable_ascending"]
+__all__ = ["sorted_by_length", "sorted_length_keys", "stable_ascending"]
 
 #: Bits of the index in a composite key (at most 2^24 values: a window's plan is capped there).
 _INDEX_BITS = 24
@@ -50,6 +50,20 @@ def sorted_by_length(lengths: np.ndarray, ids: np.ndarray, id_bound: int
     """``(ids, lengths)`` sorted by length ascending, ties by id (ids distinct, in
     ``[0, id_bound)``), or None where a key ``length << id_bits | id`` does not fit an int64
     (fractional, negative or too long lengths; the caller sorts otherwise)."""
+    keys = sorted_length_keys(lengths, ids, id_bound)
+    if keys is None:
+        return None
+    key, bits = keys
+    ordered = (key >> bits).astype(np.asarray(lengths).dtype)
+    key &= (1 << bits) - 1
+    return key, ordered
+
+
+def sorted_length_keys(lengths: np.ndarray, ids: np.ndarray, id_bound: int
+                       ) -> tuple[np.ndarray, int] | None:
+    """The sorted keys ``length << bits | id`` of :func:`sorted_by_length` and ``bits``, for a
+    caller that reads them off in parts (``key >> bits``: the length, ``key & (2^bits - 1)``:
+    the id), or None."""
     L = np.asarray(lengths)
     n = len(L)
     bits = max(1, int(id_bound - 1).bit_length())
@@ -64,6 +78,4 @@ def sorted_by_length(lengths: np.ndarray, ids: np.ndarray, id_bound: int
     key <<= bits
     key |= ids
     key.sort()
-    ordered = (key >> bits).astype(L.dtype)
-    key &= (1 << bits) - 1
-    return key, ordered
+    return key, bits

@@ -60,7 +60,7 @@ from .lpt import deal_sorted
 from .cursor import PlanCursor, draws
 from .permutation import permutation_key, permute
 from .sample_ids import SampleIds
-from .sort_order import sorted_by_length, stable_ascending
+from .sort_order import sorted_length_keys, stable_ascending
 
 __all__ = ["DEFER_ROUNDS", "MAX_DEFERRED", "band_order", "deal_bands", "mix_window",
            "window_totals"]
@@ -319,24 +319,21 @@ def _place_by_length(out_gid: np.ndarray, out_len: np.ndarray, counts: np.ndarra
                      steps: np.ndarray, gid: np.ndarray, src: np.ndarray, L: np.ndarray,
                      ids: SampleIds) -> None:
     """:func:`_place` of a group without caps: its samples by length (ties by global id), band
-    b to step ``steps[b]``."""
+    b to step ``steps[b]``, read off the sorted keys band by band (one step's temporaries)."""
     G, S = out_gid.shape[1], counts.shape[1]
-    rows = np.asarray(steps)
-    n = len(rows)
-    by_length = sorted_by_length(L, gid, ids.total)
-    if by_length is None:
+    keys = sorted_length_keys(L, gid, ids.total)
+    if keys is None:  # lengths that do not fit a key beside the ids: a lexsort, the same order
         order = np.lexsort((gid, L))
-        by_length = gid[order], L[order]
-        del order
-    out_gid[rows] = by_length[0].reshape(n, G)
-    out_len[rows] = by_length[1].reshape(n, G)
-    if S == 1:
-        counts[rows, 0] = G
+        _place(out_gid, out_len, counts, steps, gid, src, L, order)
         return
+    key, bits = keys
     bounds = ids.offsets[1:]
-    for step in rows.tolist():  # one step's temporaries at a time
-        counts[step] = np.bincount(np.searchsorted(bounds, out_gid[step], "right"),
-                                   minlength=S)
+    for b, step in enumerate(np.asarray(steps).tolist()):
+        part = key[b * G:(b + 1) * G]
+        np.bitwise_and(part, (1 << bits) - 1, out=out_gid[step])
+        out_len[step] = part >> bits
+        counts[step] = G if S == 1 else np.bincount(
+            np.searchsorted(bounds, out_gid[step], "right"), minlength=S)
 
 
 def _gather(streams: list[_Candidates], counts: np.ndarray, age_base: int,
