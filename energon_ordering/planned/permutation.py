@@ -123,13 +123,14 @@ def _walk_chunk(x: np.ndarray, size: np.ndarray, key: PermutationKey,
     """One chunk: int64 ``x`` and ``size`` (same shape, or ``size`` 0-d) -> int64."""
     h = _bits(size)
     limit = size.astype(np.uint64)
-    out = _feistel(x.astype(np.uint64), h, key.rounds, inverse)
+    # indices are >= 0 (checked by _walk): the same bits as uint64, viewed, not copied
+    out = _feistel(np.ascontiguousarray(x).view(np.uint64), h, key.rounds, inverse)
     walking = np.flatnonzero(out >= limit)
     while walking.size:  # cycle walking: at most the cycle through the start (< n)
         hw = h if h.ndim == 0 else h[walking]
         out[walking] = _feistel(out[walking], hw, key.rounds, inverse)
         walking = walking[out[walking] >= (limit if limit.ndim == 0 else limit[walking])]
-    return out.astype(np.int64)
+    return out.view(np.int64)  # below the size, < 2^53: the same value
 
 
 def _walk(indices: np.ndarray | int, n: np.ndarray | int, key: PermutationKey,

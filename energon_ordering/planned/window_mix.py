@@ -412,7 +412,10 @@ def _deal_steps(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int) ->
     n, G = L.shape
     cost = sample_cost(L)
     # micro-batches of B neighbours dealt whole: the blocks' costs ascend along each row
-    dealt, rank = deal_sorted(cost.reshape(n, R * M, B).sum(axis=2), R, M)  # [n, R, M]
+    block = cost[:, 0::B].copy()  # each block's cost, summed in order (as .sum(axis) does)
+    for j in range(1, B):
+        block += cost[:, j::B]
+    dealt, rank = deal_sorted(block, R, M)  # [n, R, M]
     best = (dealt * B)[..., None] + np.arange(B)
     idle = _idle(rank)
     pad = B * L[:, B - 1::B].sum(axis=1) - L.sum(axis=1)  # each block ascending
