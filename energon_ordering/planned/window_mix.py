@@ -405,10 +405,12 @@ def _deal_steps(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int) ->
     A step's samples are sorted, so no dealing sorts again (:func:`~.lpt.deal_sorted`), and a
     dealing's padding is known before it is dealt: every rank takes one sample of each tuple,
     so a micro-batch's longest is its sample of the first tuple, and a part of r B samples pads
-    ``B x (its r longest) - (its sum)`` whichever rank takes which. A cut dealing is tried only
-    on the steps where that padding alone scores below the best dealing so far, and never on a
-    step whose whole dealing idles at most :data:`LEVEL_ENOUGH` (most bands are narrow: whole
-    is level)."""
+    ``B x (its r longest) - (its sum)`` whichever rank takes which; and its idle is at least
+    that of its groups of ranks (the r ranks that take a part of each micro-batch index share
+    the parts' cost). A cut dealing is tried only on the steps where those two bounds score
+    below the best dealing so far (one skipped could not have won), and never on a step whose
+    whole dealing idles at most :data:`LEVEL_ENOUGH` (most bands are narrow: whole is
+    level)."""
     n, G = L.shape
     cost = sample_cost(L)
     # micro-batches of B neighbours dealt whole: the blocks' costs ascend along each row
@@ -428,12 +430,22 @@ def _deal_steps(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int) ->
     cr = cost[rows]
     cs = np.zeros((len(rows), G + 1))
     np.cumsum(L[rows], axis=1, out=cs[:, 1:])
+    ccs = np.zeros((len(rows), G + 1))
+    np.cumsum(cr, axis=1, out=ccs[:, 1:])
+    mean = ccs[:, -1] / R
     for h in _parts(R):
         r = R // h
         ends = np.arange(1, M * h + 1) * (r * B)  # parts in (micro-batch index, part) order
         floor = PADDING_WEIGHT * (B * (cs[:, ends] - cs[:, ends - r]).sum(axis=1)
                                   - cs[:, -1]) / tokens
-        tried = np.flatnonzero(floor < score)
+        # idle is at least the parts' own: a rank's cost is its parts' (over the micro-batch
+        # indices) mean at best, so the costliest group of ranks bounds the step's maximum
+        part = (ccs[:, ends] - ccs[:, ends - r * B]).reshape(len(rows), M, h)
+        part[:, 1::2] = part[:, 1::2, ::-1]
+        least = 1 - mean / np.maximum(part.sum(axis=1).max(axis=1) / r, 1e-300)
+        # skipped only when the bound is above the best score by more than rounding: a
+        # dealing skipped could not have won
+        tried = np.flatnonzero(floor + least / K < score * (1 + 1e-9))
         if not len(tried):
             continue
         col, tot = deal_sorted(cr[tried].reshape(-1, r * B), r, B)
