@@ -78,9 +78,13 @@ CROSS_TOLERANCE = 1e-3
 
 
 def sample_cost(lengths: np.ndarray) -> np.ndarray:
-    """Compute cost per sample, ``L + L^2 / 4096`` (tokens; float64)."""
+    """Compute cost per sample, ``L + L^2 / 4096`` (tokens; float64), in one array (the same
+    operations in place: a million samples' costs take 8 MB, not three times that)."""
     L = np.asarray(lengths, dtype=np.float64)
-    return L + L * L / ATTENTION_CROSSOVER_TOKENS
+    cost = L * L
+    cost /= ATTENTION_CROSSOVER_TOKENS
+    cost += L
+    return cost
 
 
 def radix_keys(lengths: np.ndarray) -> np.ndarray | None:

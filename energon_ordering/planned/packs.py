@@ -78,29 +78,35 @@ def fill_packs(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: i
         cap: Tokens per pack.
 
     Returns:
-        ``[n]`` flat pack index ``rank * P + pack`` of each item (``int64``), -1 for an item no
-        pack could take.
+        ``[n]`` flat pack index ``rank * P + pack`` of each item (int32 below 2^31 packs and
+        items, else int64), -1 for an item no pack could take.
+
+    Memory: the items' lengths, their order and the result (a packed step of 16,384 ranks x 8
+    packs holds about a million items); each item's cost is computed where it is dealt.
     """
     L = np.asarray(lengths, dtype=np.float64)
-    cost = sample_cost(L)
     R, P = int(world_size), int(packs_per_rank)
+    small = max(len(L), R * P) < 2**31
+    index = np.int32 if small else np.int64
     load = np.zeros((R, P))
     pcost = np.zeros((R, P))
     rcost = np.zeros(R)
-    out = np.full(len(L), -1, dtype=np.int64)
+    out = np.full(len(L), -1, dtype=index)
 
     room = np.full(R, float(cap))  # each rank's most room in one pack
     keys = radix_keys(L)  # whole lengths: a radix sort, the same order
     queue = np.argsort(-L if keys is None else np.uint16(65535) - keys, kind="stable")
+    del keys
+    queue = queue.astype(index, copy=False)
     if len(queue) >= R * P:
         # every pack starts with one of the R P longest items, dealt in tuples of R (the
         # costliest to the cheapest rank): no pack stays empty, whatever the dealing below
         first, queue = queue[:R * P], queue[R * P:]
-        seat = deal_tuples(np.arange(R * P), cost[first], R, P)  # [R, P] -> position
+        seat = deal_tuples(np.arange(R * P), sample_cost(L[first]), R, P)  # [R, P] -> position
         items = first[seat]
         out[items] = np.arange(R * P).reshape(R, P)
         load[:] = L[items]
-        pcost[:] = cost[items]
+        pcost[:] = sample_cost(L[items])
         rcost[:] = pcost.sum(axis=1)
         room[:] = (cap - load).max(axis=1)
     while len(queue):
@@ -109,12 +115,13 @@ def fill_packs(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: i
         if not len(queue):
             break
         big = queue[0]
+        big_cost = float(sample_cost(L[big]))
         roomy = np.flatnonzero(room >= L[big])
         # as longest-processing-time dealing one item at a time would: the ranks with room
         # within the longest item's cost of the cheapest of them take one item each, cheapest
         # first (ties by rank); only those few are sorted (the same order as sorting all)
         near = rcost[roomy]
-        near = roomy[near <= near.min() + cost[big]]
+        near = roomy[near <= near.min() + big_cost]
         near = near[np.argsort(rcost[near], kind="stable")]
         items, queue = queue[:len(near)], queue[len(near):]
         ranks = near[:len(items)]
@@ -123,8 +130,9 @@ def fill_packs(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: i
         pk = np.argmin(np.where(ok, pcost[ranks], np.inf), axis=1)
         out[items] = ranks * P + pk
         load[ranks, pk] += L[items]  # one item per rank in a round
-        pcost[ranks, pk] += cost[items]
-        rcost[ranks] += cost[items]
+        c = sample_cost(L[items])
+        pcost[ranks, pk] += c
+        rcost[ranks] += c
         room[ranks] = (cap - load[ranks]).max(axis=1)
     return out
 
@@ -149,7 +157,7 @@ class _Draws:
 
     def __init__(self, seed: int, source: int, lengths: np.ndarray, first: int):
         self.seed, self.source, self.lengths, self.first = seed, source, lengths, int(first)
-        self.index = np.empty(0, dtype=np.int64)
+        self.index = np.empty(0, dtype=np.int32 if len(lengths) < 2**31 else np.int64)
         self.length = np.empty(0)
 
     def ensure(self, count: int) -> None:
@@ -158,18 +166,41 @@ class _Draws:
             return
         more = max(int(count) - have, have, 256)
         ix = draws(self.seed, self.source, len(self.lengths), self.first + have, more)
-        self.index = np.concatenate((self.index, ix))
+        # indices within the source: int32 where they fit (a packed step of 16,384 ranks x 8
+        # draws about a million samples; the search holds up to twice that)
+        small = len(self.lengths) < 2**31
+        self.index = np.concatenate((self.index, ix.astype(np.int32) if small else ix))
         # gather, then convert: converting the source first copied all of its lengths (a
         # 10^8-sample lengths file: 800 MiB) at every call
         self.length = np.concatenate((self.length, np.asarray(self.lengths)[ix].astype(np.float64)))
 
+    def keep(self, count: int) -> None:
+        """Drops the fetched draws beyond the first ``count`` (a search probed further than it
+        takes: they are fetched again if asked for, the same draws)."""
+        if len(self.index) > count:
+            self.index = self.index[:count].copy()
+            self.length = self.length[:count].copy()
+
     def take(self, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """Removes and returns the next ``count`` draws (indices, lengths)."""
+        """Removes and returns the next ``count`` draws (indices as int64, lengths)."""
         self.ensure(count)
-        ix, ln = self.index[:count], self.length[:count]
+        ix, ln = self.index[:count].astype(np.int64), self.length[:count]
         self.index, self.length = self.index[count:], self.length[count:]
         self.first += count
         return ix, ln
+
+
+def _cut_lengths(streams: Sequence[_Draws], counts: np.ndarray, cap: int) -> np.ndarray:
+    """The first ``counts[s]`` draws' lengths of every source, in source order, each cut to
+    ``cap`` (float64), written in place (no per-source temporaries)."""
+    c = [int(k) for k in counts]
+    out = np.empty(sum(c))
+    lo = 0
+    for s, k in enumerate(c):
+        streams[s].ensure(k)
+        np.minimum(streams[s].length[:k], cap, out=out[lo:lo + k])
+        lo += k
+    return out
 
 
 def plan_packed_step(streams: Sequence[_Draws], weights: np.ndarray, carry: np.ndarray, *,
@@ -215,15 +246,21 @@ def plan_packed_step(streams: Sequence[_Draws], weights: np.ndarray, carry: np.n
             lo = mid
         else:
             hi = mid
+    for s, k in enumerate(counts_of(lo)[0].tolist()):  # no count above lo is packed
+        streams[s].keep(k)
     def packed(n: int):
         c, e = counts_of(n)
-        L = np.concatenate([np.minimum(streams[s].length[:k], cap) for s, k in enumerate(c)])
+        L = _cut_lengths(streams, c, cap)
         pack = fill_packs(L, world_size, packs_per_rank, cap)
-        placed = pack >= 0
-        rank_cost = np.bincount(pack[placed] // packs_per_rank,
-                                weights=sample_cost(L[placed]), minlength=int(world_size))
+        unplaced = int((pack < 0).sum())
+        if unplaced:  # not taken: its idle is never read (and the filtered copies cost memory)
+            return (c, e, pack), unplaced, float("nan")
+        rank = pack.astype(np.intp)  # bincount's own index type: no second copy
+        rank //= packs_per_rank
+        rank_cost = np.bincount(rank, weights=sample_cost(L), minlength=int(world_size))
+        del rank
         idle = 1 - rank_cost.mean() / rank_cost.max()
-        return (c, e, pack), int((~placed).sum()), float(idle)
+        return (c, e, pack), 0, float(idle)
 
     # lowered by what could not be placed until every drawn sample fits (G samples always fit:
     # one per pack) ...
@@ -380,14 +417,19 @@ def plan_packed_window(
                                 limits=limits, fill_resolution=FILL_RESOLUTION)
         if got is not None:
             c, carry, step_of, pack = got
-            taken = [streams[s].take(int(k)) for s, k in enumerate(c)]
-            gid = np.concatenate([ix + off for (ix, _), off in zip(taken, ids_of.offsets.tolist())])
-            src = np.repeat(np.arange(S), c)
-            for t in range(K):
-                items = np.flatnonzero(step_of == t)
-                all_ids.append(gid[items][np.argsort(pack[items], kind="stable")])
-                all_sizes.append(np.bincount(pack[items], minlength=G))
-                counts.append(np.bincount(src[items], minlength=S))
+            gid = np.concatenate([streams[s].take(int(k))[0] + off
+                                  for s, (k, off) in enumerate(zip(c, ids_of.offsets.tolist()))])
+            # packs in (step, rank, micro-batch, pack) order, samples in draw order within each
+            # (one sort of the window, no per-step copies: a window of 16,384 ranks x 8 packs
+            # holds a million samples)
+            order = np.lexsort((pack, step_of))
+            all_ids.append(gid[order])
+            del order, gid
+            step_of = step_of.astype(np.int64)
+            all_sizes.append(np.bincount(step_of * G + pack, minlength=K * G))
+            src = np.repeat(np.arange(S, dtype=np.int64), c)
+            counts.extend(np.bincount(step_of * S + src, minlength=K * S).reshape(K, S))
+            del step_of, src, pack
             drawn = drawn + c
     for t in range(K if not counts else 0):  # the step mix (or a window it falls back to)
         limits = None if epoch_limits is None else np.asarray(epoch_limits) - drawn

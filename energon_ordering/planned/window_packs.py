@@ -59,7 +59,7 @@ def plan_window_packs(streams: Sequence, weights: np.ndarray, carry: np.ndarray,
         next draws, in source order), the carry after the window, and each sample's step and
         pack (``rank x M B + pack``) in that order; or None.
     """
-    from .packs import fill_packs  # packs.py dispatches here
+    from .packs import _cut_lengths, fill_packs  # packs.py dispatches here
 
     w = np.asarray(weights, dtype=np.float64)
     K, S = w.shape
@@ -96,10 +96,12 @@ def plan_window_packs(streams: Sequence, weights: np.ndarray, carry: np.ndarray,
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits_tokens(mid) else (lo, mid)
+    for s, k in enumerate(counts_of(lo)[0].tolist()):  # no count above lo is packed
+        streams[s].keep(k)
 
     def packed(n: int):
         c, e = counts_of(n)
-        L = np.minimum(lengths_of(c), cap[0])
+        L = _cut_lengths(streams, c, int(cap[0]))
         # the window as K R ranks of M B packs: every (step, rank) ends near the same cost
         pack = fill_packs(L, K * R, P, int(cap[0]))
         placed = pack >= 0
@@ -108,13 +110,15 @@ def plan_window_packs(streams: Sequence, weights: np.ndarray, carry: np.ndarray,
         # (step, rank) slots by their longest sample, K bands of R: a step's ranks alike
         top = np.zeros(K * R)
         np.maximum.at(top, pack // P, sample_cost(L))
+        del L
         band = np.argsort(top, kind="stable").reshape(K, R)
-        slot_step = np.empty(K * R, dtype=np.int64)
-        slot_rank = np.empty(K * R, dtype=np.int64)
+        slot_step = np.empty(K * R, dtype=pack.dtype)  # int32 below 2^31 packs
+        slot_rank = np.empty(K * R, dtype=pack.dtype)
         slot_step[band] = steps[:, None]
         slot_rank[band] = np.arange(R)[None, :]
-        v = pack // P
-        return (c, e, slot_step[v], slot_rank[v] * P + pack % P), 0
+        # kept as the packing and the slots' places (expanded once, for the count taken): the
+        # search holds its best while it packs again
+        return (c, e, pack, slot_step, slot_rank), 0
 
     n, fail = lo, None
     while True:
@@ -129,5 +133,8 @@ def plan_window_packs(streams: Sequence, weights: np.ndarray, carry: np.ndarray,
             n, best = mid, found
         else:
             fail = mid
-    return best
+        del found
+    c, e, pack, slot_step, slot_rank = best
+    v = pack // P
+    return c, e, slot_step[v], slot_rank[v] * P + pack % P
 
