@@ -14,7 +14,7 @@ at a plan window boundary), so every rank computes the same end.
   over its K steps (:func:`~.window_mix.window_totals`, the carry on the window's total), not a
   count per step, so the end is found window by window: whole windows while their totals fit,
   then the longest start of the next window (k < K steps, planned as a window of k steps) whose
-  totals fit. A finite epoch's windows defer no sample (one deferred past the last window would
+  totals fit (the plan's own counts, :func:`~.window_mix.window_counts`). A finite epoch's windows defer no sample (one deferred past the last window would
   be lost): a sample that fits no step's cap takes a free slot, and the warmup cuts it, as in
   the step mix.
 """
@@ -27,7 +27,7 @@ import numpy as np
 
 from energon_ordering.mixture.step_counts import step_source_counts
 
-from .window_mix import window_totals
+from .window_mix import window_counts
 
 __all__ = ["step_mix_end_step", "window_mix_end_step"]
 
@@ -83,13 +83,17 @@ def window_mix_end_step(sizes: Sequence[int], weights_of: WeightsOf,
     drawn = np.zeros_like(size)
     carry: Sequence[float] = np.zeros(len(size))
     first = 0
+    def totals(w: np.ndarray, G: int, carry: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+        _, split, out = window_counts(w, G, carry)  # the plan's own counts (mix_window's)
+        return split.sum(axis=0), out
+
     while True:
         w, G = weights_of(first, K), global_batch_at(first)
-        totals, nxt = window_totals(w, G, carry)
-        if (drawn + totals <= size).all():
-            drawn, carry, first = drawn + totals, nxt, first + K
+        took, nxt = totals(w, G, carry)
+        if (drawn + took <= size).all():
+            drawn, carry, first = drawn + took, nxt, first + K
             continue
         for k in range(1, K):
-            if not (drawn + window_totals(w[:k], G, carry)[0] <= size).all():
+            if not (drawn + totals(w[:k], G, carry)[0] <= size).all():
                 return first + k - 1
         return first + K - 1

@@ -192,7 +192,7 @@ def _window_plan_problem(ids: np.ndarray, src: np.ndarray, *, seed: int, sizes: 
     why = ids_out_of_range(later, split_ids.total)
     if why is not None:
         return f"its next cursor's deferred {why}"
-    group, split, carry = _window_split(w, G, cursor.carry)
+    group, split, carry = window_mix.window_counts(w, G, cursor.carry)
     if not _same_bits(nxt.carry, carry):
         return f"its carry {list(nxt.carry)} is not the window's {carry.tolist()}"
     held = np.bincount(split_ids.split(np.asarray(cursor.deferred, dtype=np.int64))[0],
@@ -218,27 +218,6 @@ def _window_plan_problem(ids: np.ndarray, src: np.ndarray, *, seed: int, sizes: 
     # the ids and the samples the next cursor defers are the deferred ones plus the new draws
     every = plan_samples(sizes, seed, cursor, dataclasses.replace(nxt, deferred=()))
     return plan_matches_draws(np.concatenate((ids.reshape(-1), later)), every, None)
-
-
-def _window_split(w: np.ndarray, G: int, carry: Sequence[float]
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(group of each step [K], samples per group and source [groups, S], carry)`` of a
-    window-mix window, by :func:`~.window_mix.mix_window`'s rule (its steps 1-2): the window's
-    totals with the carry, split over the groups of steps with the same zero weights (the step
-    mix's counts per group, and its carry, where no such split exists)."""
-    totals, out = window_mix.window_totals(w, G, carry)
-    mask = (w > 0) & (totals > 0)[None, :]
-    patterns, group = np.unique(mask, axis=0, return_inverse=True)
-    group = np.asarray(group).reshape(-1)
-    n = len(patterns)
-    if n == 1:
-        return group, totals[None, :], out
-    x = np.stack([(w[group == g] * G).sum(axis=0) for g in range(n)])
-    split = window_mix._split_counts(x, np.bincount(group, minlength=n) * G, totals, patterns)
-    if split is None:
-        step, out = step_source_counts(w, G, carry)
-        split = np.stack([step[group == g].sum(axis=0) for g in range(n)])
-    return group, split, out
 
 
 def _over_caps(ids: np.ndarray, src: np.ndarray, group: np.ndarray, caps: np.ndarray,

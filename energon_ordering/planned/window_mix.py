@@ -63,7 +63,7 @@ from .sample_ids import SampleIds
 from .sort_order import sorted_length_keys, stable_ascending
 
 __all__ = ["DEFER_ROUNDS", "MAX_DEFERRED", "band_order", "deal_bands", "mix_window",
-           "window_totals"]
+           "window_counts", "window_totals"]
 
 #: Most samples a cursor holds back for later windows (8 KiB of ids); beyond it an
 #: overflowing sample is placed over its step's cap (the warmup cuts it, as in the step mix).
@@ -95,6 +95,31 @@ def window_totals(weights: np.ndarray, draws_per_step: int,
     k = w.shape[0]
     counts, out = step_source_counts(w.sum(axis=0)[None, :] / k, k * int(draws_per_step), carry)
     return counts[0], out
+
+
+def window_counts(weights: np.ndarray, draws_per_step: int, carry: Sequence[float]
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(group of each step [K], samples per group and source [groups, S], carry)`` of a
+    window of ``weights`` ``[K, S]`` (module docstring, steps 1-2): the window's totals with the
+    carry, split over the groups of steps with the same zero weights among the drawn sources
+    (the step mix's counts per group, and its carry, where no split within one sample exists).
+    Every window-mix rule that needs the window's counts reads them here (the plan, its check,
+    a finite epoch's end)."""
+    w = np.asarray(weights, dtype=np.float64)
+    G = int(draws_per_step)
+    totals, out = window_totals(w, G, carry)
+    mask = (w > 0) & (totals > 0)[None, :]
+    patterns, group = np.unique(mask, axis=0, return_inverse=True)
+    group = np.asarray(group).reshape(-1)
+    n = len(patterns)
+    if n == 1:
+        return group, totals[None, :], out
+    x = np.stack([(w[group == g] * G).sum(axis=0) for g in range(n)])
+    split = _split_counts(x, np.bincount(group, minlength=n) * G, totals, patterns)
+    if split is None:  # no split within one sample exists: the step mix's counts, per group
+        step, out = step_source_counts(w, G, carry)
+        split = np.stack([step[group == g].sum(axis=0) for g in range(n)])
+    return group, split, out
 
 
 def band_order(caps: np.ndarray | None, steps: np.ndarray, seed: int, window: int,
@@ -238,19 +263,8 @@ def mix_window(lengths: Sequence[np.ndarray], *, seed: int, cursor: PlanCursor,
     offsets = ids.offsets.tolist()
     w = np.asarray(weights, dtype=np.float64)
     K, G = w.shape[0], int(draws_per_step)
-    totals, carry = window_totals(w, G, cursor.carry)
-    # schedule groups: the steps with the same zero weights among the drawn sources
-    active = totals > 0
-    mask = (w > 0) & active[None, :]
-    patterns, group_of_step = np.unique(mask, axis=0, return_inverse=True)
-    group_of_step = np.asarray(group_of_step).reshape(-1)
-    n_groups = len(patterns)
-    sizes_g = np.bincount(group_of_step, minlength=n_groups) * G
-    x = np.stack([(w[group_of_step == g] * G).sum(axis=0) for g in range(n_groups)])
-    split = totals[None, :] if n_groups == 1 else _split_counts(x, sizes_g, totals, patterns)
-    if split is None:  # no split within one sample exists: the step mix's counts, per group
-        step_counts, carry = step_source_counts(w, G, cursor.carry)
-        split = np.stack([step_counts[group_of_step == g].sum(axis=0) for g in range(n_groups)])
+    group_of_step, split, carry = window_counts(w, G, cursor.carry)
+    n_groups = len(split)
     owner, _ = ids.split(np.asarray(cursor.deferred, dtype=np.int64))
     D = len(cursor.deferred)
     streams = [_Candidates(seed, s, ids.sizes[s], offsets[s], cursor.drawn[s],
