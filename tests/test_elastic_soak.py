@@ -1,6 +1,7 @@
 """Soak: elastic chains of the planned order, by what the model sees (issue 31, contract 13).
 
-Every cycle draws a planned pipeline (warmup, packing, a mixture schedule: each on or off), two
+Every cycle draws a planned pipeline (warmup, packing, a mixture schedule: each on or off; the
+mix granularity, ``planned_mix`` step or window), two
 data-parallel shapes of one global batch (ranks x micro-batches per step), loader workers 0-3 on
 each side, Energon's worker checkpoint interval, and a cut step; then:
 
@@ -80,11 +81,12 @@ def _draw(rng: random.Random) -> dict:
         checkpoint_every=rng.choice([None, 1, 2, 3]),
         cut=rng.randint(1, 7),
         rank=rng.randrange(after[0]),
+        mix=rng.choice(["step", "window"]),
     )
 
 
 def _kwargs(d: dict) -> dict:
-    kw: dict = dict(pack=d["pack"])
+    kw: dict = dict(pack=d["pack"], planned_mix=d["mix"])
     if d["pack"]:
         kw["pack_seq_length"] = 1024
     if not d["warmup"]:
