@@ -36,13 +36,7 @@ def deal_tuples(slots: np.ndarray, costs: np.ndarray, world_size: int, per_rank:
         n = flat.shape[0]
         desc = np.take_along_axis(flat, np.argsort(-costs[flat], axis=1, kind="stable"), axis=1)
         tuples = desc.reshape(n, P, R)
-        part = out[lo: lo + step]
-        totals = np.zeros((n, R))
-        rows = np.arange(n)[:, None]
-        for j in range(P):
-            ranks = np.argsort(totals, axis=1, kind="stable")  # cheapest rank first
-            part[rows, ranks, j] = tuples[:, j, :]
-            totals[rows, ranks] += costs[tuples[:, j, :]]
+        out[lo: lo + step] = _deal(tuples, costs[tuples])[0]
     return out.reshape(*shape, R, P)
 
 
@@ -59,15 +53,22 @@ def deal_sorted(costs: np.ndarray, world_size: int, per_rank: int
     c = np.asarray(costs, dtype=np.float64)
     n = c.shape[0]
     R, P = int(world_size), int(per_rank)
-    desc = c[:, ::-1]
     column = (R * P - 1) - np.arange(R * P, dtype=np.int64).reshape(P, R)  # tuple j, item k
+    return _deal(np.broadcast_to(column, (n, P, R)), c[:, ::-1].reshape(n, P, R))
+
+
+def _deal(items: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The dealing of both: ``items`` and their ``values`` ``[n, P, R]`` (slot, tuple j, its R
+    items costliest first), tuple by tuple the costliest item to the rank with the smallest
+    running cost (ties by rank). Returns ``(item [n, R, P], totals [n, R])``."""
+    n, P, R = values.shape
     out = np.empty((n, R, P), dtype=np.int64)
     totals = np.zeros((n, R))
     rows = np.arange(n)[:, None]
-    out[:, :, 0] = column[0]  # the first tuple: every total is 0, item k to rank k
-    totals += desc[:, :R]
+    out[:, :, 0] = items[:, 0]  # the first tuple: every total is 0, item k to rank k
+    totals += values[:, 0]
     for j in range(1, P):
         ranks = np.argsort(totals, axis=1, kind="stable")  # cheapest rank first
-        out[rows, ranks, j] = column[j]
-        totals[rows, ranks] += desc[:, j * R:(j + 1) * R]
+        out[rows, ranks, j] = items[:, j]
+        totals[rows, ranks] += values[:, j]
     return out, totals
