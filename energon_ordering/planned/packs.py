@@ -166,10 +166,9 @@ class _Draws:
             return
         more = max(int(count) - have, have, 256)
         ix = draws(self.seed, self.source, len(self.lengths), self.first + have, more)
-        # indices within the source: int32 where they fit (a packed step of 16,384 ranks x 8
-        # draws about a million samples; the search holds up to twice that)
-        small = len(self.lengths) < 2**31
-        self.index = np.concatenate((self.index, ix.astype(np.int32) if small else ix))
+        # indices within the source in __init__'s dtype: int32 where they fit (a packed step of
+        # 16,384 ranks x 8 draws about a million samples; the search holds up to twice that)
+        self.index = np.concatenate((self.index, ix.astype(self.index.dtype, copy=False)))
         # gather, then convert: converting the source first copied all of its lengths (a
         # 10^8-sample lengths file: 800 MiB) at every call
         self.length = np.concatenate((self.length, np.asarray(self.lengths)[ix].astype(np.float64)))

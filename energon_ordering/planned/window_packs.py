@@ -76,16 +76,11 @@ def plan_window_packs(streams: Sequence, weights: np.ndarray, carry: np.ndarray,
         c, e = step_source_counts(mean, n, carry)
         return c[0].astype(np.int64), e
 
-    def lengths_of(c: np.ndarray) -> np.ndarray:
-        for s, k in enumerate(c.tolist()):
-            streams[s].ensure(k)
-        return np.concatenate([streams[s].length[:k] for s, k in enumerate(c.tolist())])
-
     def fits_tokens(n: int) -> bool:
         c = counts_of(n)[0]
         if limits is not None and (c > limits).any():
             return False
-        return float(np.minimum(lengths_of(c), cap[0]).sum()) <= float(G * K * cap[0])
+        return float(_cut_lengths(streams, c, int(cap[0])).sum()) <= float(G * K * cap[0])
 
     lo = K * G  # one sample per pack always fits (each is cut to its step's cap)
     if limits is not None and (counts_of(lo)[0] > limits).any():
