@@ -38,10 +38,11 @@ import numpy as np
 from energon_ordering.errors import OrderingConfigError, show
 from energon_ordering.mixture.step_counts import step_source_counts
 
-from .balance import radix_keys, sample_cost
+from .balance import sample_cost
 from .cursor import PlanCursor, check_window_steps, draws
 from .lpt import deal_tuples
 from .mix import PlannedMix, check_planned_mix
+from .pack_fill import fill_packs
 from .sample_ids import SampleIds
 from .window_packs import plan_window_packs
 
@@ -57,84 +58,6 @@ FILL_RESOLUTION = 1 / 400
 #: A fuller step is taken only if its ranks' straggler idle stays within this (or within the
 #: idle of the first count that packed whole): balance first, then fill.
 IDLE_TOLERANCE = 0.002
-
-
-def fill_packs(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: int) -> np.ndarray:
-    """Assigns items to the ``packs_per_rank`` packs of ``cap`` tokens of each of R ranks,
-    balancing the ranks' attention costs.
-
-    Every pack first takes one of the ``R P`` longest items (when there are that many), dealt
-    as :func:`deal_packs` deals packs; the others go longest first (ties by index), in rounds:
-    the round's i-th item goes to the rank
-    with the i-th smallest cost so far (ties by rank), into that rank's pack with the smallest
-    cost among those with room for it (ties by pack). A round serves only the ranks with room
-    for its longest item whose cost is within that item's cost of the cheapest such rank, so it
-    deals as longest-processing-time dealing one item at a time would, vectorised. An item that
-    fits no pack any more stays unplaced.
-
-    Args:
-        lengths: Tokens of each item (already cut to ``cap``: longer items never fit).
-        world_size: R. packs_per_rank: P (>= 1 each).
-        cap: Tokens per pack.
-
-    Returns:
-        ``[n]`` flat pack index ``rank * P + pack`` of each item (int32 below 2^31 packs and
-        items, else int64), -1 for an item no pack could take.
-
-    Memory: the items' lengths, their order and the result (a packed step of 16,384 ranks x 8
-    packs holds about a million items); each item's cost is computed where it is dealt.
-    """
-    L = np.asarray(lengths, dtype=np.float64)
-    R, P = int(world_size), int(packs_per_rank)
-    small = max(len(L), R * P) < 2**31
-    index = np.int32 if small else np.int64
-    load = np.zeros((R, P))
-    pcost = np.zeros((R, P))
-    rcost = np.zeros(R)
-    out = np.full(len(L), -1, dtype=index)
-
-    room = np.full(R, float(cap))  # each rank's most room in one pack
-    keys = radix_keys(L)  # whole lengths: a radix sort, the same order
-    queue = np.argsort(-L if keys is None else np.uint16(65535) - keys, kind="stable")
-    del keys
-    queue = queue.astype(index, copy=False)
-    if len(queue) >= R * P:
-        # every pack starts with one of the R P longest items, dealt in tuples of R (the
-        # costliest to the cheapest rank): no pack stays empty, whatever the dealing below
-        first, queue = queue[:R * P], queue[R * P:]
-        seat = deal_tuples(np.arange(R * P), sample_cost(L[first]), R, P)  # [R, P] -> position
-        items = first[seat]
-        out[items] = np.arange(R * P).reshape(R, P)
-        load[:] = L[items]
-        pcost[:] = sample_cost(L[items])
-        rcost[:] = pcost.sum(axis=1)
-        room[:] = (cap - load).max(axis=1)
-    while len(queue):
-        # the longest items fit no pack any more (rooms only shrink): they stay unplaced
-        queue = queue[int(np.searchsorted(-L[queue], -room.max(), "left")):]
-        if not len(queue):
-            break
-        big = queue[0]
-        big_cost = float(sample_cost(L[big]))
-        roomy = np.flatnonzero(room >= L[big])
-        # as longest-processing-time dealing one item at a time would: the ranks with room
-        # within the longest item's cost of the cheapest of them take one item each, cheapest
-        # first (ties by rank); only those few are sorted (the same order as sorting all)
-        near = rcost[roomy]
-        near = roomy[near <= near.min() + big_cost]
-        near = near[np.argsort(rcost[near], kind="stable")]
-        items, queue = queue[:len(near)], queue[len(near):]
-        ranks = near[:len(items)]
-        # each item into its rank's cheapest pack with room (every rank here has room for it)
-        ok = (cap - load[ranks]) >= L[items][:, None]
-        pk = np.argmin(np.where(ok, pcost[ranks], np.inf), axis=1)
-        out[items] = ranks * P + pk
-        load[ranks, pk] += L[items]  # one item per rank in a round
-        c = sample_cost(L[items])
-        pcost[ranks, pk] += c
-        rcost[ranks] += c
-        room[ranks] = (cap - load[ranks]).max(axis=1)
-    return out
 
 
 def deal_packs(pack_costs: np.ndarray, world_size: int, packs_per_rank: int) -> np.ndarray:

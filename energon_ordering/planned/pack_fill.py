@@ -1,0 +1,185 @@
+"""Filling packs: items -> the P packs of ``cap`` tokens of each of R ranks, ranks balanced.
+
+:func:`fill_packs` packs a step's items from scratch; :func:`add_items` adds more items to a
+packing already made (what :mod:`.pack_search` does while it searches how many samples a step
+or window takes: it packs once and then only adds the draws a larger count would bring).
+Both deal items longest first, each to the rank with the smallest attention cost
+``sum(L + L^2/4096)`` so far, into that rank's cheapest pack with room
+(longest-processing-time dealing, vectorised in rounds), so ranks' costs agree to within about
+one item's cost and a rank's packs fill evenly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .balance import radix_keys, sample_cost
+from .lpt import deal_tuples
+
+__all__ = ["Packing", "add_items", "fill_packs", "pack_fill"]
+
+
+@dataclass
+class Packing:
+    """R ranks of P packs of ``cap`` tokens as filled so far.
+
+    Attributes:
+        cap: Tokens per pack.
+        load: ``[R, P]`` tokens in each pack. pack_cost: ``[R, P]`` attention cost of each pack.
+        rank_cost: ``[R]`` attention cost of each rank. room: ``[R]`` each rank's most room in
+            one of its packs.
+    """
+
+    cap: float
+    load: np.ndarray
+    pack_cost: np.ndarray
+    rank_cost: np.ndarray
+    room: np.ndarray
+
+    @classmethod
+    def empty(cls, world_size: int, packs_per_rank: int, cap: float) -> Packing:
+        R, P = int(world_size), int(packs_per_rank)
+        return cls(float(cap), np.zeros((R, P)), np.zeros((R, P)), np.zeros(R),
+                   np.full(R, float(cap)))
+
+    def copy(self) -> Packing:
+        return Packing(self.cap, self.load.copy(), self.pack_cost.copy(), self.rank_cost.copy(),
+                       self.room.copy())
+
+    @property
+    def idle(self) -> float:
+        """The ranks' straggler idle, ``1 - mean / max`` of their costs (0 when all are 0)."""
+        top = float(self.rank_cost.max())
+        return 1.0 - float(self.rank_cost.mean()) / top if top > 0 else 0.0
+
+    def seed(self, L: np.ndarray, first: np.ndarray, out: np.ndarray) -> None:
+        """Every pack of an empty packing takes one of ``first`` (the ``R P`` longest items,
+        longest first), dealt in tuples of R, the costliest to the cheapest rank: no pack stays
+        empty, whatever is dealt after."""
+        R, P = self.load.shape
+        seat = deal_tuples(np.arange(R * P), sample_cost(L[first]), R, P)  # [R, P] -> position
+        items = first[seat]
+        out[items] = np.arange(R * P).reshape(R, P)
+        self.load[:] = L[items]
+        self.pack_cost[:] = sample_cost(L[items])
+        self.rank_cost[:] = self.pack_cost.sum(axis=1)
+        self.room[:] = self.cap - _row_min(self.load)
+
+    def place(self, L: np.ndarray, queue: np.ndarray, out: np.ndarray) -> None:
+        """Deals the items ``queue`` (indices into ``L``, longest first, ties by index) in
+        rounds, writing each one's flat pack ``rank * P + pack`` into ``out`` (an item that fits
+        no pack any more is left as it is in ``out``).
+
+        The round's i-th item goes to the rank with the i-th smallest cost so far (ties by
+        rank), into that rank's pack with the smallest cost among those with room for it (ties
+        by pack). A round serves only the ranks with room for its longest item whose cost is
+        within that item's cost of the cheapest such rank, so it deals as
+        longest-processing-time dealing one item at a time would, vectorised.
+        """
+        load, pcost, rcost, room, cap = self.load, self.pack_cost, self.rank_cost, self.room, \
+            self.cap
+        P = load.shape[1]
+        # the queue's lengths, negated (ascending), read from ``head`` on: each round finds where
+        # the items that still fit start without gathering the whole queue again
+        neg = -L[queue]
+        head = 0
+        while head < len(queue):
+            # the longest items fit no pack any more (rooms only shrink): they stay unplaced
+            head += int(np.searchsorted(neg[head:], -room.max(), "left"))
+            if head == len(queue):
+                break
+            big = queue[head]
+            big_cost = float(sample_cost(L[big]))
+            roomy = np.flatnonzero(room >= L[big])
+            # the ranks with room within the longest item's cost of the cheapest of them take
+            # one item each, cheapest first (ties by rank); only those few are sorted
+            near = rcost[roomy]
+            near = roomy[near <= near.min() + big_cost]
+            near = near[np.argsort(rcost[near], kind="stable")]
+            items = queue[head:head + len(near)]
+            head += len(items)
+            ranks = near[:len(items)]
+            # each item into its rank's cheapest pack with room (every rank here has room)
+            li = L[items]
+            rows = load[ranks]
+            ok = (cap - rows) >= li[:, None]
+            pk = np.argmin(np.where(ok, pcost[ranks], np.inf), axis=1)
+            out[items] = ranks * P + pk
+            rows[np.arange(len(ranks)), pk] += li  # one item per rank in a round
+            load[ranks] = rows
+            c = sample_cost(li)
+            pcost[ranks, pk] += c
+            rcost[ranks] += c
+            room[ranks] = cap - _row_min(rows)
+
+
+def _row_min(x: np.ndarray) -> np.ndarray:
+    """``x.min(axis=1)`` of an ``[n, P]`` array with few columns, column by column: numpy reduces
+    a short last axis row by row, several times slower (the same values)."""
+    m = x[:, 0].copy()
+    for j in range(1, x.shape[1]):
+        np.minimum(m, x[:, j], out=m)
+    return m
+
+
+def _index_dtype(*sizes: int) -> type:
+    return np.int32 if max(sizes) < 2**31 else np.int64
+
+
+def _longest_first(L: np.ndarray) -> np.ndarray:
+    """Item indices, longest first, ties by index (whole lengths: a radix sort)."""
+    keys = radix_keys(L)
+    return np.argsort(-L if keys is None else np.uint16(65535) - keys, kind="stable")
+
+
+def pack_fill(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: int
+              ) -> tuple[np.ndarray, Packing]:
+    """:func:`fill_packs`, also returning the packing (to :func:`add_items` to)."""
+    L = np.asarray(lengths, dtype=np.float64)
+    R, P = int(world_size), int(packs_per_rank)
+    index = _index_dtype(len(L), R * P)
+    packing = Packing.empty(R, P, cap)
+    out = np.full(len(L), -1, dtype=index)
+    queue = _longest_first(L).astype(index, copy=False)
+    if len(queue) >= R * P:
+        packing.seed(L, queue[:R * P], out)
+        queue = queue[R * P:]
+    packing.place(L, queue, out)
+    return out, packing
+
+
+def fill_packs(lengths: np.ndarray, world_size: int, packs_per_rank: int, cap: int) -> np.ndarray:
+    """Assigns items to the ``packs_per_rank`` packs of ``cap`` tokens of each of R ranks,
+    balancing the ranks' attention costs.
+
+    Every pack first takes one of the ``R P`` longest items (when there are that many), dealt
+    in tuples of R as :func:`~.packs.deal_packs` deals packs; the others go longest first (ties
+    by index), in rounds (:meth:`Packing.place`). An item that fits no pack any more stays
+    unplaced.
+
+    Args:
+        lengths: Tokens of each item (already cut to ``cap``: longer items never fit).
+        world_size: R. packs_per_rank: P (>= 1 each).
+        cap: Tokens per pack.
+
+    Returns:
+        ``[n]`` flat pack index ``rank * P + pack`` of each item (int32 below 2^31 packs and
+        items, else int64), -1 for an item no pack could take.
+
+    Memory: the items' lengths, their order and the result (a packed step of 16,384 ranks x 8
+    packs holds about a million items); each item's cost is computed where it is dealt.
+    """
+    return pack_fill(lengths, world_size, packs_per_rank, cap)[0]
+
+
+def add_items(packing: Packing, lengths: np.ndarray) -> tuple[np.ndarray, Packing]:
+    """More items dealt into a copy of ``packing`` (longest first, ties by index, as
+    :meth:`Packing.place` deals): ``(pack of each item or -1, the new packing)``; ``packing``
+    itself is left as it was."""
+    L = np.asarray(lengths, dtype=np.float64)
+    grown = packing.copy()
+    out = np.full(len(L), -1, dtype=_index_dtype(len(L), grown.load.size))
+    grown.place(L, _longest_first(L).astype(out.dtype, copy=False), out)
+    return out, grown
