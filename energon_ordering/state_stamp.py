@@ -142,6 +142,13 @@ FIELD_FIXES: dict[str, str] = {
         "(OrderingConfig.plan_window_steps, Megatron: --plan-window-steps; left unset it "
         "follows the global batch): set plan_window_steps to the saved value to resume."
     ),
+    "packing": (
+        "A planned order with packing stamps what its packs depend on: the packed plan's logic "
+        "(packed_plan_version: this version of energon_ordering packs with other logic, "
+        "PACKED_PLAN_VERSION), OrderingConfig.pack_seq_length and the sequence-length warmup. "
+        "Resume with the settings and the energon_ordering version that wrote the state, or "
+        "start the data stream fresh."
+    ),
     "window_mix_plan_version": (
         "This version of energon_ordering plans planned_mix: window windows with other logic "
         "(its WINDOW_MIX_PLAN_VERSION), so the saved position names other samples: resume with "

@@ -357,3 +357,22 @@ def test_cuts_across_two_finite_epochs_under_a_busy_cpu(data, busy_cpu, num_work
         close_loader(loader)
         assert got[:n - cut] == records[cut:], cut
     assert all(p.poll() is None for p in busy_cpu)  # the contention lasted
+
+
+def test_a_packed_state_of_an_older_plan_version_is_refused_naming_it(data):
+    """A packed planned state stamped with PACKED_PLAN_VERSION 2 (its steps' sample counts
+    searched otherwise, so its position names other packs) is refused, naming the field, both
+    versions and the fix."""
+    from energon_ordering.planned.packs import PACKED_PLAN_VERSION
+    from energon_ordering.state_stamp import _find_saved_class
+
+    _, states = run_with_cuts(lambda: _loader(data, rank=0), 3, [2])
+    entry = _find_saved_class(states[2].worker_states[0], "PlannedPackSourceDataset")
+    entry["_stamp"]["packing"]["packed_plan_version"] = 2
+    loader = _loader(data, rank=0)
+    with pytest.raises(StateMismatchError, match=(
+            rf"packing: saved .*'packed_plan_version': 2.* != configured "
+            rf".*'packed_plan_version': {PACKED_PLAN_VERSION}.*packs with other logic.*start "
+            r"the data stream fresh")):
+        restore_state_rank(loader, states[2])
+    close_loader(loader)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from energon_ordering.planned.sort_order import sorted_length_keys, stable_ascending
+from energon_ordering.planned.sort_order import sorted_length_keys, stable_ascending, stable_by_int
 
 
 @pytest.mark.parametrize("make", [
@@ -50,3 +50,24 @@ def test_sorted_length_keys_order_by_length_then_id_or_decline(make):
     order = np.lexsort((ids, lengths))
     assert np.array_equal(key & ((1 << bits) - 1), ids[order])
     assert np.array_equal(key >> bits, lengths[order])
+
+
+@pytest.mark.parametrize("make", [
+    lambda r: r.integers(0, 8, 5000),                        # one digit, many ties
+    lambda r: r.integers(0, 1 << 19, 40_000).astype(np.int32),  # two digits (a window's packs)
+    lambda r: r.integers(0, 1 << 40, 5000),                  # three digits
+    lambda r: np.zeros(7, dtype=np.uint8),
+    lambda r: np.zeros(0, dtype=np.int64),
+])
+def test_stable_by_int_is_the_stable_argsort(make):
+    keys = make(np.random.default_rng(2))
+    got = stable_by_int(keys)
+    assert got.dtype == np.int64
+    assert np.array_equal(got, np.argsort(keys, kind="stable"))
+
+
+def test_stable_by_int_refuses_what_it_cannot_sort():
+    with pytest.raises(TypeError, match="integer keys"):
+        stable_by_int(np.array([1.5, 0.5]))
+    with pytest.raises(ValueError, match=">= 0"):
+        stable_by_int(np.array([3, -1]))

@@ -8,13 +8,15 @@ computes the same ones and no rank packs its own slice. Per optimizer step (G = 
 1. **How many samples** (:func:`plan_packed_step`). The step's source counts for n samples are
    :func:`~energon_ordering.mixture.step_source_counts` of the step's weights for n draws with
    the carry (each source within one sample of ``weight x n``; cumulative counts track the
-   integral). n is the largest count whose draws' tokens (each sample's length, cut to the
-   cap) fit ``G x cap`` (bisection), then lowered by the samples :func:`fill_packs` could not
-   place until every drawn sample fits, then bisected back up (to within
-   :data:`FILL_RESOLUTION`) to the largest count that packs whole with the ranks balanced as
-   well (idle within :data:`IDLE_TOLERANCE`, or within the first whole count's): the step's
-   counts stay exact for its n.
-2. **Packs and ranks** (:func:`fill_packs`). Every rank owns ``M B`` packs (its M
+   integral). n is searched by :mod:`.pack_search`: the token bound (the largest count whose
+   draws' tokens, each cut to the cap, fit ``G x cap``), packed first
+   :data:`~.pack_search.START_MARGIN` below it. That count is taken if every draw fits and the
+   ranks' idle is within :data:`~.pack_search.IDLE_TOLERANCE` (one packing: the usual case);
+   else the count is lowered until every draw fits (and, where the ranks were unbalanced, from
+   an emptier count: balance first), then bisected back up, to within
+   :data:`~.pack_search.FILL_RESOLUTION`, to the largest count that packs whole with the ranks
+   balanced as well. The step's counts stay exact for its n.
+2. **Packs and ranks** (:func:`~.pack_fill.fill_packs`). Every rank owns ``M B`` packs (its M
    micro-batches of B packs). Each pack first takes one of the G longest samples (dealt in
    tuples of R, so no pack stays empty); the others, longest first, go to the rank with the
    smallest attention cost ``sum(L + L^2/4096)`` so far (longest-processing-time dealing,
@@ -38,26 +40,22 @@ import numpy as np
 from energon_ordering.errors import OrderingConfigError, show
 from energon_ordering.mixture.step_counts import step_source_counts
 
-from .balance import sample_cost
-from .cursor import PlanCursor, check_window_steps, draws
+from .cursor import PlanCursor, check_window_steps
 from .lpt import deal_tuples
 from .mix import PlannedMix, check_planned_mix
 from .pack_fill import fill_packs
+from .pack_search import IDLE_TOLERANCE, most_that_fit, search_packed
 from .sample_ids import SampleIds
+from .sort_order import stable_by_int
+from .source_draws import SourceDraws
 from .window_packs import plan_window_packs
 
 __all__ = ["PACKED_PLAN_VERSION", "PackedWindowPlan", "deal_packs", "fill_packs",
            "plan_packed_step", "plan_packed_window"]
 
 #: Bumped whenever a packed plan changes for the same inputs; a packed planned state stamps it.
-PACKED_PLAN_VERSION = 2  # 2: every pack seeded with one of the step's longest samples
-
-#: A step's sample count is searched to within this share of its samples (each try packs the
-#: whole step once).
-FILL_RESOLUTION = 1 / 400
-#: A fuller step is taken only if its ranks' straggler idle stays within this (or within the
-#: idle of the first count that packed whole): balance first, then fill.
-IDLE_TOLERANCE = 0.002
+PACKED_PLAN_VERSION = 3  # 2: every pack seeded with one of the step's longest samples; 3: the
+# count search packs once and adds the draws of larger counts (pack_search.py)
 
 
 def deal_packs(pack_costs: np.ndarray, world_size: int, packs_per_rank: int) -> np.ndarray:
@@ -75,57 +73,7 @@ def deal_packs(pack_costs: np.ndarray, world_size: int, packs_per_rank: int) -> 
     return deal_tuples(np.arange(R * P), c, R, P)
 
 
-class _Draws:
-    """The upcoming draws of one source in a window: lengths cut to a cap, fetched on demand."""
-
-    def __init__(self, seed: int, source: int, lengths: np.ndarray, first: int):
-        self.seed, self.source, self.lengths, self.first = seed, source, lengths, int(first)
-        self.index = np.empty(0, dtype=np.int32 if len(lengths) < 2**31 else np.int64)
-        self.length = np.empty(0)
-
-    def ensure(self, count: int) -> None:
-        have = len(self.index)
-        if count <= have:
-            return
-        more = max(int(count) - have, have, 256)
-        ix = draws(self.seed, self.source, len(self.lengths), self.first + have, more)
-        # indices within the source in __init__'s dtype: int32 where they fit (a packed step of
-        # 16,384 ranks x 8 draws about a million samples; the search holds up to twice that)
-        self.index = np.concatenate((self.index, ix.astype(self.index.dtype, copy=False)))
-        # gather, then convert: converting the source first copied all of its lengths (a
-        # 10^8-sample lengths file: 800 MiB) at every call
-        self.length = np.concatenate((self.length, np.asarray(self.lengths)[ix].astype(np.float64)))
-
-    def keep(self, count: int) -> None:
-        """Drops the fetched draws beyond the first ``count`` (a search probed further than it
-        takes: they are fetched again if asked for, the same draws)."""
-        if len(self.index) > count:
-            self.index = self.index[:count].copy()
-            self.length = self.length[:count].copy()
-
-    def take(self, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """Removes and returns the next ``count`` draws (indices as int64, lengths)."""
-        self.ensure(count)
-        ix, ln = self.index[:count].astype(np.int64), self.length[:count]
-        self.index, self.length = self.index[count:], self.length[count:]
-        self.first += count
-        return ix, ln
-
-
-def _cut_lengths(streams: Sequence[_Draws], counts: np.ndarray, cap: int) -> np.ndarray:
-    """The first ``counts[s]`` draws' lengths of every source, in source order, each cut to
-    ``cap`` (float64), written in place (no per-source temporaries)."""
-    c = [int(k) for k in counts]
-    out = np.empty(sum(c))
-    lo = 0
-    for s, k in enumerate(c):
-        streams[s].ensure(k)
-        np.minimum(streams[s].length[:k], cap, out=out[lo:lo + k])
-        lo += k
-    return out
-
-
-def plan_packed_step(streams: Sequence[_Draws], weights: np.ndarray, carry: np.ndarray, *,
+def plan_packed_step(streams: Sequence[SourceDraws], weights: np.ndarray, carry: np.ndarray, *,
                      cap: int, world_size: int, packs_per_rank: int,
                      limits: np.ndarray | None = None
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -143,66 +91,14 @@ def plan_packed_step(streams: Sequence[_Draws], weights: np.ndarray, carry: np.n
         c, e = step_source_counts(w, n, carry)
         return c[0].astype(np.int64), e
 
-    def over(c: np.ndarray) -> bool:
-        return limits is not None and bool((c > limits).any())
-
-    def tokens(c: np.ndarray) -> float:
-        total = 0.0
-        for s, k in enumerate(c.tolist()):
-            if k:
-                streams[s].ensure(k)
-                total += float(np.minimum(streams[s].length[:k], cap).sum())
-        return total
-
-    budget = float(G) * float(cap)
-    lo = G
-    if over(counts_of(lo)[0]):
+    if limits is not None and bool((counts_of(G)[0] > limits).any()):
         return None
-    hi = 2 * G
-    while tokens(counts_of(hi)[0]) <= budget and not over(counts_of(hi)[0]):
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1:  # the largest n whose draws fit G x cap tokens (and the limits)
-        mid = (lo + hi) // 2
-        c = counts_of(mid)[0]
-        if tokens(c) <= budget and not over(c):
-            lo = mid
-        else:
-            hi = mid
-    for s, k in enumerate(counts_of(lo)[0].tolist()):  # no count above lo is packed
-        streams[s].keep(k)
-    def packed(n: int):
-        c, e = counts_of(n)
-        L = _cut_lengths(streams, c, cap)
-        pack = fill_packs(L, world_size, packs_per_rank, cap)
-        unplaced = int((pack < 0).sum())
-        if unplaced:  # not taken: its idle is never read (and the filtered copies cost memory)
-            return (c, e, pack), unplaced, float("nan")
-        rank = pack.astype(np.intp)  # bincount's own index type: no second copy
-        rank //= packs_per_rank
-        rank_cost = np.bincount(rank, weights=sample_cost(L), minlength=int(world_size))
-        del rank
-        idle = 1 - rank_cost.mean() / rank_cost.max()
-        return (c, e, pack), 0, float(idle)
-
-    # lowered by what could not be placed until every drawn sample fits (G samples always fit:
-    # one per pack) ...
-    n, fail = lo, None
-    while True:
-        best, unplaced, idle = packed(n)
-        if unplaced == 0:
-            break
-        fail, n = n, max(G, n - unplaced)
-    # ... then bisected back up, to within FILL_RESOLUTION of the samples, to the largest count
-    # that still packs whole and balances the ranks as well (or within IDLE_TOLERANCE)
-    limit = max(idle, IDLE_TOLERANCE)
-    while fail is not None and fail - n > max(1, int(n * FILL_RESOLUTION)):
-        mid = (n + fail) // 2
-        found, unplaced, idle = packed(mid)
-        if unplaced == 0 and idle <= limit:
-            n, best = mid, found
-        else:
-            fail = mid
-    return best
+    most = most_that_fit(streams, counts_of, least=G, budget=float(G) * float(cap), cap=cap,
+                         limits=limits)
+    found = search_packed(streams, counts_of, most=most, least=G, cap=cap,
+                          world_size=world_size, packs_per_rank=packs_per_rank,
+                          idle_tolerance=IDLE_TOLERANCE)
+    return found.counts, found.carry, found.pack
 
 
 @dataclass(frozen=True)
@@ -328,7 +224,7 @@ def plan_packed_window(
                 f"planned packing: the pack cap of step {t} is {show(c)}; set "
                 "OrderingConfig.pack_seq_length (Megatron: --packing-seq-length) to an int >= 1.")
     G = R * M * B
-    streams = [_Draws(seed, s, lengths[s], cursor.drawn[s]) for s in range(S)]
+    streams = [SourceDraws(seed, s, lengths[s], cursor.drawn[s]) for s in range(S)]
     carry = np.asarray(cursor.carry, dtype=np.float64)
     drawn = np.asarray(cursor.drawn, dtype=np.int64)
     all_ids, all_sizes, counts, epoch_end = [], [], [], False
@@ -336,7 +232,7 @@ def plan_packed_window(
         limits = None if epoch_limits is None else np.asarray(epoch_limits) - drawn
         got = plan_window_packs(streams, w, carry, np.asarray(caps, np.int64), seed=seed,
                                 window=cursor.window, world_size=R, packs_per_rank=M * B,
-                                limits=limits, fill_resolution=FILL_RESOLUTION)
+                                limits=limits)
         if got is not None:
             c, carry, step_of, pack = got
             gid = np.concatenate([streams[s].take(int(k))[0] + off
@@ -344,11 +240,14 @@ def plan_packed_window(
             # packs in (step, rank, micro-batch, pack) order, samples in draw order within each
             # (one sort of the window, no per-step copies: a window of 16,384 ranks x 8 packs
             # holds a million samples)
-            order = np.lexsort((pack, step_of))
-            all_ids.append(gid[order])
-            del order, gid
+            key = step_of.astype(np.int64)
+            key *= G
+            key += pack
+            all_ids.append(gid[stable_by_int(key)])
+            del gid
+            all_sizes.append(np.bincount(key, minlength=K * G))
+            del key
             step_of = step_of.astype(np.int64)
-            all_sizes.append(np.bincount(step_of * G + pack, minlength=K * G))
             src = np.repeat(np.arange(S, dtype=np.int64), c)
             counts.extend(np.bincount(step_of * S + src, minlength=K * S).reshape(K, S))
             del step_of, src, pack
@@ -364,7 +263,7 @@ def plan_packed_window(
         taken = [streams[s].take(int(k)) for s, k in enumerate(c)]
         gid = np.concatenate([ix + off for (ix, _), off in zip(taken, ids_of.offsets.tolist())])
         # packs in (rank, micro-batch, pack) order, samples in draw order within each
-        all_ids.append(gid[np.argsort(pack, kind="stable")])
+        all_ids.append(gid[stable_by_int(pack)])
         all_sizes.append(np.bincount(pack, minlength=G))
         counts.append(c)
         drawn = drawn + c

@@ -11,13 +11,17 @@ about 9 ms. Lengths with fractions, negative or larger ones fall back to the sta
 ``length << id_bits | id``: the sorted ids and lengths are read off the keys, with no gather
 through an order (a random read per sample of the window's ids: 1,024 ranks x 8 x 4, about a
 quarter of the window mix's CPU).
+
+:func:`stable_by_int` orders items by a small non-negative integer key (a pack's index in its
+window) by 16-bit digits, least significant first: each digit is a radix sort in numpy (445,000
+keys below 2^19: 8 ms, where ``np.lexsort`` of the key's two parts took 45 ms).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["sorted_length_keys", "stable_ascending"]
+__all__ = ["sorted_length_keys", "stable_ascending", "stable_by_int"]
 
 #: Bits of the index in a composite key (at most 2^24 values: a window's plan is capped there).
 _INDEX_BITS = 24
@@ -61,3 +65,24 @@ def _sorted_keys(values: np.ndarray, low: np.ndarray | None, bits: int) -> np.nd
     key |= np.arange(len(v), dtype=np.int64) if low is None else low
     key.sort()
     return key
+
+
+def stable_by_int(keys: np.ndarray) -> np.ndarray:
+    """Indices that sort the 1-D non-negative integer ``keys`` ascending, ties in index order:
+    exactly ``np.argsort(keys, kind="stable")`` (int64), by 16-bit digits."""
+    k = np.asarray(keys)
+    if k.dtype.kind not in "iu":
+        raise TypeError(f"stable_by_int: integer keys expected, got {k.dtype}")
+    order = np.arange(len(k), dtype=np.int64)
+    if not len(k):
+        return order
+    if k.min() < 0:
+        raise ValueError("stable_by_int: the keys must be >= 0")
+    k = k.astype(np.int64, copy=False)
+    top, shift = int(k.max()), 0
+    while True:
+        digit = ((k[order] >> shift) & 0xFFFF).astype(np.uint16)
+        order = order[np.argsort(digit, kind="stable")]  # uint16: numpy's radix sort
+        shift += 16
+        if top >> shift == 0:
+            return order

@@ -1,0 +1,124 @@
+"""The packed plan's count search (:mod:`energon_ordering.planned.pack_search`) as pure
+functions: the token bound is the largest count that fits, the count taken packs every draw
+within the cap, each source at its exact count, and the search packs once where the first
+count fits and balances."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from energon_ordering.mixture.step_counts import step_source_counts
+from energon_ordering.planned import pack_search
+from energon_ordering.planned.pack_fill import pack_fill
+from energon_ordering.planned.pack_search import (
+    FILL_RESOLUTION,
+    START_MARGIN,
+    most_that_fit,
+    search_packed,
+)
+from energon_ordering.planned.source_draws import SourceDraws, cut_lengths
+
+CAP = 2048
+
+
+def _streams(seed: int = 0, sizes=(50_000, 20_000)) -> list[SourceDraws]:
+    rng = np.random.default_rng(seed)
+    short = np.clip(rng.lognormal(5.0, 0.8, sizes[0]), 8, 4096).round()
+    long = np.clip(rng.lognormal(6.5, 0.9, sizes[1]), 8, 4096).round()
+    return [SourceDraws(seed, s, x, 0) for s, x in enumerate((short, long))]
+
+
+def _counts_of(weights=(0.7, 0.3)):
+    w = np.asarray(weights, float)[None, :]
+
+    def counts_of(n: int):
+        c, e = step_source_counts(w, n, np.zeros(len(weights)))
+        return c[0].astype(np.int64), e
+    return counts_of
+
+
+def _tokens(streams, c) -> float:
+    return float(cut_lengths(streams, c, CAP).sum())
+
+
+@pytest.mark.parametrize("R, P", [(4, 2), (16, 1), (64, 8)])
+def test_the_token_bound_is_the_largest_count_that_fits(R, P):
+    streams, counts_of = _streams(R), _counts_of()
+    budget = float(R * P * CAP)
+    most = most_that_fit(streams, counts_of, least=R * P, budget=budget, cap=CAP, limits=None)
+    assert _tokens(streams, counts_of(most)[0]) <= budget
+    assert _tokens(streams, counts_of(most + 1)[0]) > budget
+
+
+def test_the_token_bound_stops_at_a_finite_epochs_limits():
+    streams, counts_of = _streams(3), _counts_of()
+    limits = np.array([10_000, 60])  # the long source runs out first
+    most = most_that_fit(streams, counts_of, least=16, budget=1e12, cap=CAP, limits=limits)
+    assert (counts_of(most)[0] <= limits).all() and (counts_of(most + 1)[0] > limits).any()
+
+
+@pytest.mark.parametrize("R, P, tolerance", [(4, 2, 0.002), (16, 1, 0.002), (64, 8, 0.002),
+                                              (32, 4, None)])
+def test_the_count_taken_packs_every_draw_within_the_cap(R, P, tolerance):
+    streams, counts_of = _streams(R + P), _counts_of()
+    most = most_that_fit(streams, counts_of, least=R * P, budget=float(R * P * CAP), cap=CAP,
+                         limits=None)
+    found = search_packed(streams, counts_of, most=most, least=R * P, cap=CAP, world_size=R,
+                          packs_per_rank=P, idle_tolerance=tolerance)
+    n = int(found.counts.sum())
+    assert np.array_equal(found.counts, counts_of(n)[0])  # each source exact for its count
+    assert np.array_equal(found.carry, counts_of(n)[1])
+    L = cut_lengths(streams, found.counts, CAP)
+    assert len(found.pack) == len(L) and (found.pack >= 0).all()
+    load = np.bincount(found.pack, weights=L, minlength=R * P)
+    assert load.max() <= CAP and (np.bincount(found.pack, minlength=R * P) > 0).all()
+    # full: within the margin the search starts at (or, where that count failed, the
+    # resolution of its bisection) of the token bound
+    assert n >= most - int(most * START_MARGIN) - max(1, int(n * FILL_RESOLUTION)) - 1
+    # the ranks' costs the packing reports are the draws' own
+    cost = L + L * L / 4096
+    rank_cost = np.bincount(found.pack // P, weights=cost, minlength=R)
+    assert np.allclose(rank_cost, found.packing.rank_cost)
+
+
+def test_one_packing_where_the_first_count_fits_and_balances(monkeypatch):
+    calls = []
+
+    def counting(*a, **kw):
+        calls.append(len(a[0]))
+        return pack_fill(*a, **kw)
+
+    monkeypatch.setattr(pack_search, "pack_fill", counting)
+    streams, counts_of = _streams(7), _counts_of()
+    R, P = 64, 8
+    most = most_that_fit(streams, counts_of, least=R * P, budget=float(R * P * CAP), cap=CAP,
+                         limits=None)
+    found = search_packed(streams, counts_of, most=most, least=R * P, cap=CAP, world_size=R,
+                          packs_per_rank=P, idle_tolerance=0.002)
+    assert found.packing.idle <= 0.002
+    assert calls == [most - int(most * START_MARGIN)]
+
+
+@pytest.mark.parametrize("R, P", [(16, 1), (64, 2)])
+def test_an_unbalanced_full_count_is_traded_for_a_balanced_one(monkeypatch, R, P):
+    """No idle tolerated: the count at the margin packs whole but its ranks are not exactly
+    even, so the search balances first: it takes a count whose ranks are at least as even."""
+    calls = []
+
+    def counting(*a, **kw):
+        calls.append(len(a[0]))
+        return pack_fill(*a, **kw)
+
+    monkeypatch.setattr(pack_search, "pack_fill", counting)
+    streams, counts_of = _streams(11), _counts_of()
+    most = most_that_fit(streams, counts_of, least=R * P, budget=float(R * P * CAP), cap=CAP,
+                         limits=None)
+    start = most - int(most * START_MARGIN)
+    pack, at_start = pack_fill(cut_lengths(streams, counts_of(start)[0], CAP), R, P, CAP)
+    assert (pack >= 0).all() and at_start.idle > 0  # the case this test is about
+    found = search_packed(streams, counts_of, most=most, least=R * P, cap=CAP, world_size=R,
+                          packs_per_rank=P, idle_tolerance=0.0)
+    assert len(calls) > 1 and calls[0] == start
+    assert (found.pack >= 0).all()
+    assert found.packing.idle <= at_start.idle
