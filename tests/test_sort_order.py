@@ -3,7 +3,12 @@
 import numpy as np
 import pytest
 
-from energon_ordering.planned.sort_order import sorted_length_keys, stable_ascending, stable_by_int
+from energon_ordering.planned.sort_order import (
+    sorted_length_keys,
+    stable_argsort,
+    stable_ascending,
+    stable_by_int,
+)
 
 
 @pytest.mark.parametrize("make", [
@@ -71,3 +76,23 @@ def test_stable_by_int_refuses_what_it_cannot_sort():
         stable_by_int(np.array([1.5, 0.5]))
     with pytest.raises(ValueError, match=">= 0"):
         stable_by_int(np.array([3, -1]))
+
+
+@pytest.mark.parametrize("make", [
+    lambda r: r.random(8192) * 1e5,                          # no ties: the default sort
+    lambda r: r.integers(0, 50, 8192).astype(np.float64),   # many ties: distinct keys
+    lambda r: np.array([0.0, -0.0, 1.0, -0.0, 0.0]),        # equal, differently signed
+    lambda r: np.array([2.0, np.nan, 1.0, np.nan, 1.0]),    # NaNs sort last, by index
+    lambda r: np.array([3.0]),
+    lambda r: np.zeros(0),
+    lambda r: np.array([1.0, 2.0, np.nan]),                 # no ties, one NaN
+    lambda r: r.integers(0, 9, 400),                         # integers
+])
+def test_stable_argsort_is_the_stable_argsort(make):
+    v = make(np.random.default_rng(4))
+    assert np.array_equal(stable_argsort(v), np.argsort(v, kind="stable"))
+
+
+def test_stable_argsort_takes_one_dimension():
+    with pytest.raises(ValueError, match="1-D"):
+        stable_argsort(np.zeros((2, 3)))

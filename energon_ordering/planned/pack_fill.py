@@ -16,6 +16,7 @@ import numpy as np
 
 from .balance import radix_keys, sample_cost
 from .lpt import deal_tuples
+from .sort_order import stable_argsort
 
 __all__ = ["Packing", "fill_packs", "pack_fill"]
 
@@ -92,7 +93,7 @@ class Packing:
             # one item each, cheapest first (ties by rank); only those few are sorted
             near = rcost[roomy]
             near = roomy[near <= near.min() + big_cost]
-            near = near[_ascending(rcost[near])]
+            near = near[stable_argsort(rcost[near])]
             items = queue[head:head + len(near)]
             head += len(items)
             ranks = near[:len(items)]
@@ -109,23 +110,6 @@ class Packing:
             pcost[ranks, pk] += c
             rcost[ranks] += c
             room[ranks] = cap - _row_min(rows)
-
-
-def _ascending(values: np.ndarray) -> np.ndarray:
-    """``np.argsort(values, kind="stable")``, by numpy's default sort (5x faster on 8,192
-    floats): where values tie, each value's rank among the distinct ones and the index make
-    distinct keys, which every sort orders alike."""
-    order = np.argsort(values)
-    s = values[order]
-    step = s[1:] != s[:-1]
-    if step.all():
-        return order
-    key = np.empty(len(values), dtype=np.int64)
-    key[order[0]] = 0
-    key[order[1:]] = np.cumsum(step)
-    key *= len(values)
-    key += np.arange(len(values))
-    return np.argsort(key)
 
 
 def _row_min(x: np.ndarray) -> np.ndarray:

@@ -12,6 +12,12 @@ about 9 ms. Lengths with fractions, negative or larger ones fall back to the sta
 through an order (a random read per sample of the window's ids: 1,024 ranks x 8 x 4, about a
 quarter of the window mix's CPU).
 
+:func:`stable_argsort` is ``np.argsort(kind="stable")`` of a 1-D array computed by numpy's
+default sort, 5x faster on the rank costs a pack fill sorts every round (8,192 floats), the
+same order wherever no two values tie; where some do, it sorts distinct keys (each value's rank
+among the distinct values, then its index). (Rows of a dealing's running totals, which tie
+often, stay with the stable sort: there the extra pass cost more than it saved.)
+
 :func:`stable_by_int` orders items by a small non-negative integer key (a pack's index in its
 window) by 16-bit digits, least significant first: each digit is a radix sort in numpy (445,000
 keys below 2^19: 8 ms, where ``np.lexsort`` of the key's two parts took 45 ms).
@@ -21,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["sorted_length_keys", "stable_ascending", "stable_by_int"]
+__all__ = ["sorted_length_keys", "stable_argsort", "stable_ascending", "stable_by_int"]
 
 #: Bits of the index in a composite key (at most 2^24 values: a window's plan is capped there).
 _INDEX_BITS = 24
@@ -92,3 +98,26 @@ def stable_by_int(keys: np.ndarray) -> np.ndarray:
         del step
         shift += 16
     return order
+
+
+def stable_argsort(values: np.ndarray) -> np.ndarray:
+    """``np.argsort(values, kind="stable")`` of a 1-D array, by numpy's default sort (see the
+    module)."""
+    v = np.asarray(values)
+    if v.ndim != 1:
+        raise ValueError(f"stable_argsort: a 1-D array expected, got shape {v.shape}")
+    order = np.argsort(v)
+    if len(v) < 2:
+        return order
+    s = v[order]
+    step = s[1:] != s[:-1]
+    if step.all():
+        if v.dtype.kind == "f" and np.isnan(s[-1]):  # NaNs sort last and never compare equal
+            return np.argsort(v, kind="stable")
+        return order
+    key = np.empty(len(v), dtype=np.int64)  # rank among the distinct values, then the index
+    key[order[0]] = 0
+    key[order[1:]] = np.cumsum(step)
+    key *= len(v)
+    key += np.arange(len(v))
+    return np.argsort(key)
