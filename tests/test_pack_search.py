@@ -122,3 +122,29 @@ def test_an_unbalanced_full_count_is_traded_for_a_balanced_one(monkeypatch, R, P
     assert len(calls) > 1 and calls[0] == start
     assert (found.pack >= 0).all()
     assert found.packing.idle <= at_start.idle
+
+
+def test_a_count_short_of_room_is_lowered_by_the_left_out_tokens(monkeypatch):
+    """Started at the token bound itself (no margin), the packing leaves draws out; the next
+    try is lower by their tokens in mean-length samples (less than their number: they are the
+    shortest) and the search ends on a count that packs whole, close below the bound."""
+    calls = []
+
+    def counting(*a, **kw):
+        got = pack_fill(*a, **kw)
+        calls.append((len(a[0]), int((got[0] < 0).sum())))
+        return got
+
+    monkeypatch.setattr(pack_search, "pack_fill", counting)
+    monkeypatch.setattr(pack_search, "START_MARGIN", 0.0)
+    streams, counts_of = _streams(5), _counts_of()
+    R, P = 64, 8
+    most = most_that_fit(streams, counts_of, least=R * P, budget=float(R * P * CAP), cap=CAP,
+                         limits=None)
+    found = search_packed(streams, counts_of, most=most, least=R * P, cap=CAP, world_size=R,
+                          packs_per_rank=P, idle_tolerance=None)
+    (first, left_out), (second, _) = calls[:2]
+    assert first == most and left_out > 0
+    assert most - left_out < second < most
+    n = int(found.counts.sum())
+    assert (found.pack >= 0).all() and n >= most - left_out

@@ -161,7 +161,7 @@ def _pinned_packed_plans() -> bytes:
     return b"".join(out)
 
 
-PINNED_PACKED_DIGEST = "e23b40b72b9826af605cd7558362f3fd77b5542b5f5a5eb897a3b86b0485208c"
+PINNED_PACKED_DIGEST = "3e30aa47956e2d8967d96a0c2748d4630340b025977e0440526f34da7e59202f"
 
 
 def test_the_packed_plan_is_pinned_to_its_version():

@@ -1,30 +1,35 @@
-"""How many samples a packed step (or window) takes, packing its draws about once.
+"""How many samples a packed step (or window) takes, packing its draws once where it can.
 
 A packed step of ``G`` packs (a window of the window mix: ``K G`` packs, packed as ``K R``
 ranks) takes as many samples as fill its packs, each source within one sample of its share of
-the count n (``counts_of(n)``: the carry's rounding). :func:`search_packed`:
+the count n (``counts_of(n)``: the carry's rounding). Each try packs the n draws from scratch
+(:func:`~.pack_fill.pack_fill`), the plan's largest CPU cost, so the search tries few counts:
 
 1. **Tokens** (:func:`most_that_fit`). The largest n whose draws' tokens (each cut to the cap)
    fit ``packs x cap`` and a finite epoch's limits: doubling, then bisection, each probe adding
    (or taking away) only the draws between it and the largest count that fit so far.
-2. **A first packing** at n less :data:`START_MARGIN` of it (packs are never quite full: the
-   counts that packed whole sat 0.4-0.6% below the token bound on the benchmark's mixes),
-   lowered by the samples it could not place until every drawn sample fits
-   (:func:`~.pack_fill.pack_fill`; one sample per pack always fits).
-3. **Up by adding.** Bisection between that count and the first that failed (or the token
-   bound), to within :data:`FILL_RESOLUTION` of n: a larger count's extra draws are *added* to
-   the first packing (:func:`~.pack_fill.add_items`) instead of packing all of them again. A
-   count is taken if all its draws fit and the ranks' idle stays within
-   :data:`IDLE_TOLERANCE` (or the first packing's, if higher; the step mix only). Where the
-   carry's rounding gives a source fewer samples at the larger count (rare), that count is
-   packed from scratch and becomes the base.
+2. **First count** (:func:`search_packed`): :data:`START_MARGIN` below that bound (packs are
+   never quite full: the counts that packed whole sat 0.3-0.7% below it on the benchmark's
+   mixes). If every draw fits and the ranks' idle is within the tolerance (the step mix's
+   :data:`IDLE_TOLERANCE`; the window mix balances its steps afterwards and has none), that is
+   the count: one packing, the usual case.
+3. **Lowered** while draws are left unplaced, by their tokens in samples of the mean length
+   (:data:`LOWER_SLACK`; they are the shortest draws, so their number overshoots).
+4. **Balance first.** A count that packs whole with the ranks over the tolerance (nearly full
+   packs leave the dealing little choice: a step of 1,024 ranks x 2 packs went from 8% to 13%
+   idle over the last 0.3% of its count) is compared with one :data:`START_MARGIN` emptier,
+   else :data:`BALANCE_MARGIN` emptier; the fuller one is kept if it balances as well.
+5. **Up again.** Bisection between the largest count that packed whole and the smallest that
+   did not (or the unbalanced one), to within :data:`FILL_RESOLUTION`, taking a count whose
+   draws all fit with the ranks as balanced (idle within the tolerance or the count's below).
 
-Version 2 of the packed plan packed every probe from scratch (5-6 packings a step, the step's
-largest CPU cost); this packs once or twice (``PACKED_PLAN_VERSION`` 3).
+``PACKED_PLAN_VERSION`` 2 started at the token bound (always short of room), lowered by the
+number of samples left out and bisected back up: 5-6 packings a step.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,8 +38,8 @@ import numpy as np
 from .pack_fill import Packing, pack_fill
 from .source_draws import SourceDraws, cut_lengths
 
-__all__ = ["FILL_RESOLUTION", "IDLE_TOLERANCE", "START_MARGIN", "Found", "most_that_fit",
-           "search_packed"]
+__all__ = ["BALANCE_MARGIN", "FILL_RESOLUTION", "IDLE_TOLERANCE", "LOWER_SLACK", "START_MARGIN",
+           "Found", "most_that_fit", "search_packed"]
 
 #: A step's sample count is searched to within this share of its samples.
 FILL_RESOLUTION = 1 / 400
@@ -42,7 +47,15 @@ FILL_RESOLUTION = 1 / 400
 #: idle of the first count that packed whole): balance first, then fill.
 IDLE_TOLERANCE = 0.002
 #: The first packing is tried this share below the token bound.
-START_MARGIN = 0.008
+START_MARGIN = 0.004
+#: Where the first count packs whole but leaves the ranks unbalanced, the ranks' idle a fuller
+#: count may reach is that of a count this share emptier (nearly full packs leave the dealing
+#: little choice: at 1,024 ranks x 2 packs the idle rose from 8% to 13% over the last 0.3% of
+#: the count).
+BALANCE_MARGIN = 0.02
+#: A count that left samples unplaced is lowered by their tokens in samples of the mean length
+#: times this (at most by their number, at least by FILL_RESOLUTION of the count).
+LOWER_SLACK = 1.25
 
 CountsOf = Callable[[int], "tuple[np.ndarray, np.ndarray]"]
 
@@ -116,26 +129,42 @@ def search_packed(streams: Sequence[SourceDraws], counts_of: CountsOf, *, most: 
     R, P = int(world_size), int(packs_per_rank)
 
     def fill(n: int) -> tuple[Found, int]:
+        """n's packing and how many samples fewer would fit (0: all fit)."""
         c, e = counts_of(n)
-        pack, packing = pack_fill(cut_lengths(streams, c, cap), R, P, cap)
-        return Found(c, e, pack, packing), int((pack < 0).sum())
+        L = cut_lengths(streams, c, cap)
+        pack, packing = pack_fill(L, R, P, cap)
+        missing = pack < 0
+        unplaced = int(missing.sum())
+        if unplaced:  # the unplaced samples' tokens in samples of the mean length, with slack
+            drop = math.ceil(LOWER_SLACK * float(L[missing].sum()) / float(L.mean()))
+            unplaced = max(1, int(n * FILL_RESOLUTION), min(unplaced, drop))
+        return Found(c, e, pack, packing), unplaced
 
-    n = max(least, most - int(most * START_MARGIN))
-    best, unplaced = fill(n)
     tolerance = 1.0 if idle_tolerance is None else idle_tolerance
-    if not unplaced and best.packing.idle <= tolerance:
-        return best  # the usual case: one packing
-    fail, full = n, (None if unplaced else best)
-    if full is not None:  # packed whole but unbalanced (packs nearly full leave the ranks
-        # little choice): balance first, from a count START_MARGIN emptier
-        n = max(least, n - int(n * START_MARGIN))
-        best, unplaced = fill(n)
-    # lowered by what could not be placed until every drawn sample fits ...
+    n, fail = max(least, most - int(most * START_MARGIN)), None
+    best, unplaced = fill(n)
+    # lowered by what could not be placed until every drawn sample fits (by the unplaced
+    # samples' tokens: they are the shortest, so their number overshoots) ...
     while unplaced:
         fail, n = n, max(least, n - unplaced)
         best, unplaced = fill(n)
-    if full is not None and full.packing.idle <= best.packing.idle:
-        return full  # the fuller count balances as well
+    if best.packing.idle > tolerance:
+        # ... packed whole but unbalanced (nearly full packs leave the dealing little choice):
+        # balance first, from a count START_MARGIN emptier (or, if that is not within the
+        # tolerance either, BALANCE_MARGIN emptier), up to this one
+        full, fail = best, n
+        for margin in (START_MARGIN, BALANCE_MARGIN):
+            n = max(least, fail - int(fail * margin))
+            best, unplaced = fill(n)
+            while unplaced:
+                n = max(least, n - unplaced)
+                best, unplaced = fill(n)
+            if best.packing.idle <= tolerance:
+                break
+        if full.packing.idle <= best.packing.idle:
+            return full  # the fuller count balances as well
+    elif fail is None:
+        return best  # the usual case: the first count packs whole and balanced
     # ... then bisected back up, to within FILL_RESOLUTION, to the largest count that packs
     # whole with the ranks balanced as well (or within IDLE_TOLERANCE)
     limit = max(best.packing.idle, tolerance)
