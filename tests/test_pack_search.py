@@ -42,6 +42,28 @@ def _tokens(streams, c) -> float:
     return float(cut_lengths(streams, c, CAP).sum())
 
 
+@pytest.fixture
+def packings(monkeypatch) -> list[tuple[int, int]]:
+    """The search's packings, in order: ``(samples packed, samples left out)``."""
+    calls = []
+
+    def counting(*a, **kw):
+        got = pack_fill(*a, **kw)
+        calls.append((len(a[0]), int((got[0] < 0).sum())))
+        return got
+
+    monkeypatch.setattr(pack_search, "pack_fill", counting)
+    return calls
+
+
+def _search(streams, counts_of, R, P, tolerance):
+    """``(token bound, what the search took)`` for R ranks of P packs of CAP tokens."""
+    most = most_that_fit(streams, counts_of, least=R * P, budget=float(R * P * CAP), cap=CAP,
+                         limits=None)
+    return most, search_packed(streams, counts_of, most=most, least=R * P, cap=CAP,
+                               world_size=R, packs_per_rank=P, idle_tolerance=tolerance)
+
+
 @pytest.mark.parametrize("R, P", [(4, 2), (16, 1), (64, 8)])
 def test_the_token_bound_is_the_largest_count_that_fits(R, P):
     streams, counts_of = _streams(R), _counts_of()
@@ -62,10 +84,7 @@ def test_the_token_bound_stops_at_a_finite_epochs_limits():
                                               (32, 4, None)])
 def test_the_count_taken_packs_every_draw_within_the_cap(R, P, tolerance):
     streams, counts_of = _streams(R + P), _counts_of()
-    most = most_that_fit(streams, counts_of, least=R * P, budget=float(R * P * CAP), cap=CAP,
-                         limits=None)
-    found = search_packed(streams, counts_of, most=most, least=R * P, cap=CAP, world_size=R,
-                          packs_per_rank=P, idle_tolerance=tolerance)
+    most, found = _search(streams, counts_of, R, P, tolerance)
     n = int(found.counts.sum())
     assert np.array_equal(found.counts, counts_of(n)[0])  # each source exact for its count
     assert np.array_equal(found.carry, counts_of(n)[1])
@@ -82,68 +101,35 @@ def test_the_count_taken_packs_every_draw_within_the_cap(R, P, tolerance):
     assert np.allclose(rank_cost, found.packing.rank_cost)
 
 
-def test_one_packing_where_the_first_count_fits_and_balances(monkeypatch):
-    calls = []
-
-    def counting(*a, **kw):
-        calls.append(len(a[0]))
-        return pack_fill(*a, **kw)
-
-    monkeypatch.setattr(pack_search, "pack_fill", counting)
-    streams, counts_of = _streams(7), _counts_of()
-    R, P = 64, 8
-    most = most_that_fit(streams, counts_of, least=R * P, budget=float(R * P * CAP), cap=CAP,
-                         limits=None)
-    found = search_packed(streams, counts_of, most=most, least=R * P, cap=CAP, world_size=R,
-                          packs_per_rank=P, idle_tolerance=0.002)
+def test_one_packing_where_the_first_count_fits_and_balances(packings):
+    most, found = _search(_streams(7), _counts_of(), 64, 8, 0.002)
     assert found.packing.idle <= 0.002
-    assert calls == [most - int(most * START_MARGIN)]
+    assert [n for n, _ in packings] == [most - int(most * START_MARGIN)]
 
 
 @pytest.mark.parametrize("R, P", [(16, 1), (64, 2)])
-def test_an_unbalanced_full_count_is_traded_for_a_balanced_one(monkeypatch, R, P):
+def test_an_unbalanced_full_count_is_traded_for_a_balanced_one(packings, R, P):
     """No idle tolerated: the count at the margin packs whole but its ranks are not exactly
     even, so the search balances first: it takes a count whose ranks are at least as even."""
-    calls = []
-
-    def counting(*a, **kw):
-        calls.append(len(a[0]))
-        return pack_fill(*a, **kw)
-
-    monkeypatch.setattr(pack_search, "pack_fill", counting)
     streams, counts_of = _streams(11), _counts_of()
     most = most_that_fit(streams, counts_of, least=R * P, budget=float(R * P * CAP), cap=CAP,
                          limits=None)
     start = most - int(most * START_MARGIN)
     pack, at_start = pack_fill(cut_lengths(streams, counts_of(start)[0], CAP), R, P, CAP)
     assert (pack >= 0).all() and at_start.idle > 0  # the case this test is about
-    found = search_packed(streams, counts_of, most=most, least=R * P, cap=CAP, world_size=R,
-                          packs_per_rank=P, idle_tolerance=0.0)
-    assert len(calls) > 1 and calls[0] == start
+    _, found = _search(streams, counts_of, R, P, 0.0)
+    assert len(packings) > 1 and packings[0][0] == start
     assert (found.pack >= 0).all()
     assert found.packing.idle <= at_start.idle
 
 
-def test_a_count_short_of_room_is_lowered_by_the_left_out_tokens(monkeypatch):
+def test_a_count_short_of_room_is_lowered_by_the_left_out_tokens(packings, monkeypatch):
     """Started at the token bound itself (no margin), the packing leaves draws out; the next
     try is lower by their tokens in mean-length samples (less than their number: they are the
     shortest) and the search ends on a count that packs whole, close below the bound."""
-    calls = []
-
-    def counting(*a, **kw):
-        got = pack_fill(*a, **kw)
-        calls.append((len(a[0]), int((got[0] < 0).sum())))
-        return got
-
-    monkeypatch.setattr(pack_search, "pack_fill", counting)
     monkeypatch.setattr(pack_search, "START_MARGIN", 0.0)
-    streams, counts_of = _streams(5), _counts_of()
-    R, P = 64, 8
-    most = most_that_fit(streams, counts_of, least=R * P, budget=float(R * P * CAP), cap=CAP,
-                         limits=None)
-    found = search_packed(streams, counts_of, most=most, least=R * P, cap=CAP, world_size=R,
-                          packs_per_rank=P, idle_tolerance=None)
-    (first, left_out), (second, _) = calls[:2]
+    most, found = _search(_streams(5), _counts_of(), 64, 8, None)
+    (first, left_out), (second, _) = packings[:2]
     assert first == most and left_out > 0
     assert most - left_out < second < most
     n = int(found.counts.sum())

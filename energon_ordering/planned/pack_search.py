@@ -3,7 +3,8 @@
 A packed step of ``G`` packs (a window of the window mix: ``K G`` packs, packed as ``K R``
 ranks) takes as many samples as fill its packs, each source within one sample of its share of
 the count n (``counts_of(n)``: the carry's rounding). Each try packs the n draws from scratch
-(:func:`~.pack_fill.pack_fill`), the plan's largest CPU cost, so the search tries few counts:
+(:func:`~.pack_fill.pack_fill`), the plan's largest CPU cost, so the search tries few counts
+(:func:`packed_count`, which both mixes call, runs steps 1 to 5):
 
 1. **Tokens** (:func:`most_that_fit`). The largest n whose draws' tokens (each cut to the cap)
    fit ``packs x cap`` and a finite epoch's limits: doubling, then bisection, each probe adding
@@ -35,11 +36,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from energon_ordering.mixture.step_counts import step_source_counts
+
 from .pack_fill import Packing, pack_fill
 from .source_draws import SourceDraws, cut_lengths
 
 __all__ = ["BALANCE_MARGIN", "FILL_RESOLUTION", "IDLE_TOLERANCE", "LOWER_SLACK", "START_MARGIN",
-           "Found", "most_that_fit", "search_packed"]
+           "Found", "most_that_fit", "packed_count", "search_packed"]
 
 #: A step's sample count is searched to within this share of its samples.
 FILL_RESOLUTION = 1 / 400
@@ -76,6 +79,30 @@ class Found:
     packing: Packing
 
 
+def packed_count(streams: Sequence[SourceDraws], weights: np.ndarray, carry: np.ndarray, *,
+                 cap: int, world_size: int, packs_per_rank: int, limits: np.ndarray | None,
+                 idle_tolerance: float | None) -> Found | None:
+    """The count of the next draws that fills R ranks' P packs of ``cap`` tokens, each source
+    within one sample of ``weights[s]`` x the count (:func:`step_source_counts` with the
+    carry), and its packing (:func:`most_that_fit`, then :func:`search_packed`); None where
+    one sample per pack already needs more of a source than ``limits`` allows (a finite
+    epoch's end)."""
+    w = np.asarray(weights, dtype=np.float64)[None, :]
+
+    def counts_of(n: int) -> tuple[np.ndarray, np.ndarray]:
+        c, e = step_source_counts(w, n, carry)
+        return c[0].astype(np.int64), e
+
+    least = int(world_size) * int(packs_per_rank)  # one sample per pack always fits
+    if limits is not None and bool((counts_of(least)[0] > limits).any()):
+        return None
+    most = most_that_fit(streams, counts_of, least=least, budget=float(least) * float(cap),
+                         cap=cap, limits=limits)
+    return search_packed(streams, counts_of, most=most, least=least, cap=cap,
+                         world_size=world_size, packs_per_rank=packs_per_rank,
+                         idle_tolerance=idle_tolerance)
+
+
 def most_that_fit(streams: Sequence[SourceDraws], counts_of: CountsOf, *, least: int,
                   budget: float, cap: int, limits: np.ndarray | None) -> int:
     """The largest n >= ``least`` whose draws' tokens (each cut to ``cap``) fit ``budget`` and
@@ -108,23 +135,23 @@ def most_that_fit(streams: Sequence[SourceDraws], counts_of: CountsOf, *, least:
             lo, at_lo, spent = mid, c, spent + more
         else:
             hi = mid
-    for s, k in enumerate(counts_of(lo)[0].tolist()):  # no count above lo is packed
-        streams[s].keep(k)
+    for st, k in zip(streams, at_lo.tolist()):  # no count above lo is packed
+        st.keep(k)
     return lo
 
 
 def search_packed(streams: Sequence[SourceDraws], counts_of: CountsOf, *, most: int,
                   least: int, cap: int, world_size: int, packs_per_rank: int,
                   idle_tolerance: float | None) -> Found:
-    """The count to take and its packing (the module's steps 2 and 3).
+    """The count to take and its packing (the module's steps 2 to 5).
 
     Args:
         streams: Per source, its upcoming draws. counts_of: n -> (counts, carry).
         most: The token bound (:func:`most_that_fit`). least: A count that always packs whole
             (one sample per pack).
         cap: Tokens per pack. world_size: Ranks R. packs_per_rank: P.
-        idle_tolerance: The ranks' idle a fuller count may reach after a count failed, or
-            None: fill only.
+        idle_tolerance: The ranks' idle a count may leave and still be taken (else the search
+            balances first), or None: fill only.
     """
     R, P = int(world_size), int(packs_per_rank)
 
@@ -140,32 +167,33 @@ def search_packed(streams: Sequence[SourceDraws], counts_of: CountsOf, *, most: 
             unplaced = max(1, int(n * FILL_RESOLUTION), min(unplaced, drop))
         return Found(c, e, pack, packing), unplaced
 
+    def whole(n: int) -> tuple[int, Found, int | None]:
+        """n lowered by what could not be placed until every drawn sample fits (by the unplaced
+        samples' tokens: they are the shortest, so their number overshoots): the count, its
+        packing and the last count that did not fit (None: n itself fit)."""
+        got, unplaced = fill(n)
+        short = None
+        while unplaced:
+            short, n = n, max(least, n - unplaced)
+            got, unplaced = fill(n)
+        return n, got, short
+
     tolerance = 1.0 if idle_tolerance is None else idle_tolerance
-    n, fail = max(least, most - int(most * START_MARGIN)), None
-    best, unplaced = fill(n)
-    # lowered by what could not be placed until every drawn sample fits (by the unplaced
-    # samples' tokens: they are the shortest, so their number overshoots) ...
-    while unplaced:
-        fail, n = n, max(least, n - unplaced)
-        best, unplaced = fill(n)
+    n, best, fail = whole(max(least, most - int(most * START_MARGIN)))
     if best.packing.idle > tolerance:
-        # ... packed whole but unbalanced (nearly full packs leave the dealing little choice):
+        # packed whole but unbalanced (nearly full packs leave the dealing little choice):
         # balance first, from a count START_MARGIN emptier (or, if that is not within the
         # tolerance either, BALANCE_MARGIN emptier), up to this one
         full, fail = best, n
         for margin in (START_MARGIN, BALANCE_MARGIN):
-            n = max(least, fail - int(fail * margin))
-            best, unplaced = fill(n)
-            while unplaced:
-                n = max(least, n - unplaced)
-                best, unplaced = fill(n)
+            n, best, _ = whole(max(least, fail - int(fail * margin)))
             if best.packing.idle <= tolerance:
                 break
         if full.packing.idle <= best.packing.idle:
             return full  # the fuller count balances as well
     elif fail is None:
         return best  # the usual case: the first count packs whole and balanced
-    # ... then bisected back up, to within FILL_RESOLUTION, to the largest count that packs
+    # then bisected back up, to within FILL_RESOLUTION, to the largest count that packs
     # whole with the ranks balanced as well (or within IDLE_TOLERANCE)
     limit = max(best.packing.idle, tolerance)
     while fail - n > max(1, int(n * FILL_RESOLUTION)):

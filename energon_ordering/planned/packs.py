@@ -38,13 +38,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from energon_ordering.errors import OrderingConfigError, show
-from energon_ordering.mixture.step_counts import step_source_counts
 
 from .cursor import PlanCursor, check_window_steps
 from .lpt import deal_tuples
 from .mix import PlannedMix, check_planned_mix
 from .pack_fill import fill_packs
-from .pack_search import IDLE_TOLERANCE, most_that_fit, search_packed
+from .pack_search import IDLE_TOLERANCE, packed_count
 from .sample_ids import SampleIds
 from .sort_order import stable_by_int
 from .source_draws import SourceDraws
@@ -85,21 +84,10 @@ def plan_packed_step(streams: Sequence[SourceDraws], weights: np.ndarray, carry:
         the step would need more samples of a source than ``limits`` allows (a finite epoch's
         end).
     """
-    G = int(world_size) * int(packs_per_rank)
-    w = np.asarray(weights, dtype=np.float64)[None, :]
-
-    def counts_of(n: int) -> tuple[np.ndarray, np.ndarray]:
-        c, e = step_source_counts(w, n, carry)
-        return c[0].astype(np.int64), e
-
-    if limits is not None and bool((counts_of(G)[0] > limits).any()):
-        return None
-    most = most_that_fit(streams, counts_of, least=G, budget=float(G) * float(cap), cap=cap,
-                         limits=limits)
-    found = search_packed(streams, counts_of, most=most, least=G, cap=cap,
-                          world_size=world_size, packs_per_rank=packs_per_rank,
-                          idle_tolerance=IDLE_TOLERANCE)
-    return found.counts, found.carry, found.pack
+    found = packed_count(streams, weights, carry, cap=cap, world_size=world_size,
+                         packs_per_rank=packs_per_rank, limits=limits,
+                         idle_tolerance=IDLE_TOLERANCE)
+    return None if found is None else (found.counts, found.carry, found.pack)
 
 
 @dataclass(frozen=True)

@@ -53,17 +53,14 @@ class SourceDraws:
         return ix, ln
 
 
-def cut_lengths(streams: Sequence[SourceDraws], counts: np.ndarray, cap: int,
-                start: np.ndarray | None = None) -> np.ndarray:
-    """Draws ``start[s]`` (default 0) to ``start[s] + counts[s]`` of every source's upcoming
-    ones, their lengths in source order, each cut to ``cap`` (float64), written in place (no
-    per-source temporaries)."""
+def cut_lengths(streams: Sequence[SourceDraws], counts: np.ndarray, cap: int) -> np.ndarray:
+    """The first ``counts[s]`` upcoming draws' lengths of every source, in source order, each
+    cut to ``cap`` (float64), written in place (no per-source temporaries)."""
     c = [int(k) for k in counts]
-    first = [0] * len(c) if start is None else [int(a) for a in start]
     out = np.empty(sum(c))
     lo = 0
     for s, k in enumerate(c):
-        streams[s].ensure(first[s] + k)
-        np.minimum(streams[s].length[first[s]:first[s] + k], cap, out=out[lo:lo + k])
+        streams[s].ensure(k)
+        np.minimum(streams[s].length[:k], cap, out=out[lo:lo + k])
         lo += k
     return out

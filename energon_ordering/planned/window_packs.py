@@ -31,10 +31,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from energon_ordering.mixture.step_counts import step_source_counts
 
 from .balance import sample_cost
-from .pack_search import most_that_fit, search_packed
+from .pack_search import packed_count
 from .source_draws import SourceDraws, cut_lengths
 from .window_mix import band_order
 
@@ -64,23 +63,13 @@ def plan_window_packs(streams: Sequence[SourceDraws], weights: np.ndarray, carry
     if ((w == 0) & active[None, :]).any() or len(set(np.asarray(caps).tolist())) > 1:
         return None  # the schedule switches a source, or the warmup the cap: per step
     R, P = int(world_size), int(packs_per_rank)
-    G = R * P
     cap = int(np.asarray(caps)[0])
     steps = band_order(np.asarray(caps, np.int64), np.arange(K), seed, window, K)  # band p -> step
-    mean = w.mean(axis=0)[None, :]
-
-    def counts_of(n: int) -> tuple[np.ndarray, np.ndarray]:
-        c, e = step_source_counts(mean, n, carry)
-        return c[0].astype(np.int64), e
-
-    least = K * G  # one sample per pack always fits (each is cut to its step's cap)
-    if limits is not None and (counts_of(least)[0] > limits).any():
-        return None  # a finite epoch ends inside the window: per step
-    most = most_that_fit(streams, counts_of, least=least, budget=float(G * K * cap), cap=cap,
-                         limits=limits)
     # the window as K R ranks of M B packs: every (step, rank) ends near the same cost
-    found = search_packed(streams, counts_of, most=most, least=least, cap=cap,
-                          world_size=K * R, packs_per_rank=P, idle_tolerance=None)
+    found = packed_count(streams, w.mean(axis=0), carry, cap=cap, world_size=K * R,
+                         packs_per_rank=P, limits=limits, idle_tolerance=None)
+    if found is None:
+        return None  # a finite epoch ends inside the window: per step
     pack = found.pack
     # (step, rank) slots by their longest sample, K bands of R: a step's ranks alike
     top = np.zeros(K * R)
