@@ -93,3 +93,21 @@ def test_exact_counts_with_an_excess_in_a_cycle_over_four_sources() -> None:
     assert np.array_equal(np.sort(pos.ravel()), np.arange(k * g))
     for t in range(k):
         assert np.array_equal(np.bincount(sources[pos[t].ravel()], minlength=4), counts[t])
+
+
+@pytest.mark.parametrize("groups", [np.zeros(0, dtype=np.int32), np.array([5], dtype=np.int32),
+                                    np.random.default_rng(3).integers(0, 9, 2000).astype(np.int32),
+                                    np.random.default_rng(4).integers(0, 70_000, 5000)])
+def test_rank_within_counts_earlier_elements_of_the_same_group(groups):
+    """The repair's per-step quota check: element i's rank is how many earlier elements share
+    its group (int32: a round of trades holds a window's worth of them)."""
+    from energon_ordering.planned.balance import _rank_within
+
+    seen: dict[int, int] = {}
+    expected = []
+    for g in groups.tolist():
+        expected.append(seen.get(g, 0))
+        seen[g] = seen.get(g, 0) + 1
+    got = _rank_within(groups)
+    assert got.dtype == np.int32
+    assert got.tolist() == expected

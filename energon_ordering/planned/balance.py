@@ -59,7 +59,7 @@ import numpy as np
 
 from energon_ordering.pool.pack_order import ATTENTION_CROSSOVER_TOKENS
 
-from .sort_order import stable_ascending
+from .sort_order import stable_ascending, stable_by_int
 
 __all__ = ["balance_window", "deal_step", "radix_keys", "sample_cost"]
 
@@ -183,7 +183,7 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
                 value = value[keep]
                 alive = np.ones(len(value), dtype=bool)
                 del keep
-            live = np.flatnonzero(alive).astype(np.int32)  # int32 positions: the peak
+            live = np.arange(len(alive), dtype=np.int32)[alive]  # int32 positions: the peak
             if len(live) < 2:
                 break
             # runs of one kind in the merged order; at a boundary between a run of a's and a
@@ -195,7 +195,6 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
             ends = np.concatenate((starts[1:], [len(live)]))
             if len(starts) < 2:
                 break
-            near = [None, None]
             stale = False
         if near[parity] is None:  # a round that trades nothing leaves the runs as they were
             bounds = np.arange(parity, len(starts) - 1, 2)
@@ -217,11 +216,13 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
             continue
         o = np.argsort(gap, kind="stable")
         lo, hi = lo[o], hi[o]
+        del o, gap
         ia = np.where(kind[lo], hi, lo)
         ib = np.where(kind[lo], lo, hi)
+        del lo, hi
         # each step gives at most its quota: the pair's rank among its step's pairs, nearest first
-        accept = ((_rank_within(step[ia]) < quota_a[step[ia]])
-                  & (_rank_within(step[ib]) < quota_b[step[ib]]))
+        accept = _rank_within(step[ia]) < quota_a[step[ia]]
+        accept &= _rank_within(step[ib]) < quota_b[step[ib]]
         ia, ib = ia[accept][:left], ib[accept][:left]
         np.subtract.at(quota_a, step[ia], 1)
         np.subtract.at(quota_b, step[ib], 1)
@@ -229,9 +230,12 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
         pairs.append(np.stack((cell[ia], cell[ib]), axis=1))
         left -= len(ia)
         stale = True
-        # candidates of steps whose quota is used up leave the pool
+        near = [None, None]  # the runs change: their pairs (a window's worth) are found again
+        # candidates of steps whose quota is used up leave the pool (gathers of bools: the
+        # candidates are a window's worth)
         if (quota_a[step[ia]] == 0).any() or (quota_b[step[ib]] == 0).any():
-            alive &= np.where(kind, quota_b[step] > 0, quota_a[step] > 0)
+            alive &= np.where(kind, (quota_b > 0)[step], (quota_a > 0)[step])
+        del ia, ib
     if not pairs:
         return 0
     cells_a, cells_b = np.concatenate(pairs).T.astype(np.int64)
@@ -254,13 +258,22 @@ def _cells(src: np.ndarray, source: int, quota: np.ndarray) -> np.ndarray:
 
 
 def _rank_within(groups: np.ndarray) -> np.ndarray:
-    """For each element, how many earlier elements have the same group (0, 1, 2, ...)."""
-    order = np.argsort(groups, kind="stable")
-    g = groups[order]
-    first = np.concatenate(([True], g[1:] != g[:-1]))
-    start = np.maximum.accumulate(np.where(first, np.arange(len(g)), 0))
-    rank = np.empty(len(g), dtype=np.int64)
-    rank[order] = np.arange(len(g)) - start
+    """For each element, how many earlier elements have the same group (0, 1, 2, ...): groups
+    are non-negative ints (steps); int32 results and temporaries below 2^31 elements (a round
+    of trades holds a window's worth: the peak a loader worker pays)."""
+    g = np.asarray(groups)
+    n = len(g)
+    index = np.int32 if n < 2**31 else np.int64
+    if not n:
+        return np.zeros(0, dtype=index)
+    order = stable_by_int(g)
+    sg = g[order]
+    start = np.flatnonzero(np.concatenate(([True], sg[1:] != sg[:-1]))).astype(index)
+    del sg
+    within = np.arange(n, dtype=index)
+    within -= np.repeat(start, np.diff(np.append(start, n)))
+    rank = np.empty(n, dtype=index)
+    rank[order] = within
     return rank
 
 
