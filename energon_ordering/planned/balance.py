@@ -165,7 +165,10 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
     kind = kind[order]
     value = value[order]
     del order
-    step = (cell // width).astype(np.int32)
+    # each candidate's step and kind in one int32, ``2 step + kind``: a used-up quota closes its
+    # candidates with one gather (``open_[slot]``)
+    slot = (cell // width * 2 + kind).astype(np.int32)
+    open_ = np.empty(2 * len(qa), dtype=bool)
     quota_a, quota_b = qa.copy(), qb.copy()
     alive = np.ones(len(value), dtype=bool)
     pairs: list[np.ndarray] = []  # rows (cell a, cell b)
@@ -177,7 +180,7 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
         if stale:
             if alive.sum() * 2 < len(alive):  # compact: rounds cost O(candidates left)
                 keep = alive  # one array at a time (the peak is what a loader worker pays)
-                step = step[keep]
+                slot = slot[keep]
                 cell = cell[keep]
                 kind = kind[keep]
                 value = value[keep]
@@ -221,11 +224,14 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
         ib = np.where(kind[lo], lo, hi)
         del lo, hi
         # each step gives at most its quota: the pair's rank among its step's pairs, nearest first
-        accept = _rank_within(step[ia]) < quota_a[step[ia]]
-        accept &= _rank_within(step[ib]) < quota_b[step[ib]]
+        sa, sb = slot[ia] >> 1, slot[ib] >> 1  # their steps
+        accept = _rank_within(sa) < quota_a[sa]
+        accept &= _rank_within(sb) < quota_b[sb]
         ia, ib = ia[accept][:left], ib[accept][:left]
-        np.subtract.at(quota_a, step[ia], 1)
-        np.subtract.at(quota_b, step[ib], 1)
+        sa, sb = sa[accept][:left], sb[accept][:left]
+        del accept
+        np.subtract.at(quota_a, sa, 1)
+        np.subtract.at(quota_b, sb, 1)
         alive[ia] = alive[ib] = False
         pairs.append(np.stack((cell[ia], cell[ib]), axis=1))
         left -= len(ia)
@@ -233,9 +239,11 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
         near = [None, None]  # the runs change: their pairs (a window's worth) are found again
         # candidates of steps whose quota is used up leave the pool (gathers of bools: the
         # candidates are a window's worth)
-        if (quota_a[step[ia]] == 0).any() or (quota_b[step[ib]] == 0).any():
-            alive &= np.where(kind, (quota_b > 0)[step], (quota_a > 0)[step])
-        del ia, ib
+        if (quota_a[sa] == 0).any() or (quota_b[sb] == 0).any():
+            open_[0::2] = quota_a > 0
+            open_[1::2] = quota_b > 0
+            alive &= open_[slot]
+        del ia, ib, sa, sb
     if not pairs:
         return 0
     cells_a, cells_b = np.concatenate(pairs).T.astype(np.int64)
