@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from energon_ordering.errors import OrderingConfigError
 from energon_ordering.inspect.lost_compute import (
     free_dealing_bound,
+    held_packs_bound,
     idle_per_micro_batch,
     idle_per_step,
     lost_compute,
@@ -90,6 +92,33 @@ def test_free_dealing_equals_one_at_a_time_dealing(ranks: int) -> None:
         loads = np.array([t for t, _ in heap])
         expected.append(1 - loads.mean() / loads.max())
     assert free_dealing_bound(costs, ranks) == pytest.approx(np.mean(expected), rel=1e-12)
+
+
+def test_held_packs_bound_is_the_costliest_pack_beside_the_cheapest() -> None:
+    # 2 ranks x 2 packs: a pack of one cap-long sample (24) and three full packs of short ones;
+    # the rank holding the 24 holds another pack of at least 8: 1 - 28 / 32
+    costs = np.array([[[24.0, 12.0], [12.0, 8.0]]])
+    assert held_packs_bound(costs) == pytest.approx(1 - 28 / 32)
+    # one pack per rank: the bound is the step's own idle (no dealing moves a pack's cost)
+    one = np.array([[[5.0], [3.0]], [[2.0], [2.0]]])
+    assert held_packs_bound(one) == pytest.approx(idle_per_step(one))
+    # a step whose packs balance however dealt: 0, never negative
+    assert held_packs_bound(np.array([[[4.0, 4.0], [4.0, 4.0]]])) == 0.0
+    assert held_packs_bound(np.zeros((1, 2, 2))) == 0.0
+    with pytest.raises(OrderingConfigError, match=r"pack_costs has shape \(2, 2\); give \[steps"):
+        held_packs_bound(np.zeros((2, 2)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_no_dealing_of_the_packs_beats_the_held_packs_bound(seed: int) -> None:
+    """Every way of dealing a step's R M packs to R ranks of M idles at least the bound."""
+    rng = np.random.default_rng(seed)
+    R, M = 3, 2
+    packs = rng.lognormal(9, 0.6, R * M)
+    bound = held_packs_bound(packs.reshape(1, R, M))
+    best = min(idle_per_step(packs[list(order)].reshape(1, R, M))
+               for order in itertools.permutations(range(R * M)))
+    assert best >= bound - 1e-12
 
 
 def test_lost_compute_adds_idle_per_step_and_padding() -> None:

@@ -31,7 +31,11 @@ micro-batch, samples cut to the cap). Rows:
   micro-batch index (padded only; the limit of a per-micro-batch sort);
 - ``bound step`` / ``bound window``: the free-dealing bound of the planned runs' own steps
   (each step's samples dealt longest first to the least-loaded rank, no micro-batch structure;
-  :func:`~energon_ordering.inspect.lost_compute.free_dealing_bound`): idle per step only.
+  :func:`~energon_ordering.inspect.lost_compute.free_dealing_bound`): idle per step only;
+- ``held packs step`` / ``held packs window`` (packed): what no dealing of the planned runs' own
+  packs can beat, each step's costliest pack beside M - 1 of its cheapest
+  (:func:`~energon_ordering.inspect.lost_compute.held_packs_bound`); the targets are checked
+  against the free-dealing bound, this row says how much of the gap the packs themselves set.
 
 Columns: idle per micro-batch and per optimizer step, padding by tokens, lost compute (idle per
 step + padding by tokens), the worst step's and the worst window's deviation from the blend
@@ -64,6 +68,7 @@ from energon_ordering.cli.tables import table
 from energon_ordering.inspect.advise import LengthPopulation, predict_order, worker_share
 from energon_ordering.inspect.lost_compute import (
     free_dealing_bound,
+    held_packs_bound,
     idle_per_micro_batch,
     idle_per_step,
     micro_batch_costs,
@@ -389,11 +394,12 @@ def packed_table(name, lengths, weights, R, M, windows, cap,
         step_dev, window_dev = _deviation(own.counts, weights, k)
         base = Row("own packs", idle_per_micro_batch(own.costs), idle_per_step(own.costs),
                    own.padding, step_dev, window_dev)
-    bounds = {}
+    bounds, held = {}, {}
     for mix in ("step", "window"):
         km = ks[mix]
         run = plan_packed(lengths, weights, R, M, km, windows, mix, cap)
         bounds[mix] = bound_of(run, R)
+        held[mix] = held_packs_bound(run.costs)
         peak = (peak_mib(lambda: plan_packed_window(
             lengths, seed=0, cursor=PlanCursor.start(len(lengths)),
             weights=_windows(weights, km, 1)[0], caps=[cap] * km, world_size=R, micro_batch=1,
@@ -404,6 +410,8 @@ def packed_table(name, lengths, weights, R, M, windows, cap,
         rows.append(base)
     for mix in ("step", "window"):
         rows.append(Row(f"bound {mix}", idle_step=bounds[mix]))
+    for mix in ("step", "window"):
+        rows.append(Row(f"held packs {mix}", idle_step=held[mix]))
     return rows, ks
 
 

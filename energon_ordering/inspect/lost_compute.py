@@ -16,6 +16,9 @@ attention, 4,096 tokens the crossover); a micro-batch costs the sum of its sampl
 - :func:`free_dealing_bound`: the idle per step when each step's samples are dealt to the ranks
   with no micro-batch structure (longest first onto the least-loaded rank): what no order of
   the same steps' samples can beat by much.
+- :func:`held_packs_bound`: with packing, the idle per step no dealing of the same packs can
+  beat: the rank holding a step's costliest pack holds M - 1 more packs, each costing at least
+  the step's cheapest (a full pack costs at least its tokens).
 - :func:`lost_compute`: idle per step + padding by tokens, the headline figure.
 
 Every figure is a fraction in [0, 1]; a step (or micro-batch) whose ranks all cost 0 counts as
@@ -31,6 +34,7 @@ from energon_ordering.inspect.diagnostics import ATTENTION_CROSSOVER_TOKENS
 
 __all__ = [
     "free_dealing_bound",
+    "held_packs_bound",
     "idle_per_micro_batch",
     "idle_per_step",
     "lost_compute",
@@ -222,6 +226,36 @@ def free_dealing_bound(step_sample_costs: np.ndarray, world_size: int) -> float:
         raise OrderingConfigError(f"lost compute: step_sample_costs has shape {c.shape}; give at "
                                   "least one step.")
     return float(_idle(_lpt_loads(c, int(world_size))).mean())
+
+
+def held_packs_bound(pack_costs: np.ndarray) -> float:
+    """Idle per optimizer step that no dealing of a packed plan's own packs can beat.
+
+    A rank holds M packs a step. The rank holding the step's costliest pack also holds M - 1
+    others, each costing at least the step's cheapest pack, so its step costs at least
+    ``max + (M - 1) min`` and the step idles at least ``1 - mean rank step / that``. Packs
+    filled to the cap cost at least their tokens, so a pack of one cap-long sample (3x its
+    tokens at 8,192) sets this at one or two packs per step: the bound :func:`free_dealing_bound`
+    cannot see (it deals samples, not packs). Only other packs lower it: an emptier pack beside
+    the costliest (padding), or the long samples' packs gathered into the same steps.
+
+    Args:
+        pack_costs: ``[steps, R, M]`` cost of each rank's packs (:func:`micro_batch_costs` of
+            their documents).
+
+    Returns:
+        Mean over steps of ``max(0, 1 - mean_r(step cost) / (max + (M - 1) min))``.
+    """
+    c = _array("pack_costs", pack_costs, 3, "[steps, ranks, packs per step]")
+    if c.shape[0] == 0:
+        raise OrderingConfigError(
+            f"lost compute: pack_costs has shape {c.shape}; give at least one step.")
+    steps, _, M = c.shape
+    flat = c.reshape(steps, -1)
+    held = flat.max(axis=1) + (M - 1) * flat.min(axis=1)
+    mean = c.sum(axis=2).mean(axis=1)
+    safe = np.where(held > 0, held, 1.0)
+    return float(np.where(held > 0, np.maximum(0.0, 1.0 - mean / safe), 0.0).mean())
 
 
 def lost_compute(idle_step: float, padding: float) -> float:
