@@ -14,7 +14,7 @@ from energon_ordering.inspect.lost_compute import (
     micro_batch_costs,
 )
 from energon_ordering.inspect.synthetic import LENGTH_PROFILES, sample_lengths
-from energon_ordering.planned.balance import balance_window, sample_cost
+from energon_ordering.planned.balance import _rank_within, balance_window, sample_cost
 
 K, R, M, B = 32, 16, 8, 4
 G = R * M * B
@@ -101,8 +101,6 @@ def test_exact_counts_with_an_excess_in_a_cycle_over_four_sources() -> None:
 def test_rank_within_counts_earlier_elements_of_the_same_group(groups):
     """The repair's per-step quota check: element i's rank is how many earlier elements share
     its group (int32: a round of trades holds a window's worth of them)."""
-    from energon_ordering.planned.balance import _rank_within
-
     seen: dict[int, int] = {}
     expected = []
     for g in groups.tolist():

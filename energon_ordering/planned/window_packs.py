@@ -31,7 +31,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-
 from .balance import sample_cost
 from .pack_search import packed_count
 from .source_draws import SourceDraws, cut_lengths
