@@ -12,6 +12,7 @@ import pytest
 
 from energon_ordering.errors import OrderingConfigError
 from energon_ordering.mixture.step_counts import step_source_counts
+from energon_ordering.planned import pack_fill as pack_fill_module
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.packs import fill_packs, plan_packed_window
 from energon_ordering.warmup.pack_cap import pack_target
@@ -46,6 +47,45 @@ def test_fill_packs_fits_every_pack_and_balances_ranks():
     # what is left over could not fit: every unplaced item is longer than every pack's room
     if (~placed).any():
         assert L[~placed].min() > (1024 - loads).max()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_whole_lengths_are_dealt_in_integers_to_the_same_packs_as_in_floats(seed):
+    """The integer dealing (``_WholeCosts``) places every item as the float dealing does, and
+    leaves the packing in the same state: lengths near the cap (rooms run out, cheapest packs
+    fill up), equal lengths (ties everywhere) and a lognormal tail."""
+    rng = np.random.default_rng(seed)
+    R, P, cap = int(rng.integers(1, 40)), int(rng.integers(1, 9)), int(rng.choice([64, 1024]))
+    n = R * P * 6
+    L = [rng.integers(1, cap + 1, n), rng.choice([cap // 8, cap // 4, cap // 2, 3 * cap // 4], n),
+         np.minimum(rng.lognormal(np.log(cap / 6), 1.0, n).astype(np.int64) + 1, cap)
+         ][seed % 3].astype(np.float64)
+    queue = pack_fill_module._longest_first(L)
+    states = []
+    for whole in (True, False):
+        packing = pack_fill_module.Packing.empty(R, P, cap)
+        out = np.full(n, -1)
+        packing.seed(L, queue[:R * P], out)
+        if whole:
+            assert pack_fill_module._WholeCosts.of(packing, L, queue[R * P:]) is not None
+            packing.place(L, queue[R * P:], out)
+        else:
+            packing._place_floats(L, queue[R * P:], out)
+        states.append((out, packing))
+    (a, pa), (b, pb) = states
+    assert (a >= 0).sum() > R * P
+    np.testing.assert_array_equal(a, b)
+    for field in ("load", "pack_cost", "rank_cost", "room"):
+        np.testing.assert_array_equal(getattr(pa, field), getattr(pb, field))
+
+
+def test_fractional_lengths_are_dealt_in_floats():
+    L = np.array([5.5, 3.0, 2.0, 1.0])
+    packing = pack_fill_module.Packing.empty(1, 2, 8)
+    out = np.full(4, -1)
+    packing.seed(L, np.arange(2), out)
+    assert pack_fill_module._WholeCosts.of(packing, L, np.arange(2, 4)) is None
+    assert (fill_packs(L, 1, 2, 8) >= 0).all()
 
 
 def test_fill_packs_places_one_item_per_pack_at_least():

@@ -72,8 +72,19 @@ class Packing:
         rank), into that rank's pack with the smallest cost among those with room for it (ties
         by pack). A round serves only the ranks with room for its longest item whose cost is
         within that item's cost of the cheapest such rank, so it deals as
-        longest-processing-time dealing one item at a time would, vectorised.
+        longest-processing-time dealing one item at a time would, vectorised. Whole lengths
+        are dealt in exact integers (:class:`_WholeCosts`), others in floats: the same packs.
         """
+        whole = _WholeCosts.of(self, L, queue)
+        if whole is None:
+            self._place_floats(L, queue, out)
+        else:
+            whole.place(queue, out)
+            whole.write_back(self)
+
+    def _place_floats(self, L: np.ndarray, queue: np.ndarray, out: np.ndarray) -> None:
+        """:meth:`place` in float costs (lengths with fractions, or too long for
+        :class:`_WholeCosts`)."""
         load, pcost, rcost, room = self.load, self.pack_cost, self.rank_cost, self.room
         cap = self.cap
         P = load.shape[1]
@@ -110,6 +121,118 @@ class Packing:
             pcost[ranks, pk] += c
             rcost[ranks] += c
             room[ranks] = cap - _row_min(rows)
+
+
+#: Costs in whole units: ``4096 L + L^2`` is ``sample_cost(L)`` x 4096 (exact for whole L).
+_COST_SCALE = 4096
+
+
+@dataclass
+class _WholeCosts:
+    """A packing's state in exact integers, for :meth:`Packing.place` on whole lengths.
+
+    Float costs of whole lengths are multiples of 1/4096 far below 2^41, so they add exactly and
+    compare as ``4096 L + L^2`` does in int64. That lets each comparison carry its tie-break in
+    its low bits: a rank's key is ``cost << rank_bits | rank`` (so numpy's fast sort of the keys
+    is the stable order of the costs), a pack's ``cost << pack_bits | pack`` (so the smallest key
+    of a row is its cheapest pack, ties by pack). ``cheap`` caches each rank's cheapest pack: the
+    item goes there when it has room, and only the others (about half the items of a window of
+    1,024 ranks x 8 packs, most of them late in the fill) search their rank's packs. On the
+    benchmark's windows this deals 10-15% faster than in floats.
+    """
+
+    lengths: np.ndarray  # [n] int64
+    cap: int
+    load: np.ndarray  # [R, P] int64 tokens
+    pack_key: np.ndarray  # [R, P] int64: cost << pack_bits | pack
+    rank_cost: np.ndarray  # [R] int64
+    room: np.ndarray  # [R] int64
+    cheap: np.ndarray  # [R] each rank's cheapest pack
+    pack_bits: int
+    rank_bits: int
+
+    @classmethod
+    def of(cls, packing: Packing, L: np.ndarray, queue: np.ndarray) -> _WholeCosts | None:
+        """The packing in integers, or None where a length (or the cap) is not whole, or the
+        keys could overflow (the packs' costs and all of the queue's must fit beside the
+        tie-break bits)."""
+        R, P = packing.load.shape
+        if not len(queue) or float(packing.cap) != int(packing.cap):
+            return None
+        Li = L.astype(np.int64)
+        if not np.array_equal(Li, L) or int(Li.min()) < 0:
+            return None
+        pack_bits = max(1, int(P - 1).bit_length())
+        rank_bits = max(1, int(R - 1).bit_length())
+        scaled = np.rint(packing.pack_cost * _COST_SCALE)
+        if not np.array_equal(scaled / _COST_SCALE, packing.pack_cost):
+            return None
+        Lq = L[queue]
+        reach = float(scaled.sum()) + _COST_SCALE * float(Lq.sum()) + float(Lq @ Lq)
+        if reach >= 2.0 ** (62 - max(pack_bits, rank_bits)):
+            return None
+        pack_cost = scaled.astype(np.int64)
+        pack_key = pack_cost << pack_bits
+        pack_key |= np.arange(P, dtype=np.int64)
+        load = packing.load.astype(np.int64)
+        cap = int(packing.cap)
+        return cls(Li, cap, load, pack_key, pack_cost.sum(axis=1), cap - _row_min(load),
+                   _row_min(pack_key) & ((1 << pack_bits) - 1), pack_bits, rank_bits)
+
+    def place(self, queue: np.ndarray, out: np.ndarray) -> None:
+        """:meth:`Packing.place` (the same rounds, the same packs)."""
+        L, cap, load, key, rcost, room = (self.lengths, self.cap, self.load, self.pack_key,
+                                          self.rank_cost, self.room)
+        P = load.shape[1]
+        pmask, rbits = (1 << self.pack_bits) - 1, self.rank_bits
+        flat_load, flat_key = load.reshape(-1), key.reshape(-1)
+        neg = -L[queue]
+        head = 0
+        while head < len(queue):
+            head += int(np.searchsorted(neg[head:], -room.max(), "left"))
+            if head == len(queue):
+                break
+            big = int(L[queue[head]])
+            roomy = np.flatnonzero(room >= big)
+            near = rcost[roomy]
+            near = roomy[near <= near.min() + big * _COST_SCALE + big * big]
+            order = rcost[near] << rbits
+            order |= near
+            order.sort()  # distinct keys: the stable order of the costs
+            items = queue[head:head + len(near)]
+            head += len(items)
+            ranks = order[:len(items)] & ((1 << rbits) - 1)
+            li = L[items]
+            pk = self.cheap[ranks]
+            flat = ranks * P + pk
+            full = np.flatnonzero(flat_load[flat] + li > cap)
+            if len(full):  # the cheapest pack has no room: the cheapest that has
+                fr = ranks[full]
+                k = np.where((cap - load[fr]) >= li[full, None], key[fr], np.iinfo(np.int64).max)
+                pk[full] = _row_min(k) & pmask
+                flat[full] = fr * P + pk[full]
+            out[items] = flat
+            flat_load[flat] += li  # one item per rank in a round
+            c = _scaled_cost(li)
+            rcost[ranks] += c
+            c <<= self.pack_bits
+            flat_key[flat] += c
+            self.cheap[ranks] = _row_min(key[ranks]) & pmask
+            room[ranks] = cap - _row_min(load[ranks])
+
+    def write_back(self, packing: Packing) -> None:
+        """The float state of ``packing`` (its costs exact: multiples of 1/4096)."""
+        packing.load[:] = self.load
+        packing.pack_cost[:] = (self.pack_key >> self.pack_bits) / _COST_SCALE
+        packing.rank_cost[:] = self.rank_cost / _COST_SCALE
+        packing.room[:] = self.room
+
+
+def _scaled_cost(L: np.ndarray) -> np.ndarray:
+    """``sample_cost(L) x 4096`` of whole lengths, exactly (int64)."""
+    c = L * L
+    c += L * _COST_SCALE
+    return c
 
 
 def _row_min(x: np.ndarray) -> np.ndarray:
