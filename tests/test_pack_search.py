@@ -134,3 +134,19 @@ def test_a_count_short_of_room_is_lowered_by_the_left_out_tokens(packings, monke
     assert most - left_out < second < most
     n = int(found.counts.sum())
     assert (found.pack >= 0).all() and n >= most - left_out
+
+
+def test_a_count_lowered_by_the_resolution_from_one_left_short_is_taken_as_it_is(packings,
+                                                                                   monkeypatch):
+    """The bisection's resolution is measured against the count that left draws out: lowered
+    from it by exactly the resolution (no slack for the left-out tokens), the count that packs
+    whole is taken, with no third packing (``PACKED_PLAN_VERSION`` 3 measured it against the
+    lower count, which is smaller, so it bisected once more)."""
+    monkeypatch.setattr(pack_search, "START_MARGIN", 0.0)
+    monkeypatch.setattr(pack_search, "LOWER_SLACK", 0.0)
+    monkeypatch.setattr(pack_search, "FILL_RESOLUTION", 1 / 50)
+    most, found = _search(_streams(5), _counts_of(), 64, 8, None)
+    (first, left_out), (second, second_left_out) = packings[:2]
+    assert first == most and left_out > 0
+    assert second == most - int(most / 50) and second_left_out == 0
+    assert len(packings) == 2 and int(found.counts.sum()) == second

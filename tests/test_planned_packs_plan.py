@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from energon_ordering.errors import OrderingConfigError
+from energon_ordering.inspect.synthetic import LENGTH_PROFILES, sample_lengths
 from energon_ordering.mixture.step_counts import step_source_counts
 from energon_ordering.planned import pack_fill as pack_fill_module
 from energon_ordering.planned.cursor import PlanCursor
@@ -189,7 +190,8 @@ def test_a_plan_reads_back_from_its_shared_array():
 
 def _pinned_packed_plans() -> bytes:
     """Packed plans of fixed inputs: two mixes, a warmup, four shapes, two windows each (64
-    ranks: steps of about 900 samples, where the search starts below the token bound)."""
+    ranks: steps of about 900 samples, where the search starts below the token bound), and a
+    window of the window mix."""
     out = []
     for seed, (R, M, B) in enumerate([(4, 2, 2), (8, 4, 1), (3, 1, 3), (64, 2, 1)]):
         lengths = _lengths(seed)
@@ -198,10 +200,17 @@ def _pinned_packed_plans() -> bytes:
         first = _plan(lengths, R=R, M=M, B=B, caps=caps[:3])
         second = _plan(lengths, R=R, M=M, B=B, caps=caps[3:], cursor=first.next_cursor)
         out += [p.to_array().tobytes() for p in (first, second)]
+    # the window mix at scale: a window of about 111,000 samples, whose first count leaves
+    # draws out and whose count lowered by the search's resolution packs whole
+    trimodal = [sample_lengths(LENGTH_PROFILES["trimodal"], 120_000, 0)]
+    window = plan_packed_window(trimodal, seed=3, cursor=PlanCursor.start(1),
+                                weights=np.ones((8, 1)), caps=[8192] * 8, world_size=256,
+                                micro_batch=1, micro_batches_per_step=8, mix="window")
+    out.append(window.to_array().tobytes())
     return b"".join(out)
 
 
-PINNED_PACKED_DIGEST = "3e30aa47956e2d8967d96a0c2748d4630340b025977e0440526f34da7e59202f"
+PINNED_PACKED_DIGEST = "60f37b8d21629f028d26686be81a60e714dc09a6e746c5317b309e56e4ca6212"
 
 
 def test_the_packed_plan_is_pinned_to_its_version():
@@ -209,7 +218,7 @@ def test_the_packed_plan_is_pinned_to_its_version():
 
     from energon_ordering.planned.packs import PACKED_PLAN_VERSION
 
-    assert PACKED_PLAN_VERSION == 3, "PACKED_PLAN_VERSION was bumped: pin the new digest here"
+    assert PACKED_PLAN_VERSION == 4, "PACKED_PLAN_VERSION was bumped: pin the new digest here"
     assert hashlib.sha256(_pinned_packed_plans()).hexdigest() == PINNED_PACKED_DIGEST, (
         "the packed plan of the same inputs changed: bump PACKED_PLAN_VERSION "
         "(planned/packs.py) and pin the new digest")

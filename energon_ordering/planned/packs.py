@@ -53,9 +53,9 @@ __all__ = ["PACKED_PLAN_VERSION", "PackedWindowPlan", "deal_packs", "fill_packs"
            "plan_packed_step", "plan_packed_window"]
 
 #: Bumped whenever a packed plan changes for the same inputs; a packed planned state stamps it.
-PACKED_PLAN_VERSION = 3  # 2: every pack seeded with one of the step's longest samples; 3: a
+PACKED_PLAN_VERSION = 4  # 2: every pack seeded with one of the step's longest samples; 3: a
 # step's count searched from 0.4% below the token bound, one packing where it fits and balances
-# (pack_search.py)
+# (pack_search.py); 4: the search's resolution measured against the count that did not pack
 
 
 def deal_packs(pack_costs: np.ndarray, world_size: int, packs_per_rank: int) -> np.ndarray:
