@@ -168,7 +168,7 @@ class _WholeCosts:
         if not np.array_equal(scaled / _COST_SCALE, packing.pack_cost):
             return None
         Lq = L[queue]
-        reach = float(scaled.sum()) + _COST_SCALE * float(Lq.sum()) + float(Lq @ Lq)
+        reach = float(scaled.sum()) + _COST_SCALE * float(Lq.sum()) + float(np.square(Lq).sum())
         if reach >= 2.0 ** (62 - max(pack_bits, rank_bits)):
             return None
         pack_cost = scaled.astype(np.int64)
