@@ -125,6 +125,8 @@ class Packing:
 
 #: Costs in whole units: ``4096 L + L^2`` is ``sample_cost(L)`` x 4096 (exact for whole L).
 _COST_SCALE = 4096
+#: Lengths converted at once (bounds the float temporaries).
+_CHUNK = 1 << 16
 
 
 @dataclass
@@ -137,11 +139,12 @@ class _WholeCosts:
     is the stable order of the costs), a pack's ``cost << pack_bits | pack`` (so the smallest key
     of a row is its cheapest pack, ties by pack). ``cheap`` caches each rank's cheapest pack: the
     item goes there when it has room, and only the others (about half the items of a window of
-    1,024 ranks x 8 packs, most of them late in the fill) search their rank's packs. On the
-    benchmark's windows this deals 10-15% faster than in floats.
+    1,024 ranks x 8 packs, most of them late in the fill) search their rank's packs. The queue's
+    lengths are held once, negated, as int32 in queue order (a step of 16,384 ranks x 8 packs
+    holds a million items): a round reads its items' lengths as a slice.
     """
 
-    lengths: np.ndarray  # [n] int64
+    neg: np.ndarray  # [n] int32: -length of each queued item, in queue order (ascending)
     cap: int
     load: np.ndarray  # [R, P] int64 tokens
     pack_key: np.ndarray  # [R, P] int64: cost << pack_bits | pack
@@ -159,50 +162,60 @@ class _WholeCosts:
         R, P = packing.load.shape
         if not len(queue) or float(packing.cap) != int(packing.cap):
             return None
-        Li = L.astype(np.int64)
-        if not np.array_equal(Li, L) or int(Li.min()) < 0:
-            return None
         pack_bits = max(1, int(P - 1).bit_length())
         rank_bits = max(1, int(R - 1).bit_length())
         scaled = np.rint(packing.pack_cost * _COST_SCALE)
         if not np.array_equal(scaled / _COST_SCALE, packing.pack_cost):
             return None
-        Lq = L[queue]
-        reach = float(scaled.sum()) + _COST_SCALE * float(Lq.sum()) + float(np.square(Lq).sum())
-        if reach >= 2.0 ** (62 - max(pack_bits, rank_bits)):
+        neg = np.empty(len(queue), dtype=np.int32)
+        tokens = top = 0.0
+        for lo in range(0, len(queue), _CHUNK):  # no float temporaries of the whole queue
+            part = L[queue[lo:lo + _CHUNK]]
+            if not (float(part.min()) >= 0 and float(part.max()) < 2**31):
+                return None
+            np.negative(part, out=part)
+            neg[lo:lo + _CHUNK] = part
+            if not np.array_equal(neg[lo:lo + _CHUNK], part):
+                return None  # a fraction (or NaN)
+            tokens -= float(part.sum())
+            top = max(top, -float(part.min()))
+        # every cost a pack or rank can reach is below all costs together, and those below
+        # (4096 + the longest) x all tokens (L^2 <= max L x L)
+        if float(scaled.sum()) + (_COST_SCALE + top) * tokens >= 2.0 ** (
+                62 - max(pack_bits, rank_bits)):
             return None
         pack_cost = scaled.astype(np.int64)
         pack_key = pack_cost << pack_bits
         pack_key |= np.arange(P, dtype=np.int64)
         load = packing.load.astype(np.int64)
         cap = int(packing.cap)
-        return cls(Li, cap, load, pack_key, pack_cost.sum(axis=1), cap - _row_min(load),
+        return cls(neg, cap, load, pack_key, pack_cost.sum(axis=1), cap - _row_min(load),
                    _row_min(pack_key) & ((1 << pack_bits) - 1), pack_bits, rank_bits)
 
     def place(self, queue: np.ndarray, out: np.ndarray) -> None:
         """:meth:`Packing.place` (the same rounds, the same packs)."""
-        L, cap, load, key, rcost, room = (self.lengths, self.cap, self.load, self.pack_key,
-                                          self.rank_cost, self.room)
+        neg, cap, load, key, rcost, room = (self.neg, self.cap, self.load, self.pack_key,
+                                            self.rank_cost, self.room)
         P = load.shape[1]
         pmask, rbits = (1 << self.pack_bits) - 1, self.rank_bits
         flat_load, flat_key = load.reshape(-1), key.reshape(-1)
-        neg = -L[queue]
         head = 0
         while head < len(queue):
             head += int(np.searchsorted(neg[head:], -room.max(), "left"))
             if head == len(queue):
                 break
-            big = int(L[queue[head]])
+            big = -int(neg[head])
             roomy = np.flatnonzero(room >= big)
             near = rcost[roomy]
             near = roomy[near <= near.min() + big * _COST_SCALE + big * big]
             order = rcost[near] << rbits
             order |= near
             order.sort()  # distinct keys: the stable order of the costs
-            items = queue[head:head + len(near)]
-            head += len(items)
-            ranks = order[:len(items)] & ((1 << rbits) - 1)
-            li = L[items]
+            n = min(len(near), len(queue) - head)
+            items = queue[head:head + n]
+            li = -neg[head:head + n].astype(np.int64)
+            head += n
+            ranks = order[:n] & ((1 << rbits) - 1)
             pk = self.cheap[ranks]
             flat = ranks * P + pk
             full = np.flatnonzero(flat_load[flat] + li > cap)
