@@ -6,6 +6,7 @@ import pytest
 from energon_ordering.planned.sort_order import (
     sorted_length_keys,
     stable_argsort,
+    stable_argsort_rows,
     stable_ascending,
     stable_by_int,
 )
@@ -96,3 +97,29 @@ def test_stable_argsort_is_the_stable_argsort(make):
 def test_stable_argsort_takes_one_dimension():
     with pytest.raises(ValueError, match="1-D"):
         stable_argsort(np.zeros((2, 3)))
+
+
+def _costs(r, shape, high):
+    """Sums of ``L + L^2 / 4096`` of whole lengths: multiples of 1/4096, with ties."""
+    L = r.integers(0, high, shape + (3,)).astype(np.float64)
+    return (L + L * L / 4096).sum(axis=-1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda r: _costs(r, (3, 1024), 9000),                   # the keyed sort
+    lambda r: _costs(r, (2, 300), 4),                       # ties everywhere
+    lambda r: np.zeros((2, 500)),                           # all tied
+    lambda r: _costs(r, (4, 16), 9000),                     # short rows: the stable sort
+    lambda r: r.random((2, 200)) * 100,                     # fractions: the fallback
+    lambda r: np.full((2, 100), 2.0**60),                   # too large for the key: fallback
+    lambda r: np.where(r.random((2, 100)) < 0.1, np.nan, 1.0),  # NaN: the fallback
+    lambda r: np.zeros((0, 100)),
+])
+def test_stable_argsort_rows_is_the_stable_argsort_of_each_row(make):
+    v = make(np.random.default_rng(5))
+    assert np.array_equal(stable_argsort_rows(v), np.argsort(v, axis=1, kind="stable"))
+
+
+def test_stable_argsort_rows_takes_two_dimensions():
+    with pytest.raises(ValueError, match="2-D"):
+        stable_argsort_rows(np.zeros(3))

@@ -59,7 +59,7 @@ import numpy as np
 
 from energon_ordering.pool.pack_order import ATTENTION_CROSSOVER_TOKENS
 
-from .sort_order import stable_ascending, stable_by_int
+from .sort_order import stable_argsort_rows, stable_ascending, stable_by_int
 
 __all__ = ["balance_window", "deal_step", "radix_keys", "sample_cost"]
 
@@ -388,7 +388,7 @@ def _deal(slots: np.ndarray, costs: np.ndarray, world_size: int, micro_batch: in
         for i in range(M * B):
             q = order[:, i]
             m, j = q // B, q % B
-            ranks = np.argsort(totals, axis=1, kind="stable")  # cheapest rank first
+            ranks = stable_argsort_rows(totals)  # cheapest rank first (ties by rank)
             part[rows, m[:, None], ranks, j[:, None]] = tuples[rows[:, 0], q]
             pc[rows, m[:, None], ranks, j[:, None]] = value[rows[:, 0], q]
             totals[rows, ranks] += value[rows[:, 0], q]

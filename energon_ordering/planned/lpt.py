@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .sort_order import stable_argsort_rows
+
 __all__ = ["deal_sorted", "deal_tuples"]
 
 
@@ -68,7 +70,8 @@ def _deal(items: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray
     out[:, :, 0] = items[:, 0]  # the first tuple: every total is 0, item k to rank k
     totals += values[:, 0]
     for j in range(1, P):
-        ranks = np.argsort(totals, axis=1, kind="stable")  # cheapest rank first
+        ranks = stable_argsort_rows(totals)  # cheapest rank first (ties by rank)
         out[rows, ranks, j] = items[:, j]
         totals[rows, ranks] += values[:, j]
     return out, totals
+

@@ -21,13 +21,19 @@ often, stay with the stable sort: there the extra pass cost more than it saved.)
 :func:`stable_by_int` orders items by a small non-negative integer key (a pack's index in its
 window) by 16-bit digits, least significant first: each digit is a radix sort in numpy (445,000
 keys below 2^19: 8 ms, where ``np.lexsort`` of the key's two parts took 45 ms).
+
+:func:`stable_argsort_rows` orders each row of the ranks' running costs in a dealing (sums of
+``L + L^2/4096`` over whole lengths: multiples of 1/4096) by distinct int64 keys ``4096 cost
+<< bits | column``: numpy's fast sort of the keys is the stable order of the costs, 6-7x
+faster than the stable argsort of 16,384 floats a row.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["sorted_length_keys", "stable_argsort", "stable_ascending", "stable_by_int"]
+__all__ = ["stable_argsort_rows", "sorted_length_keys", "stable_argsort", "stable_ascending",
+           "stable_by_int"]
 
 #: Bits of the index in a composite key (at most 2^24 values: a window's plan is capped there).
 _INDEX_BITS = 24
@@ -121,3 +127,34 @@ def stable_argsort(values: np.ndarray) -> np.ndarray:
     key *= len(v)
     key += np.arange(len(v))
     return np.argsort(key)
+
+
+#: Costs of whole lengths are multiples of 1/COST_SCALE (``L + L^2 / 4096``).
+COST_SCALE = 4096
+#: Rows shorter than this are sorted stably as they are (the keys cost more than they save).
+_KEYED_ROW = 64
+
+
+def stable_argsort_rows(values: np.ndarray) -> np.ndarray:
+    """``np.argsort(values, axis=1, kind="stable")`` of a 2-D array of costs, by distinct int64
+    keys where every value is a whole multiple of ``1 / COST_SCALE`` that fits beside its
+    column's bits (sums of the costs of whole lengths), else by the stable sort itself."""
+    v = np.asarray(values)
+    if v.ndim != 2:
+        raise ValueError(f"stable_argsort_rows: a 2-D array expected, got shape {v.shape}")
+    n, m = v.shape
+    if m < _KEYED_ROW or not n or v.dtype.kind != "f":
+        return np.argsort(v, axis=1, kind="stable")
+    bits = int(m - 1).bit_length()
+    scaled = v * float(COST_SCALE)
+    if not (float(scaled.min()) >= 0 and float(scaled.max()) < 2.0 ** (62 - bits)):
+        return np.argsort(v, axis=1, kind="stable")  # (NaN fails here too)
+    key = scaled.astype(np.int64)
+    if not np.array_equal(key, scaled):
+        return np.argsort(v, axis=1, kind="stable")  # a fraction finer than 1/4096
+    del scaled
+    key <<= bits
+    key |= np.arange(m, dtype=np.int64)
+    key.sort(axis=1)
+    key &= (1 << bits) - 1
+    return key
