@@ -16,7 +16,7 @@ quarter of the window mix's CPU).
 default sort, 5x faster on the rank costs a pack fill sorts every round (8,192 floats), the
 same order wherever no two values tie; where some do, it sorts distinct keys (each value's rank
 among the distinct values, then its index). (Rows of a dealing's running totals, which tie
-often, stay with the stable sort: there the extra pass cost more than it saved.)
+often, take :func:`stable_argsort_rows` instead: there the extra pass cost more than it saved.)
 
 :func:`stable_by_int` orders items by a small non-negative integer key (a pack's index in its
 window) by 16-bit digits, least significant first: each digit is a radix sort in numpy (445,000
