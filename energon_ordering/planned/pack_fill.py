@@ -201,7 +201,8 @@ class _WholeCosts:
         flat_load, flat_key = load.reshape(-1), key.reshape(-1)
         head = 0
         while head < len(queue):
-            head += int(np.searchsorted(neg[head:], -room.max(), "left"))
+            # the needle in the queue's dtype: an int64 one would convert the queue to int64
+            head += int(np.searchsorted(neg[head:], np.int32(-room.max()), "left"))
             if head == len(queue):
                 break
             big = -int(neg[head])
