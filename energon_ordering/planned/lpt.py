@@ -74,4 +74,3 @@ def _deal(items: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray
         out[rows, ranks, j] = items[:, j]
         totals[rows, ranks] += values[:, j]
     return out, totals
-

@@ -16,7 +16,7 @@ import numpy as np
 
 from .balance import radix_keys, sample_cost
 from .lpt import deal_tuples
-from .sort_order import stable_argsort
+from .sort_order import COST_SCALE, stable_argsort
 
 __all__ = ["Packing", "fill_packs", "pack_fill"]
 
@@ -123,8 +123,6 @@ class Packing:
             room[ranks] = cap - _row_min(rows)
 
 
-#: Costs in whole units: ``4096 L + L^2`` is ``sample_cost(L)`` x 4096 (exact for whole L).
-_COST_SCALE = 4096
 #: Lengths converted at once (bounds the float temporaries).
 _CHUNK = 1 << 16
 
@@ -164,8 +162,8 @@ class _WholeCosts:
             return None
         pack_bits = max(1, int(P - 1).bit_length())
         rank_bits = max(1, int(R - 1).bit_length())
-        scaled = np.rint(packing.pack_cost * _COST_SCALE)
-        if not np.array_equal(scaled / _COST_SCALE, packing.pack_cost):
+        scaled = np.rint(packing.pack_cost * COST_SCALE)
+        if not np.array_equal(scaled / COST_SCALE, packing.pack_cost):
             return None
         neg = np.empty(len(queue), dtype=np.int32)
         tokens = top = 0.0
@@ -181,7 +179,7 @@ class _WholeCosts:
             top = max(top, -float(part.min()))
         # every cost a pack or rank can reach is below all costs together, and those below
         # (4096 + the longest) x all tokens (L^2 <= max L x L)
-        if float(scaled.sum()) + (_COST_SCALE + top) * tokens >= 2.0 ** (
+        if float(scaled.sum()) + (COST_SCALE + top) * tokens >= 2.0 ** (
                 62 - max(pack_bits, rank_bits)):
             return None
         pack_cost = scaled.astype(np.int64)
@@ -208,7 +206,7 @@ class _WholeCosts:
             big = -int(neg[head])
             roomy = np.flatnonzero(room >= big)
             near = rcost[roomy]
-            near = roomy[near <= near.min() + big * _COST_SCALE + big * big]
+            near = roomy[near <= near.min() + big * COST_SCALE + big * big]
             order = rcost[near] << rbits
             order |= near
             order.sort()  # distinct keys: the stable order of the costs
@@ -239,15 +237,15 @@ class _WholeCosts:
     def write_back(self, packing: Packing) -> None:
         """The float state of ``packing`` (its costs exact: multiples of 1/4096)."""
         packing.load[:] = self.load
-        packing.pack_cost[:] = (self.pack_key >> self.pack_bits) / _COST_SCALE
-        packing.rank_cost[:] = self.rank_cost / _COST_SCALE
+        packing.pack_cost[:] = (self.pack_key >> self.pack_bits) / COST_SCALE
+        packing.rank_cost[:] = self.rank_cost / COST_SCALE
         packing.room[:] = self.room
 
 
 def _scaled_cost(L: np.ndarray) -> np.ndarray:
-    """``sample_cost(L) x 4096`` of whole lengths, exactly (int64)."""
+    """``sample_cost(L) x COST_SCALE``, ``4096 L + L^2``, of whole lengths: exact in int64."""
     c = L * L
-    c += L * _COST_SCALE
+    c += L * COST_SCALE
     return c
 
 

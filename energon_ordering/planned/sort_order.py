@@ -16,7 +16,7 @@ quarter of the window mix's CPU).
 default sort, 5x faster on the rank costs a pack fill sorts every round (8,192 floats), the
 same order wherever no two values tie; where some do, it sorts distinct keys (each value's rank
 among the distinct values, then its index). (Rows of a dealing's running totals, which tie
-often, take :func:`stable_argsort_rows` instead: there the extra pass cost more than it saved.)
+often, take :func:`stable_argsort_rows` instead: there this extra pass cost more than it saved.)
 
 :func:`stable_by_int` orders items by a small non-negative integer key (a pack's index in its
 window) by 16-bit digits, least significant first: each digit is a radix sort in numpy (445,000
@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["stable_argsort_rows", "sorted_length_keys", "stable_argsort", "stable_ascending",
-           "stable_by_int"]
+from energon_ordering.pool.pack_order import ATTENTION_CROSSOVER_TOKENS
+
+__all__ = ["COST_SCALE", "sorted_length_keys", "stable_argsort", "stable_argsort_rows",
+           "stable_ascending", "stable_by_int"]
 
 #: Bits of the index in a composite key (at most 2^24 values: a window's plan is capped there).
 _INDEX_BITS = 24
@@ -129,8 +131,8 @@ def stable_argsort(values: np.ndarray) -> np.ndarray:
     return np.argsort(key)
 
 
-#: Costs of whole lengths are multiples of 1/COST_SCALE (``L + L^2 / 4096``).
-COST_SCALE = 4096
+#: Costs of whole lengths, ``L + L^2 / 4096``, are multiples of 1/COST_SCALE.
+COST_SCALE = ATTENTION_CROSSOVER_TOKENS
 #: Rows shorter than this are sorted stably as they are (the keys cost more than they save).
 _KEYED_ROW = 64
 
