@@ -50,6 +50,17 @@ class Packing:
         top = float(self.rank_cost.max())
         return 1.0 - float(self.rank_cost.mean()) / top if top > 0 else 0.0
 
+    @property
+    def padding(self) -> float:
+        """The packs' room left, as a share of their tokens (``R P cap``)."""
+        return 1.0 - float(self.load.sum()) / (self.load.size * self.cap)
+
+    @property
+    def lost(self) -> float:
+        """The compute the packing loses, idle per step + padding by tokens (DESIGN.md's lost
+        compute: the ranks' costs sum their packs, so ``idle`` is per optimizer step)."""
+        return self.idle + self.padding
+
     def seed(self, L: np.ndarray, first: np.ndarray, out: np.ndarray) -> None:
         """Every pack of an empty packing takes one of ``first`` (the ``R P`` longest items,
         longest first), dealt in tuples of R, the costliest to the cheapest rank: no pack stays

@@ -19,7 +19,11 @@ the count n (``counts_of(n)``: the carry's rounding). Each try packs the n draws
 4. **Balance first.** A count that packs whole with the ranks over the tolerance (nearly full
    packs leave the dealing little choice: a step of 1,024 ranks x 2 packs went from 8% to 13%
    idle over the last 0.3% of its count) is compared with one :data:`START_MARGIN` emptier,
-   else :data:`BALANCE_MARGIN` emptier; the fuller one is kept if it balances as well.
+   else :data:`BALANCE_MARGIN` emptier; the fuller one is kept if it balances as well. Where
+   none of them balances (the idle is the packs' own: at one or two packs per rank, a few
+   costly packs on a heavy tail), the one that loses the least compute, idle per step + padding
+   by tokens (:attr:`~.pack_fill.Packing.lost`), is kept: lowering the count there bought
+   little idle for much padding.
 5. **Up again.** Bisection between the largest count that packed whole and the smallest that
    did not (or the unbalanced one), to within :data:`FILL_RESOLUTION` of the latter (a count
    lowered by that share from one that left draws out is taken as it is), taking a count whose
@@ -29,7 +33,10 @@ the count n (``counts_of(n)``: the carry's rounding). Each try packs the n draws
 number of samples left out and bisected back up: 5-6 packings a step. Version 3 measured the
 resolution against the lower count, so a count lowered by exactly the resolution was bisected
 once more (a third packing of most windows of the trimodal and demo mixes, for at most 0.25% of
-their samples, in packs fuller but less balanced).
+their samples, in packs fuller but less balanced). Version 4 kept the most balanced count where
+none balanced, and bisected up from it: on the heavy-tailed mix at 1,024 ranks x 2 packs, 5.9%
+idle per step and 2.3% padding in 6.7 packings a step, where version 5 takes the full count,
+6.6% and 0.6% in 3.5 (``tools/bench_planned.py``).
 """
 
 from __future__ import annotations
@@ -189,11 +196,19 @@ def search_packed(streams: Sequence[SourceDraws], counts_of: CountsOf, *, most: 
         # balance first, from a count START_MARGIN emptier (or, if that is not within the
         # tolerance either, BALANCE_MARGIN emptier), up to this one
         full, fail = best, n
+        tried = []
         for margin in (START_MARGIN, BALANCE_MARGIN):
             n, best, _ = whole(max(least, fail - int(fail * margin)))
+            tried.append((n, best))
             if best.packing.idle <= tolerance:
                 break
-        if full.packing.idle <= best.packing.idle:
+        if best.packing.idle > tolerance:
+            # no count balances (the idle is the packs' own: a few costly ones): the count
+            # that loses the least compute, idle + padding, and the full one where that is it
+            n, best = min(tried, key=lambda t: t[1].packing.lost)
+            if full.packing.lost <= best.packing.lost:
+                return full
+        elif full.packing.idle <= best.packing.idle:
             return full  # the fuller count balances as well
     elif fail is None:
         return best  # the usual case: the first count packs whole and balanced

@@ -13,7 +13,8 @@ computes the same ones and no rank packs its own slice. Per optimizer step (G = 
    :data:`~.pack_search.START_MARGIN` below it. That count is taken if every draw fits and the
    ranks' idle is within :data:`~.pack_search.IDLE_TOLERANCE` (one packing: the usual case);
    else the count is lowered until every draw fits (and, where the ranks were unbalanced, from
-   an emptier count: balance first), then bisected back up, to within
+   an emptier count: balance first; where no count balances, the one that loses the least
+   compute, idle + padding), then bisected back up, to within
    :data:`~.pack_search.FILL_RESOLUTION`, to the largest count that packs whole with the ranks
    balanced as well. The step's counts stay exact for its n.
 2. **Packs and ranks** (:func:`~.pack_fill.fill_packs`). Every rank owns ``M B`` packs (its M
@@ -53,9 +54,10 @@ __all__ = ["PACKED_PLAN_VERSION", "PackedWindowPlan", "deal_packs", "fill_packs"
            "plan_packed_step", "plan_packed_window"]
 
 #: Bumped whenever a packed plan changes for the same inputs; a packed planned state stamps it.
-PACKED_PLAN_VERSION = 4  # 2: every pack seeded with one of the step's longest samples; 3: a
+PACKED_PLAN_VERSION = 5  # 2: every pack seeded with one of the step's longest samples; 3: a
 # step's count searched from 0.4% below the token bound, one packing where it fits and balances
-# (pack_search.py); 4: the search's resolution measured against the count that did not pack
+# (pack_search.py); 4: the search's resolution measured against the count that did not pack; 5:
+# where no count balances, the one that loses the least compute (idle + padding)
 
 
 def deal_packs(pack_costs: np.ndarray, world_size: int, packs_per_rank: int) -> np.ndarray:
