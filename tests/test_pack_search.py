@@ -187,3 +187,22 @@ def test_where_no_count_balances_the_one_losing_least_compute_is_taken(packings,
     assert (n, found.packing.lost) in [(m, lost) for m, lost, _ in whole]
     assert found.packing.padding == pytest.approx(
         1 - float(cut_lengths(streams, found.counts, CAP).sum()) / (R * P * CAP))
+
+
+@pytest.mark.parametrize("R", [8, 64])
+def test_an_emptier_count_that_cannot_win_is_not_packed(packings, R):
+    """One pack per rank on a heavy tail: the rank holding the costliest sample idles the others
+    whatever the count, so the emptier counts of the balance-first search are known to lose (their
+    idle is at least ``1 - mean / costliest sample``, their padding larger) and are not packed.
+    Packed by hand, they do lose at least what the count taken loses."""
+    P, tolerance = 1, 0.002
+    streams, counts_of = _heavy_streams(R + 1), _counts_of()
+    most, found = _search(streams, counts_of, R, P, tolerance)
+    n = int(found.counts.sum())
+    whole = [m for m, left_out in packings if not left_out]
+    assert whole == [n]  # only the count taken was packed whole
+    for margin in (START_MARGIN, pack_search.BALANCE_MARGIN):
+        m = n - int(n * margin)
+        pack, packing = pack_fill(cut_lengths(streams, counts_of(m)[0], CAP), R, P, CAP)
+        assert (pack >= 0).all()
+        assert packing.idle > tolerance and packing.lost >= found.packing.lost

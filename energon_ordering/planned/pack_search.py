@@ -23,7 +23,10 @@ the count n (``counts_of(n)``: the carry's rounding). Each try packs the n draws
    none of them balances (the idle is the packs' own: at one or two packs per rank, a few
    costly packs on a heavy tail), the one that loses the least compute, idle per step + padding
    by tokens (:attr:`~.pack_fill.Packing.lost`), is kept: lowering the count there bought
-   little idle for much padding.
+   little idle for much padding. An emptier count is not packed where it is known to lose: the
+   rank that holds its costliest sample idles the others by at least ``1 - mean rank cost /
+   that sample's cost``, over the tolerance, and with its padding that is no less than the full
+   count loses (one pack per rank on a heavy tail: 3.4-3.5 packings a step -> 1.3-1.7).
 5. **Up again.** Bisection between the largest count that packed whole and the smallest that
    did not (or the unbalanced one), to within :data:`FILL_RESOLUTION` of the latter (a count
    lowered by that share from one that left draws out is taken as it is), taking a count whose
@@ -49,6 +52,7 @@ import numpy as np
 
 from energon_ordering.mixture.step_counts import step_source_counts
 
+from .balance import sample_cost
 from .pack_fill import Packing, pack_fill
 from .source_draws import SourceDraws, cut_lengths
 
@@ -190,6 +194,19 @@ def search_packed(streams: Sequence[SourceDraws], counts_of: CountsOf, *, most: 
         return n, got, short
 
     tolerance = 1.0 if idle_tolerance is None else idle_tolerance
+
+    def cannot_win(n: int, full: Found) -> bool:
+        """Whether count n, packed whole, could neither balance nor lose less compute than
+        ``full``, known without packing it: the rank that holds its costliest sample costs at
+        least that, so its idle is at least ``1 - mean rank cost / that sample's cost``, and its
+        padding is its tokens' (one pack per rank on a heavy tail: the usual case)."""
+        L = cut_lengths(streams, counts_of(n)[0], cap)
+        cost = sample_cost(L)
+        top = float(cost.max())
+        idle = max(0.0, 1.0 - float(cost.sum()) / R / top) if top > 0 else 0.0
+        padding = 1.0 - float(L.sum()) / (R * P * cap)
+        return idle > tolerance and idle + padding >= full.packing.lost
+
     n, best, fail = whole(max(least, most - int(most * START_MARGIN)))
     if best.packing.idle > tolerance:
         # packed whole but unbalanced (nearly full packs leave the dealing little choice):
@@ -198,10 +215,15 @@ def search_packed(streams: Sequence[SourceDraws], counts_of: CountsOf, *, most: 
         full, fail = best, n
         tried = []
         for margin in (START_MARGIN, BALANCE_MARGIN):
-            n, best, _ = whole(max(least, fail - int(fail * margin)))
+            m = max(least, fail - int(fail * margin))
+            if m >= fail or cannot_win(m, full):
+                continue  # the same count (a small step), or one known to lose
+            n, best, _ = whole(m)
             tried.append((n, best))
             if best.packing.idle <= tolerance:
                 break
+        if not tried:
+            return full
         if best.packing.idle > tolerance:
             # no count balances (the idle is the packs' own: a few costly ones): the count
             # that loses the least compute, idle + padding, and the full one where that is it
