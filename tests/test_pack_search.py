@@ -175,7 +175,7 @@ def test_where_no_count_balances_the_one_losing_least_compute_is_taken(packings,
     P = 2
     streams, counts_of = _heavy_streams(R), _counts_of()
     most, found = _search(streams, counts_of, R, P, 0.002)
-    whole = []  # (count, lost compute) of every count the search packed whole
+    whole = []  # (count, lost compute, idle) of every count the search packed whole
     for n, left_out in packings:
         if not left_out:
             c = counts_of(n)[0]
