@@ -439,3 +439,55 @@ def test_window_mix_plans_are_pinned_to_their_version() -> None:
     from energon_ordering.planned.window import WINDOW_MIX_PLAN_VERSION
 
     assert (WINDOW_MIX_PLAN_VERSION, _window_digest()) == (2, WINDOW_DIGEST)
+
+
+def _deal_steps_every_way(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int
+                          ) -> np.ndarray:
+    """:func:`window_mix._deal_steps` by its definition: every dealing scored (whole, then cut
+    into h = 1, 2, 4, ... parts; none skipped), the lowest score kept, ties to the earlier."""
+    out = window_mix._deal_steps(L, K, tokens, R, B, M)  # the whole dealings, replaced below
+    cost = sample_cost(L)
+    for s in range(L.shape[0]):
+        block = cost[s].reshape(-1, B).sum(axis=1)
+        dealt, rank = window_mix.deal_sorted(block[None], R, M)
+        pad = B * L[s, B - 1::B].sum() - L[s].sum()
+        idle = float(window_mix._idle(rank)[0])
+        best = (dealt[0] * B)[..., None] + np.arange(B)
+        score = idle / K + window_mix.PADDING_WEIGHT * pad / tokens
+        if idle > window_mix.LEVEL_ENOUGH:
+            for h in window_mix._parts(R):
+                r = R // h
+                col, tot = window_mix.deal_sorted(cost[s].reshape(-1, r * B), r, B)
+                tot = tot.reshape(M, h, r)
+                tot[1::2] = tot[1::2, ::-1]
+                # each part's r B samples ascend: its r longest set its r micro-batches' widths
+                part_pad = B * L[s].reshape(M * h, r * B)[:, -r:].sum() - L[s].sum()
+                got = float(window_mix._idle(tot.sum(axis=0).reshape(1, R))[0]) / K + (
+                    window_mix.PADDING_WEIGHT * part_pad / tokens)
+                if got < score:
+                    pos = (col.reshape(M, h, r, B)
+                           + (np.arange(M * h) * (r * B)).reshape(M, h, 1, 1))
+                    pos[1::2] = pos[1::2, ::-1]
+                    best, score = pos.reshape(M, R, B).transpose(1, 0, 2), got
+        out[s] = best
+    return out
+
+
+@pytest.mark.parametrize("R,B,M", [(8, 4, 2), (64, 4, 8), (32, 2, 1), (6, 3, 4)])
+def test_cut_dealings_tried_most_promising_first_keep_the_best_of_every_way(R, B, M) -> None:
+    """Trying each step's cut dealings lowest bound first, and skipping those whose bound is
+    over the best score, keeps the dealing of the lowest score, ties to the earlier: the same
+    positions as scoring every way, on heavy tails (cut dealings win), narrow bands (whole
+    wins) and mixes of both."""
+    rng = np.random.default_rng(R * 100 + M)
+    G = R * M * B
+    rows = [np.sort(rng.lognormal(np.log(600), 1.2, G).clip(16, 32768).round()),  # heavy tail
+            np.sort(rng.integers(900, 1000, G)).astype(np.float64),  # one narrow band
+            np.sort(np.where(rng.random(G) < 0.05, 20000, rng.integers(100, 200, G))
+                    ).astype(np.float64),
+            np.sort(rng.integers(16, 8192, G)).astype(np.float64)]
+    L = np.stack(rows * 3)
+    K = 4
+    tokens = float(L.sum())
+    got = window_mix._deal_steps(L, K, tokens, R, B, M)
+    assert np.array_equal(got, _deal_steps_every_way(L, K, tokens, R, B, M))

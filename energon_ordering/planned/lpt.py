@@ -66,11 +66,16 @@ def _deal(items: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray
     n, P, R = values.shape
     out = np.empty((n, R, P), dtype=np.int64)
     totals = np.zeros((n, R))
-    rows = np.arange(n)[:, None]
     out[:, :, 0] = items[:, 0]  # the first tuple: every total is 0, item k to rank k
     totals += values[:, 0]
+    # flat indices into the outputs: 1-D fancy indexing is faster than 2-D (rows, ranks)
+    flat_out, flat_totals = out.reshape(-1), totals.reshape(-1)
+    row_start = np.arange(0, n * R, R, dtype=np.int64)[:, None]
     for j in range(1, P):
-        ranks = stable_argsort_rows(totals)  # cheapest rank first (ties by rank)
-        out[rows, ranks, j] = items[:, j]
-        totals[rows, ranks] += values[:, j]
+        at = stable_argsort_rows(totals)  # cheapest rank first (ties by rank)
+        at += row_start
+        flat_totals[at] += values[:, j]  # a row's ranks are distinct: no index repeats
+        at *= P
+        at += j
+        flat_out[at] = items[:, j]
     return out, totals

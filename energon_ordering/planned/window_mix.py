@@ -447,33 +447,52 @@ def _deal_steps(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int) ->
     ccs = np.zeros((len(rows), G + 1))
     np.cumsum(cr, axis=1, out=ccs[:, 1:])
     mean = ccs[:, -1] / R
-    for h in _parts(R):
+    parts = _parts(R)
+    floor = np.empty((len(parts), len(rows)))
+    bound = np.empty((len(parts), len(rows)))
+    for i, h in enumerate(parts):
         r = R // h
         ends = np.arange(1, M * h + 1) * (r * B)  # parts in (micro-batch index, part) order
-        floor = PADDING_WEIGHT * (B * (cs[:, ends] - cs[:, ends - r]).sum(axis=1)
-                                  - cs[:, -1]) / tokens
+        floor[i] = PADDING_WEIGHT * (B * (cs[:, ends] - cs[:, ends - r]).sum(axis=1)
+                                     - cs[:, -1]) / tokens
         # idle is at least the parts' own: a rank's cost is its parts' (over the micro-batch
         # indices) mean at best, so the costliest group of ranks bounds the step's maximum
         part = (ccs[:, ends] - ccs[:, ends - r * B]).reshape(len(rows), M, h)
         part[:, 1::2] = part[:, 1::2, ::-1]
-        least = 1 - mean / np.maximum(part.sum(axis=1).max(axis=1) / r, 1e-300)
-        # skipped only when the bound is above the best score by more than rounding: a
-        # dealing skipped could not have won
-        tried = np.flatnonzero(floor + least / K < score * (1 + 1e-9))
-        if not len(tried):
-            continue
-        col, tot = deal_sorted(cr[tried].reshape(-1, r * B), r, B)
-        tot = tot.reshape(len(tried), M, h, r)
-        tot[:, 1::2] = tot[:, 1::2, ::-1]  # odd micro-batches: parts to ranks the other way
-        got = _idle(tot.sum(axis=1).reshape(len(tried), R)) / K + floor[tried]
-        better = got < score[tried]
-        if not better.any():
-            continue
-        won = tried[better]
-        pos = (col.reshape(len(tried), M, h, r, B)[better]
-               + (np.arange(M * h) * (r * B)).reshape(1, M, h, 1, 1))
-        pos[:, 1::2] = pos[:, 1::2, ::-1]
-        best[rows[won]] = pos.reshape(len(won), M, R, B).transpose(0, 2, 1, 3)
-        score[won] = got[better]
-        del col, tot, pos
+        bound[i] = floor[i] + (1 - mean / np.maximum(part.sum(axis=1).max(axis=1) / r,
+                                                     1e-300)) / K
+    # most promising first: each step tries its cut dealing of the lowest bound not tried yet
+    # while that bound is below its best score (by more than rounding: a dealing skipped could
+    # not have won), so one that wins early prunes the rest. The dealing kept is the one of the
+    # lowest score, ties to the earlier in the order whole, h = 1, 2, 4, ...: the same as
+    # trying them in that order.
+    kept = np.full(len(rows), len(parts))  # the whole dealing: before every cut one
+    untried = np.ones(bound.shape, dtype=bool)
+    while True:
+        open_ = untried & (bound < score * (1 + 1e-9))
+        some = np.flatnonzero(open_.any(axis=0))
+        if not len(some):
+            break
+        pick = np.where(open_[:, some], bound[:, some], np.inf).argmin(axis=0)  # ties: lower h
+        for i in np.unique(pick).tolist():
+            tried = some[pick == i]
+            untried[i, tried] = False
+            h = parts[i]
+            r = R // h
+            col, tot = deal_sorted(cr[tried].reshape(-1, r * B), r, B)
+            tot = tot.reshape(len(tried), M, h, r)
+            tot[:, 1::2] = tot[:, 1::2, ::-1]  # odd micro-batches: parts to ranks the other way
+            got = _idle(tot.sum(axis=1).reshape(len(tried), R)) / K + floor[i, tried]
+            earlier = (kept[tried] < len(parts)) & (i < kept[tried])
+            better = (got < score[tried]) | ((got == score[tried]) & earlier)
+            if not better.any():
+                continue
+            won = tried[better]
+            pos = (col.reshape(len(tried), M, h, r, B)[better]
+                   + (np.arange(M * h) * (r * B)).reshape(1, M, h, 1, 1))
+            pos[:, 1::2] = pos[:, 1::2, ::-1]
+            best[rows[won]] = pos.reshape(len(won), M, R, B).transpose(0, 2, 1, 3)
+            score[won] = got[better]
+            kept[won] = i
+            del col, tot, pos
     return best
