@@ -422,9 +422,9 @@ def _deal_steps(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int) ->
     ``B x (its r longest) - (its sum)`` whichever rank takes which; and its idle is at least
     that of its groups of ranks (the r ranks that take a part of each micro-batch index share
     the parts' cost). A cut dealing is tried only on the steps where those two bounds score
-    below the best dealing so far (one skipped could not have won), and never on a step whose
-    whole dealing idles at most :data:`LEVEL_ENOUGH` (most bands are narrow: whole is
-    level)."""
+    below the best dealing so far (one skipped could not have won), lowest bound first (one
+    that wins early prunes the rest), and never on a step whose whole dealing idles at most
+    :data:`LEVEL_ENOUGH` (most bands are narrow: whole is level)."""
     n, G = L.shape
     cost = sample_cost(L)
     # micro-batches of B neighbours dealt whole: the blocks' costs ascend along each row
