@@ -466,7 +466,7 @@ def _deal_steps(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int) ->
     # not have won), so one that wins early prunes the rest. The dealing kept is the one of the
     # lowest score, ties to the earlier in the order whole, h = 1, 2, 4, ...: the same as
     # trying them in that order.
-    kept = np.full(len(rows), len(parts))  # the whole dealing: before every cut one
+    kept = np.full(len(rows), -1)  # index into parts of the dealing kept; -1: whole, before all
     untried = np.ones(bound.shape, dtype=bool)
     while True:
         open_ = untried & (bound < score * (1 + 1e-9))
@@ -483,8 +483,7 @@ def _deal_steps(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int) ->
             tot = tot.reshape(len(tried), M, h, r)
             tot[:, 1::2] = tot[:, 1::2, ::-1]  # odd micro-batches: parts to ranks the other way
             got = _idle(tot.sum(axis=1).reshape(len(tried), R)) / K + floor[i, tried]
-            earlier = (kept[tried] < len(parts)) & (i < kept[tried])
-            better = (got < score[tried]) | ((got == score[tried]) & earlier)
+            better = (got < score[tried]) | ((got == score[tried]) & (i < kept[tried]))
             if not better.any():
                 continue
             won = tried[better]
