@@ -445,7 +445,7 @@ def _deal_steps_every_way(L: np.ndarray, K: int, tokens: float, R: int, B: int, 
                           ) -> np.ndarray:
     """:func:`window_mix._deal_steps` by its definition: every dealing scored (whole, then cut
     into h = 1, 2, 4, ... parts; none skipped), the lowest score kept, ties to the earlier."""
-    out = window_mix._deal_steps(L, K, tokens, R, B, M)  # the whole dealings, replaced below
+    out = np.empty((L.shape[0], R, M, B), dtype=np.int64)
     cost = sample_cost(L)
     for s in range(L.shape[0]):
         block = cost[s].reshape(-1, B).sum(axis=1)
