@@ -125,3 +125,13 @@ def test_benchmark_prints_command_and_totals_through_the_helpers(name: str) -> N
     assert calls.count("finish(start)") >= 1 + len(returns), f"{name}: a return skips finish()"
     source = (TOOLS / name).read_text()
     assert "SystemExit" not in source and "\n    assert " not in source
+
+
+def test_machine_speed_names_both_reference_operations_with_their_sizes() -> None:
+    """The benchmarks that report planning CPU print this line beside it: both operations,
+    their sizes and CPU milliseconds (numbers, not placeholders)."""
+    line = bc.machine_speed(n=1 << 12, repeats=2)
+    assert line.startswith("this machine: a stable sort of 4,096 int64 keys takes ")
+    assert "a random gather of 4,096 lengths" in line
+    figures = [float(x) for x in line.replace(",", "").split() if x.replace(".", "").isdigit()]
+    assert len(figures) == 4 and all(f >= 0 for f in figures[1::2])

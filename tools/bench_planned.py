@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import click
 import numpy as np
 
+from _bench_common import machine_speed
 from energon_ordering.cli.tables import table
 from energon_ordering.inspect.advise import LengthPopulation, predict_order, worker_share
 from energon_ordering.inspect.lost_compute import (
@@ -463,7 +464,8 @@ def main(quick: bool, ranks: str | None, micro_batches: str | None,
                f"64; packed: against own packs); planning <= {TARGET_MS_PER_1K_RANKS:.0f} ms "
                f"CPU per step per 1,000 ranks (* depends on the machine's load: reported, never "
                f"failed) and <= {100 * TARGET_SHARE:.0f}% of a 1 s step; peak <= "
-               f"{TARGET_MIB:.0f} MiB\n")
+               f"{TARGET_MIB:.0f} MiB")
+    click.echo(machine_speed() + "\n")
     every = mixes(samples)
     kinds = ["padded", "packed"] if only == "both" else [only]
     for name in mix_names.split(","):
