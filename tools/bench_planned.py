@@ -89,7 +89,8 @@ PLAN_ONLY_RANKS = (16384,)
 MICRO_BATCHES = (1, 2, 8)
 POOLS = (10_000, 100_000)
 WORKERS = 2  # loader workers per rank, for the pools the package accepts
-#: A window holds at most this many samples at the plan-only shapes (K shrinks with R M B).
+#: A window holds at most this many samples at the plan-only shapes (K shrinks with R M B),
+#: unless ``--plan-only-window-samples`` says.
 PLAN_ONLY_WINDOW_SAMPLES = 1 << 20
 
 # issue 32's targets
@@ -332,6 +333,8 @@ HEADERS = ["order", "idle/micro-batch", "idle/step", "padding (tokens)", "lost c
 
 #: plan_window_steps of the run (``--window-steps``; None: each mix's default).
 WINDOW_STEPS: list[int | None] = [None]
+#: Most samples of a window at the plan-only shapes (``--plan-only-window-samples``).
+PLAN_ONLY_SAMPLES: list[int] = [PLAN_ONLY_WINDOW_SAMPLES]
 
 
 def window_steps_for(R: int, M: int, b: int, plan_only: bool, mix: str, packed: bool) -> int:
@@ -341,7 +344,7 @@ def window_steps_for(R: int, M: int, b: int, plan_only: bool, mix: str, packed: 
     k = WINDOW_STEPS[0] or default_window_steps(mix, R * M * b, packed)
     if not plan_only:
         return k
-    return int(max(1, min(k, PLAN_ONLY_WINDOW_SAMPLES // (R * M * b))))
+    return int(max(1, min(k, PLAN_ONLY_SAMPLES[0] // (R * M * b))))
 
 
 def padded_table(name, lengths, weights, pop, R, M, windows, dataset_samples,
@@ -432,13 +435,18 @@ def packed_table(name, lengths, weights, R, M, windows, cap,
               help="plan_window_steps K of both mixes (default: each mix's own: 32 for step, "
               "about 2^20 samples or 2^16 packs for window; the plan-only shapes shrink it to "
               "fit their window).")
+@click.option("--plan-only-window-samples", "plan_only_samples", type=int,
+              default=PLAN_ONLY_WINDOW_SAMPLES, show_default=True,
+              help="Most samples of a window at the plan-only shapes: K shrinks to fit (the "
+              "window mix's default window; more sorts narrower bands for more memory).")
 @click.option("--cap", type=int, default=8192, help="Tokens per pack (pack_seq_length).")
 @click.option("--samples", type=int, default=2_000_000, help="Samples per mix.")
 @click.option("--dataset-samples", type=int, default=10_000_000,
               help="Dataset size that bounds the pools the package accepts.")
 def main(quick: bool, ranks: str | None, micro_batches: str | None,
          plan_only_ranks: str | None, only: str, mix_names: str, windows: int | None,
-         window_steps: int | None, cap: int, samples: int, dataset_samples: int) -> None:
+         window_steps: int | None, plan_only_samples: int, cap: int, samples: int,
+         dataset_samples: int) -> None:
     """Planned step / window vs batch pools vs global sort vs the free-dealing bound."""
     wall0, cpu0 = time.perf_counter(), time.process_time()
     click.echo("$ " + shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
@@ -451,9 +459,10 @@ def main(quick: bool, ranks: str | None, micro_batches: str | None,
                  .split(",") if x]
     windows = windows or (1 if quick else 2)
     WINDOW_STEPS[0] = window_steps
+    PLAN_ONLY_SAMPLES[0] = plan_only_samples
     click.echo(f"micro-batch {BATCH} (padded) or one pack of {cap:,} tokens (packed); "
                f"plan_window_steps {window_steps or 'of each mix (step 32, window ~2^20 samples)'} "
-               f"({PLAN_ONLY_WINDOW_SAMPLES:,} samples "
+               f"({plan_only_samples:,} samples "
                f"a window at most at the plan-only shapes); {windows} window(s) per setting; "
                f"pools: a loader worker's share of {dataset_samples:,} samples over R x "
                f"{WORKERS} workers at most")
