@@ -14,7 +14,8 @@ from energon_ordering.errors import OrderingConfigError, OrderingTypeError, show
 from energon_ordering.pool.order import POOL_ORDERS
 from energon_ordering.pool.ramp import RAMP_MIN_POOL
 from energon_ordering.mixture.schedule import MAX_STEPS, MixtureSchedule
-from energon_ordering.planned.mix import PLANNED_MIXES
+from energon_ordering.planned.mix import (PLANNED_MIX_SETTINGS, PLANNED_MIXES, PlannedMix,
+                                          resolve_planned_mix)
 from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
 from energon_ordering.planned.window_size import (MAX_WINDOW_MIX_STEPS, MAX_WINDOW_STEPS,
                                                   default_window_steps)
@@ -23,12 +24,12 @@ from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.yaml_file import load_yaml
 
 __all__ = ["DEFAULT_PLANNED_MIX", "MAX_PLAN_WINDOW_SAMPLES", "MAX_PLAN_WINDOW_STEPS",
-           "PACK_POOL_PLACEMENTS", "PLACEMENTS", "PLANNED", "PLANNED_MIXES", "POOL_HOLDS",
-           "OrderingConfig"]
+           "PACK_POOL_PLACEMENTS", "PLACEMENTS", "PLANNED", "PLANNED_MIXES",
+           "PLANNED_MIX_SETTINGS", "POOL_HOLDS", "OrderingConfig"]
 
-#: The default ``planned_mix`` (:data:`~energon_ordering.planned.mix.PLANNED_MIXES` lists the
-#: default first).
-DEFAULT_PLANNED_MIX = PLANNED_MIXES[0]
+#: The default ``planned_mix``, ``"auto"``
+#: (:data:`~energon_ordering.planned.mix.PLANNED_MIX_SETTINGS` lists the default first).
+DEFAULT_PLANNED_MIX = PLANNED_MIX_SETTINGS[0]
 
 #: ``length_sort_mode`` of the planned global order (issue 23): no pool; every rank computes the
 #: same plan of the global order from the length index (:mod:`energon_ordering.planned`).
@@ -157,12 +158,15 @@ class OrderingConfig:
             from there on draws and balances the new global batch. False: such a state is
             refused, naming this setting. Only in planned mode.
         planned_mix: With ``length_sort_mode = "planned"``: where the blend's mix holds.
-            ``"step"`` (default): every optimizer step within one sample per source of weight x
-            global batch. ``"window"``: every plan window of ``plan_window_steps`` steps within
-            one sample per source of its weights' sum over the window, the window's samples free
-            to move between its steps (each step one band of lengths: less idle and padding at
-            one or two micro-batches per step); the schedule and the warmup still hold per step.
-            A state saved with one is refused by the other. Only in planned mode.
+            ``"step"``: every optimizer step within one sample per source of weight x global
+            batch. ``"window"``: every plan window of ``plan_window_steps`` steps within one
+            sample per source of its weights' sum over the window, the window's samples free to
+            move between its steps (each step one band of lengths: less idle and padding at one
+            or two micro-batches per step); the schedule and the warmup still hold per step.
+            ``"auto"`` (default): ``"step"`` where ``mixture_schedule`` changes the weights over
+            training, else ``"window"`` (:attr:`resolved_planned_mix`;
+            :mod:`energon_ordering.planned.mix`). A state saved with one granularity is refused
+            by the other. Only in planned mode.
     """
 
     length_sort_pool_size: int = 0
@@ -341,10 +345,11 @@ class OrderingConfig:
                     f"OrderingConfig.{name} = {show(value)} ({type(value).__name__}) must be a "
                     "string or None."
                 )
-        if self.planned_mix not in PLANNED_MIXES:
+        if self.planned_mix not in PLANNED_MIX_SETTINGS:
             raise OrderingConfigError(
                 f"OrderingConfig.planned_mix = {show(self.planned_mix)} is unknown; use one of "
-                f"{list(PLANNED_MIXES)} (the blend's mix held per optimizer step or per plan "
+                f"{list(PLANNED_MIX_SETTINGS)} (the blend's mix held per optimizer step, per plan "
+                "window, or 'auto': per step where mixture_schedule changes the weights, else per "
                 "window)."
             )
         if self.length_sort_mode == PLANNED:
@@ -424,13 +429,13 @@ class OrderingConfig:
                 "windows of this many optimizer steps; give an int >= 1 (default "
                 f"{DEFAULT_WINDOW_STEPS})."
             )
-        if self.planned_mix == "window" and k > MAX_WINDOW_MIX_STEPS:
+        if self.resolved_planned_mix == "window" and k > MAX_WINDOW_MIX_STEPS:
             raise OrderingConfigError(
                 f"OrderingConfig.plan_window_steps = {show(k)} is over the window mix's limit of "
                 f"{MAX_WINDOW_MIX_STEPS:,} steps (a window's mix holds over its steps); use "
                 f"plan_window_steps <= {MAX_WINDOW_MIX_STEPS:,}, or leave it unset (sized for "
                 "the global batch).")
-        if self.planned_mix != "window" and k > MAX_PLAN_WINDOW_STEPS:
+        if self.resolved_planned_mix != "window" and k > MAX_PLAN_WINDOW_STEPS:
             raise OrderingConfigError(
                 f"OrderingConfig.plan_window_steps = {show(k)} is over the limit of "
                 f"{MAX_PLAN_WINDOW_STEPS:,}: balancing a window costs memory and time that "
@@ -465,7 +470,14 @@ class OrderingConfig:
         if packed is None:
             packed = self.packing_buffer_size is not None
         g = int(world_size) * self.micro_batches_per_step * int(batch_size)
-        return default_window_steps(self.planned_mix, g, packed)
+        return default_window_steps(self.resolved_planned_mix, g, packed)
+
+    @property
+    def resolved_planned_mix(self) -> PlannedMix:
+        """The granularity the plan holds the mix at: ``planned_mix``, with ``"auto"`` resolved
+        (``"step"`` where ``mixture_schedule`` changes the weights over training, else
+        ``"window"``; :func:`~energon_ordering.planned.mix.resolve_planned_mix`)."""
+        return resolve_planned_mix(self.planned_mix, self.mixture_schedule)
 
     @property
     def planned(self) -> bool:

@@ -143,7 +143,7 @@ PLANNED = dict(length_sort_mode="planned", length_sort_placement="pre-encode",
                length_sort_pool_holds="keys")
 
 
-@pytest.mark.parametrize("mix", ["step", "window"])
+@pytest.mark.parametrize("mix", ["auto", "step", "window"])
 def test_planned_mix_is_a_recipe_key(tmp_path, mix):
     recipe = tmp_path / "planned.yaml"
     recipe.write_text("length_sort_mode: planned\nplacement: pre-encode\n"
@@ -151,14 +151,33 @@ def test_planned_mix_is_a_recipe_key(tmp_path, mix):
     cfg = OrderingConfig.from_yaml(recipe)
     assert cfg.planned_mix == mix
     assert OrderingConfig.from_dict(cfg.to_dict()) == cfg
-    assert OrderingConfig(**PLANNED).planned_mix == "step"
+    assert OrderingConfig(**PLANNED).planned_mix == "auto"
+
+
+#: A schedule that anneals (its weights change over training) and one whose weights only scale.
+ANNEAL = {"sources": {"web": {"weight": {"linear": {0: 9, 100: 1}}}, "code": {"weight": 1}}}
+SCALED = {"sources": {"web": {"weight": {"linear": {0: 2, 100: 4}}},
+                      "code": {"weight": {"linear": {0: 1, 100: 2}}}}}
+
+
+@pytest.mark.parametrize("mix,schedule,resolved", [
+    ("auto", None, "window"), ("auto", SCALED, "window"), ("auto", ANNEAL, "step"),
+    ("step", None, "step"), ("window", ANNEAL, "window"),
+])
+def test_auto_plans_per_step_only_where_the_schedule_changes_the_weights(mix, schedule,
+                                                                          resolved):
+    cfg = OrderingConfig(**PLANNED, planned_mix=mix, mixture_schedule=schedule, total_steps=200)
+    assert cfg.resolved_planned_mix == resolved
+    # the default window follows the granularity resolved: the window mix's is ~2^20 samples
+    assert cfg.window_steps(8, 4) == (128 if resolved == "step" else 4096)
 
 
 @pytest.mark.parametrize(
     "kwargs,exc,match",
     [
         (dict(PLANNED, planned_mix="epoch"), OrderingConfigError,
-         r"^OrderingConfig.planned_mix = 'epoch' is unknown; use one of \['step', 'window'\]"),
+         r"^OrderingConfig.planned_mix = 'epoch' is unknown; use one of "
+         r"\['auto', 'step', 'window'\]"),
         (dict(planned_mix="window"), OrderingConfigError,
          r"^OrderingConfig.planned_mix = 'window' applies to length_sort_mode = 'planned' only "
          r"\(length_sort_mode is 'sample'\); drop planned_mix or set length_sort_mode"),

@@ -46,10 +46,11 @@ def test_inspect_runs_a_planned_recipe_and_names_its_mode(indexed, tmp_path):
     assert res.exit_code == 0, res.output
     header = next(line for line in res.output.splitlines()  # not the progress lines
                   if line.startswith(" ") and line.lstrip().startswith("pool off"))
-    assert "planned (K=4, step)" in header and "pool 0" not in header
+    # no planned_mix and no schedule: "auto" plans per window
+    assert "planned (K=4, window)" in header and "pool 0" not in header
     overlap = next(line for line in res.output.splitlines() if line.startswith("keys on two"))
     assert overlap.split()[-2:] == ["0", "0*"], overlap
-    assert "planned (K=4, step): length_sort_mode: planned, planned_mix: step" in res.output
+    assert "planned (K=4, window): length_sort_mode: planned, planned_mix: window" in res.output
     rows = [line.split("  ")[0] for line in res.output.splitlines()]
     for row in ("lost compute (idle/step + padding/tokens)", "straggler idle, per optimizer step",
                 "straggler idle, per micro-batch", "padding waste, by tokens",
@@ -78,12 +79,12 @@ def test_the_planned_run_takes_the_mix_asked_for():
     cfg = OrderingConfig.from_yaml(recipe)
     window = as_planned(cfg, "window")
     assert window.planned and window.planned_mix == "window"
-    assert as_planned(cfg).planned_mix == "step"
+    assert as_planned(cfg).planned_mix == "auto"
     assert as_planned(window, "step").planned_mix == "step"
     assert as_planned(window).plan_window_steps == window.plan_window_steps
     # the pool-off run of a window recipe drops the planned order's own settings
     off = pool_off(window)
-    assert not off.planned and off.planned_mix == "step"
+    assert not off.planned and off.planned_mix == "auto"
 
 
 def test_winning_mix_is_the_one_advise_predicts_loses_least(indexed):
@@ -105,7 +106,7 @@ def test_inspect_runs_a_planned_recipe_with_packing(indexed, tmp_path):
     assert res.exit_code == 0, res.output
     header = next(line for line in res.output.splitlines()
                   if line.startswith(" ") and line.lstrip().startswith("pool off"))
-    assert "planned (K=4, step)" in header
+    assert "planned (K=4, window)" in header
     overlap = next(line for line in res.output.splitlines() if line.startswith("keys on two"))
     assert overlap.split()[-1] == "0*", overlap  # the planned run drew no sample twice
 

@@ -48,7 +48,7 @@ def _config(mbps: int, **kw) -> OrderingConfig:
     return OrderingConfig(**{**dict(
         length_sort_mode="planned", length_sort_placement="pre-encode",
         length_sort_pool_holds="keys", micro_batches_per_step=mbps, seed=3, plan_window_steps=K,
-        seq_length_warmup=WARMUP), **kw})
+        seq_length_warmup=WARMUP, planned_mix="step"), **kw})
 
 
 def _loader(data, world_size, mbps, rank, num_workers=0, pack=False, loader_kwargs=None, **kw):

@@ -158,8 +158,8 @@ def test_a_total_steps_beyond_2_53_is_refused():
 def test_a_window_longer_than_the_limit_is_refused_by_the_config(k):
     with pytest.raises(OrderingConfigError, match=rf"plan_window_steps = {k} is over the limit of "
                                                   r"1,024.*steps squared"):
-        planned(plan_window_steps=k)
-    assert planned(plan_window_steps=1024).plan_window_steps == 1024
+        planned(plan_window_steps=k, planned_mix="step")
+    assert planned(plan_window_steps=1024, planned_mix="step").plan_window_steps == 1024
 
 
 def test_a_window_plan_larger_than_a_worker_may_hold_is_refused_where_the_shape_is_known():

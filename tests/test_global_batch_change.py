@@ -44,7 +44,8 @@ def data(tmp_path_factory) -> Path:
 def _cfg(mbps: int, allow: bool = True) -> OrderingConfig:
     return OrderingConfig(length_sort_mode="planned", length_sort_placement="pre-encode",
                           length_sort_pool_holds="keys", micro_batches_per_step=mbps, seed=SEED,
-                          plan_window_steps=K, allow_global_batch_change=allow)
+                          plan_window_steps=K, allow_global_batch_change=allow,
+                          planned_mix="step")
 
 
 def _loader(data, shape, rank, *, allow=True, repeat=False):

@@ -489,7 +489,8 @@ def test_planned_mode_flags():
     cfg = ordering_config_from_args(_parse(f"{base} --plan-window-steps 8", 8))
     assert (cfg.length_sort_mode, cfg.plan_window_steps, cfg.micro_batches_per_step) == (
         "planned", 8, 1)
-    assert cfg.planned_mix == "step"
-    assert ordering_config_from_args(_parse(f"{base} --planned-mix window", 8)).planned_mix == "window"
+    assert cfg.planned_mix == "auto" and cfg.resolved_planned_mix == "window"
+    for mix in ("step", "window"):
+        assert ordering_config_from_args(_parse(f"{base} --planned-mix {mix}", 8)).planned_mix == mix
     with pytest.raises(OrderingConfigError, match="length_sort_pool_size = 64.*plan_window_steps"):
         ordering_config_from_args(_parse(f"{base} --length-sort-pool-size 64", 8))

@@ -147,6 +147,44 @@ def test_a_state_of_the_other_mix_is_refused_naming_both(data, saved, restored):
     close_loader(loader)
 
 
+#: Steps 4-8 ramp web 0.8 -> 0.2: a schedule that changes the weights (test_elastic_exact's).
+ANNEAL = {"total_steps": 16, "phases": [
+    {"until": 0.25, "weights": {"web": 0.8, "code": 0.2}},
+    {"until": 1.0, "ramp_steps": 4, "weights": {"web": 0.2, "code": 0.8}}]}
+#: The blend's weights as a schedule that never changes them (only their scale moves).
+FLAT = {"total_steps": 16, "sources": {"web": {"weight": {"linear": {0: 7, 16: 14}}},
+                                       "code": {"weight": {"linear": {0: 3, 16: 6}}}}}
+
+
+@pytest.mark.parametrize("schedule,resolved", [(None, "window"), (FLAT, "window"),
+                                               (ANNEAL, "step")])
+def test_auto_plans_what_it_resolves_to_on_real_pipelines(data, schedule, resolved):
+    """planned_mix "auto" (the default) on 2 ranks x 2 micro-batches: every rank sees exactly
+    the samples and tokens of the granularity it resolves to (the window mix without a schedule
+    or with one that only scales the weights; the step mix where the schedule changes them),
+    and a state saved under it resumes as that granularity, exactly."""
+    kw = {} if schedule is None else {"mixture_schedule": schedule}
+    auto, states = _run(data, 2, 2, 12, mix="auto", save_at={4}, **kw)
+    assert auto == _run(data, 2, 2, 12, mix=resolved, **kw)[0]
+    other = {"step": "window", "window": "step"}[resolved]
+    assert auto != _run(data, 2, 2, 12, mix=other, **kw)[0]
+    rest, _ = _run(data, 2, 2, 8, state=states[4], mix=resolved, **kw)
+    assert rest == [rank[4:] for rank in auto]
+
+
+def test_a_step_state_restored_under_auto_that_plans_per_window_is_refused_naming_the_fix(data):
+    """A state of the step mix (the default before 'auto') restored where "auto" plans per
+    window: refused, naming both granularities and the setting that resumes it."""
+    _, states = _run(data, 2, 2, 4, save_at={4}, mix="step")
+    loader = _loader(data, 1, 4, 0, mix="auto")
+    with pytest.raises(StateMismatchError, match=r"planned_mix = 'step'.*planned_mix = 'window'"
+                       r".*resume with planned_mix = 'step' set explicitly \(the default "
+                       r"'auto'"):
+        restore_state_rank(loader, states[4])
+    close_loader(loader)
+    assert _run(data, 2, 2, 2, state=states[4], mix="step")[0]  # set explicitly, it resumes
+
+
 def test_a_state_written_before_planned_mix_restores_as_the_step_mix(data):
     """A planned state without ``planned_mix`` in its stamp (written before it existed)
     continues as the step mix it was; the window mix refuses it, naming 'step'."""

@@ -46,7 +46,7 @@ def packed(**kw) -> OrderingConfig:
     return OrderingConfig(**{**dict(
         length_sort_mode="planned", length_sort_placement="pre-encode",
         length_sort_pool_holds="keys", micro_batches_per_step=M, seed=5, plan_window_steps=K,
-        pack_seq_length=CAP), **kw})
+        pack_seq_length=CAP, planned_mix="step"), **kw})
 
 
 @pytest.fixture(scope="module")

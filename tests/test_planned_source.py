@@ -47,7 +47,7 @@ B, M, K = 4, 2, 2
 def planned(**kw) -> OrderingConfig:
     return OrderingConfig(**{**dict(length_sort_mode="planned", length_sort_placement="pre-encode",
                                     length_sort_pool_holds="keys", micro_batches_per_step=M,
-                                    seed=5, plan_window_steps=K), **kw})
+                                    seed=5, plan_window_steps=K, planned_mix="step"), **kw})
 
 
 @pytest.fixture(scope="module")

@@ -239,3 +239,22 @@ def test_implied_epochs():
         implied_epochs(s, 20000, 256, {"web": 1, "code": 1, "books": 1})
     with pytest.raises(OrderingConfigError, match=r"source_sizes\['web'\] = 0"):
         implied_epochs(s, 20000, 256, {**sizes, "web": 0})
+
+
+@pytest.mark.parametrize("definition,changes", [
+    ({"sources": {"a": {"weight": 1}, "b": {"weight": 3}}}, False),
+    # both weights double together: the normalised weights never move
+    ({"sources": {"a": {"weight": {"linear": {0: 1, 100: 2}}},
+                  "b": {"weight": {"linear": {0: 3, 100: 6}}}}}, False),
+    ({"sources": {"a": {"weight": {"linear": {0: 1, 100: 2}}}, "b": {"weight": 3}}}, True),
+    ({"sources": {"a": {"weight": {"step": {0: 1, 150: 2}}}, "b": {"weight": 1}}}, True),
+    ({"phases": [{"until": 10, "weights": {"a": 1, "b": 1}},
+                 {"until": 20, "weights": {"a": 2, "b": 2}, "ramp_steps": 5}]}, False),
+    ({"phases": [{"until": 10, "weights": {"a": 1, "b": 1}},
+                 {"until": 20, "weights": {"a": 1, "b": 3}, "ramp_steps": 5}]}, True),
+])
+def test_changes_weights_is_whether_two_steps_differ(definition, changes):
+    s = MixtureSchedule.from_dict(definition, total_steps=200)
+    assert s.changes_weights is changes
+    table = s.weights_table(np.arange(0, 200))
+    assert bool(np.ptp(table, axis=0).max() > 1e-12) is changes  # every step, checked directly

@@ -69,7 +69,7 @@ def test_the_config_leaves_the_window_mixs_k_to_the_global_batch():
     assert OrderingConfig.from_dict(cfg.to_dict()).plan_window_steps is None
     given = OrderingConfig(**PLANNED, planned_mix="window", plan_window_steps=48)
     assert given.window_steps(8, 4) == 48
-    step = OrderingConfig(**PLANNED)
+    step = OrderingConfig(**PLANNED, planned_mix="step")
     assert step.plan_window_steps is None and step.window_steps(8, 4) == 128
     assert step.window_steps(8192, 4) == DEFAULT_WINDOW_STEPS
     # a step config turned to the window mix sizes its window anew (nothing was given)
@@ -105,4 +105,4 @@ def test_each_mix_refuses_its_own_largest_window():
     with pytest.raises(OrderingConfigError, match="over the window mix's limit of 4,096"):
         OrderingConfig(**PLANNED, planned_mix="window", plan_window_steps=4097)
     with pytest.raises(OrderingConfigError, match="over the limit of 1,024"):
-        OrderingConfig(**PLANNED, plan_window_steps=1025)
+        OrderingConfig(**PLANNED, planned_mix="step", plan_window_steps=1025)

@@ -103,7 +103,7 @@ def _planned_note(results: dict, name: str, plan_cfg: OrderingConfig, ranks: int
     unit = "packs" if plan_cfg.packing_buffer_size is not None else "samples"
     step_samples = ranks * batch_size
     held = ("every step holds each source's scheduled share of its samples within one sample"
-            if plan_cfg.planned_mix == "step" else
+            if plan_cfg.resolved_planned_mix == "step" else
             f"every plan window of {plan_cfg.window_steps(ranks, batch_size)} steps holds each "
             "source's scheduled share within one sample, and each of its steps takes one band "
             "of lengths, as a pool's steps do")

@@ -84,7 +84,7 @@ def planned_name(cfg: OrderingConfig, ranks: int, batch_size: int) -> str:
     """A planned run's column name: the mode, its window (at ``ranks`` x micro-batches of
     ``batch_size``) and its mix granularity."""
     k = cfg.window_steps(ranks, batch_size)
-    return f"planned (K={k}, {cfg.planned_mix})"
+    return f"planned (K={k}, {cfg.resolved_planned_mix})"
 
 
 def planned_repeats(path: str, cfg: OrderingConfig, records: list[list[Any]], *,
@@ -183,7 +183,7 @@ def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, nu
                    schedule=cfg.mixture_schedule, warmup=cfg.seq_length_warmup,
                    window_steps=window, note=note, measurements=results)
     packed = any(r.docs_per_pack == r.docs_per_pack for r in results.values())
-    mixes = {n: c.planned_mix for n, c in configs.items() if c.planned}
+    mixes = {n: c.resolved_planned_mix for n, c in configs.items() if c.planned}
     return results, {"png": png, "period": period, "note": note, "window_steps": window,
                      "packed": packed, "planned": list(mixes), "planned_mix": mixes}
 

@@ -13,7 +13,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from energon_ordering.config import PLACEMENTS, PLANNED, PLANNED_MIXES, POOL_HOLDS, OrderingConfig
+from energon_ordering.config import (PLACEMENTS, PLANNED, PLANNED_MIX_SETTINGS, POOL_HOLDS,
+                                     OrderingConfig)
 from energon_ordering.errors import OrderingConfigError, OrderingError
 from energon_ordering.pool.order import POOL_ORDERS
 from energon_ordering.warmup.schedule import SeqLenWarmup
@@ -65,10 +66,12 @@ def add_energon_ordering_args(parser: argparse.ArgumentParser) -> argparse.Argum
                         "plan (the ranks are balanced within a window). Default: sized for the "
                         "global batch, about 2^19 samples in 32-128 steps with --planned-mix "
                         "step, about 2^20 samples in at most 4,096 steps with window.")
-    g.add_argument("--planned-mix", choices=list(PLANNED_MIXES), default=None,
+    g.add_argument("--planned-mix", choices=list(PLANNED_MIX_SETTINGS), default=None,
                    help="With --length-sort-mode planned: where the blend's mix holds; step: "
-                        "every optimizer step (default); window: every plan window, its steps "
-                        "banded by length (less idle and padding at 1-2 micro-batches per step).")
+                        "every optimizer step; window: every plan window, its steps banded by "
+                        "length (less idle and padding at 1-2 micro-batches per step); auto "
+                        "(default): step where --data-mixture-schedule changes the weights over "
+                        "training, else window.")
     g.add_argument("--allow-global-batch-change", action="store_true", default=None,
                    help="With --length-sort-mode planned: a resume may change the global batch "
                         "size (at a plan window boundary; the order continues with the new one).")

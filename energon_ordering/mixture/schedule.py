@@ -361,6 +361,22 @@ class MixtureSchedule:
         raw = self._raw(steps)
         return raw / raw.sum(axis=1, keepdims=True)
 
+    @property
+    def changes_weights(self) -> bool:
+        """Whether the normalised weights differ between two steps of the run.
+
+        The raw weights are piecewise linear (or constant) between the breakpoints, and a
+        phase's ramp blends two normalised rows linearly, so the normalised weights are
+        constant on a piece wherever they are equal at its ends: checking every breakpoint,
+        the step after it and each ramp's end covers every piece."""
+        steps = set(self._breakpoints().tolist())
+        steps |= {s + 1 for s in steps}
+        for i, ph in enumerate(self.phases or ()):
+            if i and ph.ramp_steps:
+                steps.add(self.phases[i - 1].end + ph.ramp_steps)
+        table = self.weights_table(np.array(sorted(steps), dtype=np.int64))
+        return bool(np.abs(table - table[0]).max() > 1e-12)
+
     def weights(self, step: int) -> dict[str, float]:
         """Normalised weights at ``step`` (an int >= 0)."""
         row = self.weights_table([step])[0]

@@ -523,10 +523,10 @@ def _planned_stages(cfg: OrderingConfig, args: BuildArgs,
             ("source_names", tuple(s.name for s in args.sources)
              if cfg.mixture_schedule is not None else None),
             ("allow_global_batch_change", cfg.allow_global_batch_change),
-            ("planned_mix", cfg.planned_mix),
+            ("planned_mix", cfg.resolved_planned_mix),
             # the window mix places each sample at a step whose warmup cap it fits
             *((("warmup", cfg.seq_length_warmup),)
-              if cfg.planned_mix == "window" and not packed else ()),
+              if cfg.resolved_planned_mix == "window" and not packed else ()),
         ),
     )
     yield Stage(ENCODE, "the task encoder's encode_sample (stateless)", energon=True)

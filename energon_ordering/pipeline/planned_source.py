@@ -440,7 +440,9 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 f"PlannedSourceDataset: the state was written with planned_mix = "
                 f"{show(old.get('planned_mix'))}, this loader has planned_mix = "
                 f"{show(self.planned_mix)}; the two place samples in other steps: resume with "
-                f"planned_mix = {show(old.get('planned_mix'))}, or start the data stream fresh.")
+                f"planned_mix = {show(old.get('planned_mix'))} set explicitly (the default "
+                "'auto' plans per step only where mixture_schedule changes the weights, else "
+                "per window), or start the data stream fresh.")
         R1, M1, B1 = int(old["world_size"]), int(old["micro_batches_per_step"]), int(
             old["batch_size"])
         R2, M2, B2 = int(wc.world_size), self.micro_batches_per_step, self.batch_size
