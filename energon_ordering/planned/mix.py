@@ -12,7 +12,7 @@ weights hold exactly.
 - ``"auto"`` (the setting's default, :data:`PLANNED_MIX_SETTINGS`): ``"step"`` where a
   ``mixture_schedule`` changes the weights over training (they must hold at each step: an
   anneal), else ``"window"``, which loses the least compute at every shape
-  ``tools/bench_planned.py`` measures. A pure function of the configuration
+  ``tools/bench_planned.py`` measures from 2 to 1,024 ranks. A pure function of the configuration
   (:func:`resolve_planned_mix`), so every rank, and every resume, resolves it alike; the state
   records the granularity it resolved to.
 """
