@@ -429,13 +429,14 @@ class OrderingConfig:
                 "windows of this many optimizer steps; give an int >= 1 (default "
                 f"{DEFAULT_WINDOW_STEPS})."
             )
-        if self.resolved_planned_mix == "window" and k > MAX_WINDOW_MIX_STEPS:
+        mix = self.resolved_planned_mix
+        if mix == "window" and k > MAX_WINDOW_MIX_STEPS:
             raise OrderingConfigError(
                 f"OrderingConfig.plan_window_steps = {show(k)} is over the window mix's limit of "
                 f"{MAX_WINDOW_MIX_STEPS:,} steps (a window's mix holds over its steps); use "
                 f"plan_window_steps <= {MAX_WINDOW_MIX_STEPS:,}, or leave it unset (sized for "
                 "the global batch).")
-        if self.resolved_planned_mix != "window" and k > MAX_PLAN_WINDOW_STEPS:
+        if mix != "window" and k > MAX_PLAN_WINDOW_STEPS:
             raise OrderingConfigError(
                 f"OrderingConfig.plan_window_steps = {show(k)} is over the limit of "
                 f"{MAX_PLAN_WINDOW_STEPS:,}: balancing a window costs memory and time that "

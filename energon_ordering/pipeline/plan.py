@@ -503,6 +503,7 @@ def _planned_stages(cfg: OrderingConfig, args: BuildArgs,
     packs each)."""
     weights = tuple(1.0 if s.weight is None else float(s.weight) for s in args.sources)
     packed = packing is not None
+    mix = cfg.resolved_planned_mix
     yield Stage(
         PLANNED_SOURCE,
         "reads this rank's micro-batches of the plan of the global order (the same plan on "
@@ -523,10 +524,10 @@ def _planned_stages(cfg: OrderingConfig, args: BuildArgs,
             ("source_names", tuple(s.name for s in args.sources)
              if cfg.mixture_schedule is not None else None),
             ("allow_global_batch_change", cfg.allow_global_batch_change),
-            ("planned_mix", cfg.resolved_planned_mix),
+            ("planned_mix", mix),
             # the window mix places each sample at a step whose warmup cap it fits
             *((("warmup", cfg.seq_length_warmup),)
-              if cfg.resolved_planned_mix == "window" and not packed else ()),
+              if mix == "window" and not packed else ()),
         ),
     )
     yield Stage(ENCODE, "the task encoder's encode_sample (stateless)", energon=True)
