@@ -103,6 +103,7 @@ from energon_ordering.pipeline.shared_plans import SharedPlans, plan_dir, stream
 from energon_ordering.pipeline.window_mix_share import (
     decode_window_mix_plan,
     encode_window_mix_plan,
+    window_mix_plan_buffer,
     window_mix_plan_problem,
 )
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
@@ -564,11 +565,12 @@ class PlannedSourceDataset(SavableDataset[Any]):
         defer = not self.finite  # a sample deferred past a finite epoch's end would be lost
 
         def plan() -> np.ndarray:
+            buffer = window_mix_plan_buffer(shape, len(cursor.drawn))  # planned in place
             planned = plan_window(self.lengths, seed=self.seed, cursor=cursor, weights=weights,
                                   window_steps=K, world_size=R, micro_batch=B,
                                   micro_batches_per_step=M, mix="window", caps=caps,
-                                  defer=defer)
-            return encode_window_mix_plan(planned.ids, planned.next_cursor)
+                                  defer=defer, out=buffer[:int(np.prod(shape))])
+            return encode_window_mix_plan(planned.ids, planned.next_cursor, buffer)
 
         flat = self._shared_plans(R, M, B).ids(
             cursor.window,

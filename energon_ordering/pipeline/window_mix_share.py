@@ -26,16 +26,35 @@ from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.plan_check import plan_matches_inputs
 from energon_ordering.planned.window_mix import MAX_DEFERRED
 
-__all__ = ["decode_window_mix_plan", "encode_window_mix_plan", "window_mix_plan_problem"]
+__all__ = ["decode_window_mix_plan", "encode_window_mix_plan", "window_mix_plan_buffer",
+           "window_mix_plan_problem"]
 
 
-def encode_window_mix_plan(ids: np.ndarray, next_cursor: PlanCursor) -> np.ndarray:
-    """``ids`` ``[K, R, M, B]`` and the next window's cursor as one flat int64 array."""
+def encode_window_mix_plan(ids: np.ndarray, next_cursor: PlanCursor,
+                           buffer: np.ndarray | None = None) -> np.ndarray:
+    """``ids`` ``[K, R, M, B]`` and the next window's cursor as one flat int64 array.
+
+    ``buffer``: an array from :func:`window_mix_plan_buffer` whose head ``ids`` already is
+    (the plan was built in it): the cursor is written after the ids and the result is a view
+    of it, with no copy of the plan."""
     carry = np.asarray(next_cursor.carry, dtype=np.float64).view(np.int64)
     deferred = np.asarray(next_cursor.deferred, dtype=np.int64)
-    return np.concatenate([np.asarray(ids, dtype=np.int64).reshape(-1),
-                           np.asarray(next_cursor.drawn, dtype=np.int64), carry,
+    tail = np.concatenate([np.asarray(next_cursor.drawn, dtype=np.int64), carry,
                            np.asarray([len(deferred)], dtype=np.int64), deferred])
+    if buffer is None:
+        return np.concatenate([np.asarray(ids, dtype=np.int64).reshape(-1), tail])
+    n = int(np.prod(np.shape(ids)))
+    if not np.shares_memory(buffer[:n], ids) or len(buffer) < n + len(tail):
+        raise ValueError("encode_window_mix_plan: the plan was not built at the buffer's head")
+    buffer[n:n + len(tail)] = tail
+    return buffer[:n + len(tail)]
+
+
+def window_mix_plan_buffer(shape: tuple[int, ...], sources: int) -> np.ndarray:
+    """An int64 array to build a window's plan of ``shape`` in, with room after it for the
+    next cursor (at most :data:`MAX_DEFERRED` deferred samples): the plan is encoded in place
+    (:func:`encode_window_mix_plan` with ``buffer``)."""
+    return np.empty(int(np.prod(shape)) + 2 * int(sources) + 1 + MAX_DEFERRED, dtype=np.int64)
 
 
 def decode_window_mix_plan(a: np.ndarray, cursor: PlanCursor, shape: tuple[int, ...]

@@ -39,6 +39,7 @@ from .mix import PlannedMix, check_planned_mix
 from .permutation import ROUNDS
 from .sample_ids import SampleIds
 from .window_mix import deal_bands, mix_window
+from .window_mix_buffer import plan_mix_in_buffer
 
 __all__ = ["DEFAULT_WINDOW_STEPS", "PLAN_VERSION", "WINDOW_MIX_PLAN_VERSION", "WindowPlan",
            "check_caps", "plan_samples", "plan_window", "window_draws", "window_weights"]
@@ -143,6 +144,7 @@ def plan_window(
     mix: PlannedMix = "step",
     caps: np.ndarray | Sequence[int] | None = None,
     defer: bool = True,
+    out: np.ndarray | None = None,
 ) -> WindowPlan:
     """Plans window ``cursor.window``.
 
@@ -166,6 +168,9 @@ def plan_window(
         defer: ``"window"`` only: False defers no sample (a finite epoch's windows,
             :mod:`.epoch_end`); one that fits no step's cap takes a free slot and the warmup
             cuts it, as in the step mix.
+        out: ``"window"`` only: a C-contiguous int64 array of ``K R M B`` elements the plan's
+            ids are built in (``ids`` is a view of it; e.g. the head of the array a node
+            shares), or None.
 
     Returns:
         The :class:`WindowPlan`. ``counts`` are the realised samples per step and source
@@ -194,12 +199,19 @@ def plan_window(
             f"planned order: the cursor has {len(cursor.drawn)} sources, the plan {S}.")
     R, B, M = int(world_size), int(micro_batch), int(micro_batches_per_step)
     if mix == "window":
+        caps = check_caps(caps, k)
+        lean = plan_mix_in_buffer(lengths, seed=seed, cursor=cursor, weights=w, caps=caps,
+                                  world_size=R, micro_batch=B, micro_batches_per_step=M,
+                                  defer=defer, out=out)
+        if lean is not None:  # whole lengths (token counts): the same plan in its own memory
+            return WindowPlan(lean[0], lean[1], cursor, lean[2])
         gid, step_lengths, counts, nxt = mix_window(
-            lengths, seed=seed, cursor=cursor, weights=w, caps=check_caps(caps, k),
+            lengths, seed=seed, cursor=cursor, weights=w, caps=caps,
             draws_per_step=R * M * B, defer=defer)
         pos = deal_bands(step_lengths, world_size=R, micro_batch=B, micro_batches_per_step=M)
         del step_lengths
-        flat = np.empty(pos.shape, dtype=gid.dtype)
+        flat = (np.empty(pos.shape, dtype=np.int64) if out is None
+                else out.reshape(pos.shape))
         for t in range(len(pos)):  # step by step (2.5x faster than take_along_axis)
             np.take(gid[t], pos[t], out=flat[t], mode="clip")  # positions in range
         return WindowPlan(flat, counts, cursor, nxt)
