@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from energon_ordering.errors import OrderingConfigError
-from energon_ordering.planned import window_mix
+from energon_ordering.planned import plan_check, window_mix
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.packs import PackedWindowPlan, plan_packed_window
 from energon_ordering.planned.plan_check import (
@@ -156,6 +156,16 @@ W_LENGTHS = _lengths()
 W_SIZES = tuple(len(x) for x in W_LENGTHS)
 
 
+@pytest.fixture(params=["whole", "in chunks and buckets"])
+def check_reads(request, monkeypatch):
+    """The window-mix check as it reads a small window (whole), and as it reads a large one:
+    steps in chunks of 3 ids, the multiset compared in buckets of a hash of the id."""
+    if request.param != "whole":
+        monkeypatch.setattr(plan_check, "_CHUNK_IDS", 3)
+        monkeypatch.setattr(plan_check, "MULTISET_BYTES", 64)
+    return request.param
+
+
 def _window_plans(windows: int, mix: str = "window") -> list[tuple]:
     """``(plan, inputs of plan_matches_inputs)`` of the first ``windows`` windows."""
     cursor, out = PlanCursor.start(3), []
@@ -174,7 +184,7 @@ def _over_cap(plan, caps) -> bool:
     return bool((np.concatenate(W_LENGTHS)[plan.ids].reshape(K, -1) > caps[:, None]).any())
 
 
-def test_window_mix_plans_pass_with_caps_deferrals_and_zeros():
+def test_window_mix_plans_pass_with_caps_deferrals_and_zeros(check_reads):
     plans = _window_plans(8)
     for plan, inputs in plans:
         assert plan_matches_inputs(plan.ids, **inputs) is None, plan.cursor.window
@@ -206,7 +216,7 @@ def test_step_mix_plans_pass_and_need_their_counts_per_step():
         assert "next cursor" in plan_matches_inputs(plan.ids, **moved)
 
 
-def test_window_mix_plans_placed_over_their_caps_pass_when_nothing_else_fits(monkeypatch):
+def test_window_mix_plans_placed_over_their_caps_pass_when_nothing_else_fits(monkeypatch, check_reads):
     """With no room to defer, the planner places the longest samples over a cap: as many as
     no placement avoids, which the check accepts; one more over a cap is refused."""
     monkeypatch.setattr(window_mix, "MAX_DEFERRED", 3)
@@ -266,7 +276,7 @@ def _planted(plan, inputs: dict, kind: str) -> np.ndarray:
     ("at a zero weight", "whose weight there is 0"), ("above its cap", "above the step's cap"),
     ("group counts", "samples per source, the window's share"),
 ])
-def test_a_planted_window_mix_plan_is_named_with_why(kind, reason):
+def test_a_planted_window_mix_plan_is_named_with_why(kind, reason, check_reads):
     plans = _window_plans(3)
     plan, inputs = plans[1]  # caps, deferrals and a source switched on inside the window
     assert plan.cursor.deferred and (inputs["weights"] == 0).any()
@@ -281,7 +291,7 @@ def test_a_planted_window_mix_plan_is_named_with_why(kind, reason):
     ("deferred swapped", "time(s) in it"), ("deferral dropped", "draws the sources up to"),
     ("deferred out of range", "lies outside"), ("window", "next cursor"),
 ])
-def test_a_planted_next_cursor_of_a_window_mix_plan_is_named_with_why(kind, reason):
+def test_a_planted_next_cursor_of_a_window_mix_plan_is_named_with_why(kind, reason, check_reads):
     plan, inputs = next((p, i) for p, i in _window_plans(3) if p.next_cursor.deferred)
     nxt = plan.next_cursor
     d = list(nxt.deferred)

@@ -41,7 +41,6 @@ holds, and the checks compare, is instead:
 from __future__ import annotations
 
 from collections.abc import Sequence
-import dataclasses
 
 import numpy as np
 
@@ -49,11 +48,11 @@ from energon_ordering.errors import OrderingConfigError
 from energon_ordering.mixture.step_counts import step_source_counts
 
 from . import window_mix
-from .cursor import PlanCursor, advance
+from .cursor import PlanCursor, advance, draws
 from .mix import PlannedMix, check_planned_mix
 from .packs import PackedWindowPlan
 from .sample_ids import SampleIds
-from .window import check_caps, plan_samples, window_draws
+from .window import check_caps, window_draws
 
 __all__ = ["ids_out_of_range", "packed_plan_matches_inputs", "plan_matches_draws",
            "plan_matches_inputs"]
@@ -155,8 +154,8 @@ def plan_matches_inputs(
     K = a.shape[0]
     flat = a.reshape(K, -1)
     G = flat.shape[1]
-    src = SampleIds.of(sizes).split(flat)[0]
     if mix == "step":
+        src = SampleIds.of(sizes).split(flat)[0]
         counts, carry = step_source_counts(w, G, cursor.carry)
         why = _step_sources(list(src), w, counts)
         if why is None and next_cursor is not None and not _same_cursor(
@@ -171,16 +170,17 @@ def plan_matches_inputs(
         raise OrderingConfigError(
             "plan check: lengths = None with caps given; pass lengths = the per-source length "
             "arrays the plan was made from (to check the caps), or caps = None.")
-    return _window_plan_problem(flat, src, seed=seed, sizes=sizes, cursor=cursor,
+    return _window_plan_problem(flat, seed=seed, sizes=sizes, cursor=cursor,
                                 nxt=next_cursor, w=w, caps=check_caps(caps, K),
                                 lengths=lengths)
 
 
-def _window_plan_problem(ids: np.ndarray, src: np.ndarray, *, seed: int, sizes: Sequence[int],
+def _window_plan_problem(ids: np.ndarray, *, seed: int, sizes: Sequence[int],
                          cursor: PlanCursor, nxt: PlanCursor, w: np.ndarray,
                          caps: np.ndarray | None,
                          lengths: Sequence[np.ndarray] | None) -> str | None:
-    """:func:`plan_matches_inputs` of a ``mix="window"`` plan (``ids``, ``src``: ``[K, G]``)."""
+    """:func:`plan_matches_inputs` of a ``mix="window"`` plan (``ids``: ``[K, G]``), read in
+    chunks of steps (a window's plan may be 2^22 ids: its check holds a few MiB beside them)."""
     split_ids = SampleIds.of(sizes)
     S, G = len(sizes), ids.shape[1]
     later = np.asarray(nxt.deferred, dtype=np.int64)
@@ -202,56 +202,177 @@ def _window_plan_problem(ids: np.ndarray, src: np.ndarray, *, seed: int, sizes: 
     if tuple(int(x) for x in want) != tuple(nxt.drawn) or (want < cursor.drawn).any():
         return (f"it draws the sources up to {list(nxt.drawn)}, the window's totals and "
                 f"deferrals to {want.tolist()}")
-    why = _step_sources(list(src), w, None)
+    counts = _step_counts(ids, split_ids)
+    why = _step_sources_counted(counts, w)
     if why is not None:
         return why
     for g in range(len(split)):
         steps = np.flatnonzero(group == g)
-        got = np.bincount(src[steps].reshape(-1), minlength=S)
+        got = counts[steps].sum(axis=0)
         if not np.array_equal(got, split[g]):
             return (f"its steps {steps.tolist()} hold {got.tolist()} samples per source, the "
                     f"window's share of them {split[g].tolist()}")
     if caps is not None and lengths is not None:
-        why = _over_caps(ids, src, group, caps, lengths, split_ids)
+        why = _over_caps(ids, group, caps, lengths, split_ids)
         if why is not None:
             return why
     # the ids and the samples the next cursor defers are the deferred ones plus the new draws
-    every = plan_samples(sizes, seed, cursor, dataclasses.replace(nxt, deferred=()))
-    return plan_matches_draws(np.concatenate((ids.reshape(-1), later)), every, None)
+    return _window_samples_problem(ids, later, sizes, seed, cursor, nxt)
 
 
-def _over_caps(ids: np.ndarray, src: np.ndarray, group: np.ndarray, caps: np.ndarray,
+#: Ids a window-mix check reads at once (a chunk of the plan's steps, or of the draws).
+_CHUNK_IDS = 1 << 17
+#: Bytes the multiset comparison of a window-mix plan may hold (each side's ids, gathered and
+#: then joined: 16 bytes an id a side): beyond it the ids are compared in buckets of a hash of
+#: the id, the window's draws computed again for each (2^20 ids: 2 buckets; 2^22: 8).
+MULTISET_BYTES = 1 << 24
+
+
+def _row_chunks(ids: np.ndarray):
+    """``(first step, rows)`` of ``ids`` ``[K, G]`` in chunks of about :data:`_CHUNK_IDS`."""
+    rows = max(1, _CHUNK_IDS // max(1, ids.shape[1]))
+    for lo in range(0, ids.shape[0], rows):
+        yield lo, np.asarray(ids[lo:lo + rows])
+
+
+def _step_counts(ids: np.ndarray, split_ids: SampleIds) -> np.ndarray:
+    """``[K, S]`` samples per step and source of ``ids`` ``[K, G]`` (in range)."""
+    S = len(split_ids.sizes)
+    bounds = np.cumsum(split_ids.sizes)
+    counts = np.zeros((ids.shape[0], S), dtype=np.int64)
+    for lo, rows in _row_chunks(ids):
+        src = np.searchsorted(bounds, rows, "right")
+        src += (np.arange(len(rows)) * S)[:, None]
+        counts[lo:lo + len(rows)] = np.bincount(src.reshape(-1),
+                                                minlength=len(rows) * S).reshape(-1, S)
+    return counts
+
+
+def _step_sources_counted(counts: np.ndarray, w: np.ndarray) -> str | None:
+    """:func:`_step_sources` without counts to compare, from the per-step ``counts``."""
+    bad = np.argwhere((counts > 0) & (w == 0))
+    if not len(bad):
+        return None
+    t, s = (int(x) for x in bad[0])
+    return (f"its step {t} holds {int(counts[t, s])} sample(s) of source {s}, whose weight "
+            "there is 0")
+
+
+def _over_caps(ids: np.ndarray, group: np.ndarray, caps: np.ndarray,
                lengths: Sequence[np.ndarray], split_ids: SampleIds) -> str | None:
     """Why a window-mix plan's ``ids`` ``[K, G]`` hold more samples above their step's cap than
     their group of steps must (:func:`_fewest_over`), or None."""
-    L = np.empty(ids.shape, dtype=np.float64)
-    for s, off in enumerate(split_ids.offsets.tolist()):
-        mine = src == s
-        L[mine] = np.asarray(lengths[s])[ids[mine] - off]
     c = np.asarray(caps, dtype=np.float64)
-    over = L > c[:, None]
-    for g in range(int(group.max()) + 1):
+    G = ids.shape[1]
+    groups = int(group.max()) + 1
+    n_over = np.zeros(groups, dtype=np.int64)
+    first_over: list[tuple[int, int, float] | None] = [None] * groups
+    fits = [np.zeros(int((group == g).sum()) + 1, dtype=np.int64) for g in range(groups)]
+    sorted_caps = [np.sort(c[group == g]) for g in range(groups)]
+    bounds = np.cumsum(split_ids.sizes)
+    offsets = split_ids.offsets
+    for lo, rows in _row_chunks(ids):
+        src = np.searchsorted(bounds, rows, "right")
+        L = np.empty(rows.shape, dtype=np.float64)
+        for s, off in enumerate(offsets.tolist()):
+            mine = src == s
+            L[mine] = np.asarray(lengths[s])[rows[mine] - off]
+        del src
+        over = L > c[lo:lo + len(rows), None]
+        for g in range(groups):
+            mine = np.flatnonzero(group[lo:lo + len(rows)] == g)
+            if not len(mine):
+                continue
+            hit = over[mine]
+            n_over[g] += int(hit.sum())
+            if first_over[g] is None and hit.any():
+                t, j = (int(x) for x in np.argwhere(hit)[0])
+                first_over[g] = (lo + int(mine[t]), j, float(L[mine[t], j]))
+            fits[g] += np.bincount(np.searchsorted(sorted_caps[g], L[mine].reshape(-1), "left"),
+                                   minlength=len(fits[g]))
+    for g in range(groups):
         steps = np.flatnonzero(group == g)
-        n_over = int(over[steps].sum())
-        fewest = _fewest_over(L[steps].reshape(-1), c[steps], ids.shape[1])
-        if n_over > fewest:
-            t, j = (int(x) for x in np.argwhere(over[steps])[0])
-            return (f"its step {int(steps[t])} holds a sample of {L[steps[t], j]:g} tokens above "
-                    f"the step's cap {int(c[steps[t]])} ({n_over} above their caps in its "
+        fewest = _fewest_over(fits[g], G)
+        if n_over[g] > fewest:
+            t, _, length = first_over[g]
+            return (f"its step {t} holds a sample of {length:g} tokens above "
+                    f"the step's cap {int(c[t])} ({int(n_over[g])} above their caps in its "
                     f"steps {steps.tolist()}, where the fewest possible is {fewest})")
     return None
 
 
-def _fewest_over(lengths: np.ndarray, caps: np.ndarray, G: int) -> int:
-    """The fewest of ``lengths`` that any placement into ``len(caps)`` steps of ``G`` samples
-    puts above their step's cap: the largest excess, over p, of the samples fitting only the
-    steps with the p smallest caps excluded over those steps' slots (Hall's theorem; the
-    window mix's sweep places all but this many)."""
-    cap = np.sort(caps)
-    first = np.searchsorted(cap, lengths, "left")  # the first step (by cap) it fits; K: none
-    need = np.cumsum(np.bincount(first, minlength=len(cap) + 1)[::-1])[::-1]
-    room = (len(cap) - np.arange(len(cap) + 1)) * int(G)
+def _fewest_over(first_fit: np.ndarray, G: int) -> int:
+    """The fewest samples that any placement into K steps of ``G`` samples puts above their
+    step's cap, from ``first_fit`` ``[K + 1]``: how many samples first fit the p-th smallest cap
+    (K: none). It is the largest excess, over p, of the samples fitting only the steps with the
+    p smallest caps excluded over those steps' slots (Hall's theorem; the window mix's sweep
+    places all but this many)."""
+    K = len(first_fit) - 1
+    need = np.cumsum(first_fit[::-1])[::-1]
+    room = (K - np.arange(K + 1)) * int(G)
     return int(max(0, int((need - room).max())))
+
+
+def _bucket(ids: np.ndarray, buckets: int) -> np.ndarray:
+    """Each id's bucket (a multiplicative hash's top bits; every copy of an id in one)."""
+    if buckets == 1:
+        return np.zeros(len(ids), dtype=np.int64)
+    h = ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    return (h >> np.uint64(64 - (buckets.bit_length() - 1))).astype(np.int64)
+
+
+def _window_samples_problem(ids: np.ndarray, later: np.ndarray, sizes: Sequence[int], seed: int,
+                            cursor: PlanCursor, nxt: PlanCursor) -> str | None:
+    """Why ``ids`` ``[K, G]`` plus the next cursor's deferred ``later`` are not the cursor's
+    deferred samples plus the draws between the two cursors, as a multiset
+    (:func:`~.window.plan_samples`), or None. Compared bucket by bucket of a hash of the id
+    where both sides would hold over :data:`MULTISET_BYTES`."""
+    split_ids = SampleIds.of(sizes)
+    held = np.asarray(cursor.deferred, dtype=np.int64)
+    fresh = [(s, int(cursor.drawn[s]), int(nxt.drawn[s]) - int(cursor.drawn[s]))
+             for s in range(len(sizes))]
+    n_got = ids.size + len(later)
+    n_want = len(held) + sum(k for *_, k in fresh)
+    if n_got != n_want:
+        return f"it holds {n_got} sample ids, the window draws {n_want}"
+    buckets = 1
+    while 32 * n_got > buckets * MULTISET_BYTES:
+        buckets *= 2
+    offsets = split_ids.offsets.tolist()
+
+    def want_parts():
+        yield held
+        for s, first, count in fresh:
+            for a in range(0, count, _CHUNK_IDS):
+                k = min(_CHUNK_IDS, count - a)
+                yield draws(seed, s, sizes[s], first + a, k) + offsets[s]
+
+    def got_parts():
+        for _, rows in _row_chunks(ids):
+            yield rows.reshape(-1)
+        yield later
+
+    for b in range(buckets):
+        got = np.concatenate([x[_bucket(x, buckets) == b] for x in got_parts()])
+        want = np.concatenate([x[_bucket(x, buckets) == b] for x in want_parts()])
+        got.sort()
+        want.sort()
+        n = min(len(got), len(want))
+        differ = np.flatnonzero(got[:n] != want[:n])
+        if differ.size:
+            x = int(min(got[differ[0]], want[differ[0]]))
+        elif len(got) != len(want):  # the longer side's next id (every copy is in the bucket)
+            x = int(got[n] if len(got) > n else want[n])
+        else:
+            continue
+        return (f"sample id {x} appears {_times(got, x)} time(s) in it, {_times(want, x)} in "
+                "the window's draws")
+    return None
+
+
+def _times(a: np.ndarray, x: int) -> int:
+    """How often ``x`` is in the sorted ``a``."""
+    return int(np.searchsorted(a, x, "right") - np.searchsorted(a, x, "left"))
 
 
 def _step_sources(src: list[np.ndarray], w: np.ndarray, counts: np.ndarray | None
