@@ -19,6 +19,7 @@ import _bench_common as bc  # noqa: E402
 
 #: The benchmarks that must print their command line, CPU time and checks through the helpers.
 BENCHMARKS = ("bench_length_sync.py", "bench_scale.py", "bench_packing.py", "bench_schedule.py",
+              "bench_window_mix_memory.py",
               "bench_image_header.py", "bench_index.py")
 
 
