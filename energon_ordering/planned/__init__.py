@@ -15,6 +15,7 @@ information (the sources' lengths, the seed, the schedule), with no communicatio
 - :mod:`.window_mix`: ``planned_mix="window"``: a window's samples banded by length over its
   steps (the schedule's zeros and the warmup's caps per step; a sample that fits no step waits
   in the cursor);
+- :mod:`.window_mix_buffer`: the same plan built in the memory of its output (whole lengths);
 - :mod:`.window`: the plan of one window of steps, composing the above;
 - :mod:`.epoch_end`: where a finite epoch ends, per mix granularity;
 - :mod:`.window_size`: how many steps a window holds when ``plan_window_steps`` is not given

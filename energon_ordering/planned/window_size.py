@@ -15,7 +15,8 @@ so K = 64 there). Packed, it packs step by step (K does not change the packs): 3
 ``planned_mix="window"`` sizes its window in samples, not steps: a window's steps are bands of
 the window's sorted lengths, so what decides how narrow a band is (padding) and how alike a
 step's samples are (idle) is how many samples the window sorts, the more the better, while its
-memory grows as the samples (about 45 bytes each while a loader worker plans it). So the window
+memory grows as the samples (while a loader worker plans it, about 20 bytes each at 2^20 samples and
+40-43 under the warmup's caps, :mod:`.window_mix_buffer`; 45-50 and 80-90 before it). So the window
 holds about :data:`WINDOW_MIX_SAMPLES` samples (packed: :data:`WINDOW_MIX_PACKS` packs of about
 seven samples each at 8,192 tokens), at most :data:`MAX_WINDOW_MIX_STEPS` steps, at least one:
 
@@ -57,8 +58,10 @@ MAX_WINDOW_STEPS = 1024
 #: at 2 ranks x 1 x 4 a window of 1,024 steps (8,192 samples) lost 0.20-0.56% where a 100,000-
 #: sample batch pool lost 0.20-0.24%; 4,096 steps lost 0.06-0.16% (``tools/bench_planned.py``).
 MAX_WINDOW_MIX_STEPS = 4096
-#: Samples a ``"window"`` plan of padded micro-batches aims for: 2^20 ids, a peak of 42-50 MiB
-#: while a loader worker plans them (``tools/bench_planned.py``, 1,024 ranks, M = 8).
+#: Samples a ``"window"`` plan of padded micro-batches aims for: 2^20 ids, a peak of 20 MiB while
+#: a loader worker plans them, 40-43 MiB under the warmup's caps (``tools/bench_window_mix_
+#: memory.py``; a step of over 2^17 samples adds its dealing's temporaries: 16,384 x 8 x 4 at
+#: K = 8 peaks at 78 MiB).
 WINDOW_MIX_SAMPLES = 1 << 20
 #: Packs a packed ``"window"`` plan aims for: 2^16 packs of 8,192 tokens hold about 460,000
 #: samples of the trimodal mix, a peak of 30-51 MiB on the three mixes (1,024 ranks, M = 8:
