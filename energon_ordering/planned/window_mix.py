@@ -441,7 +441,8 @@ def _deal_steps(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int) ->
     if not len(rows):
         return best
     score = score[rows]
-    cr = cost[rows]
+    cr = cost if len(rows) == n else cost[rows]  # (one step of 16,384 x 8 x 4 is 4 MiB a copy)
+    del cost
     cs = np.zeros((len(rows), G + 1))
     np.cumsum(L[rows], axis=1, out=cs[:, 1:])
     ccs = np.zeros((len(rows), G + 1))
@@ -461,6 +462,7 @@ def _deal_steps(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int) ->
         part[:, 1::2] = part[:, 1::2, ::-1]
         bound[i] = floor[i] + (1 - mean / np.maximum(part.sum(axis=1).max(axis=1) / r,
                                                      1e-300)) / K
+    del cs, ccs
     # most promising first: each step tries its cut dealing of the lowest bound not tried yet
     # while that bound is below its best score (by more than rounding: a dealing skipped could
     # not have won), so one that wins early prunes the rest. The dealing kept is the one of the
@@ -479,7 +481,8 @@ def _deal_steps(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int) ->
             untried[i, tried] = False
             h = parts[i]
             r = R // h
-            col, tot = deal_sorted(cr[tried].reshape(-1, r * B), r, B)
+            col, tot = deal_sorted((cr if len(tried) == len(cr) else cr[tried])
+                                   .reshape(-1, r * B), r, B)
             tot = tot.reshape(len(tried), M, h, r)
             tot[:, 1::2] = tot[:, 1::2, ::-1]  # odd micro-batches: parts to ranks the other way
             got = _idle(tot.sum(axis=1).reshape(len(tried), R)) / K + floor[i, tried]
@@ -487,11 +490,14 @@ def _deal_steps(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int) ->
             if not better.any():
                 continue
             won = tried[better]
-            pos = (col.reshape(len(tried), M, h, r, B)[better]
-                   + (np.arange(M * h) * (r * B)).reshape(1, M, h, 1, 1))
-            pos[:, 1::2] = pos[:, 1::2, ::-1]
+            pos = col.reshape(len(tried), M, h, r, B)
+            if not better.all():
+                pos = pos[better]
+            del col
+            pos += (np.arange(M * h) * (r * B)).reshape(1, M, h, 1, 1)
+            pos[:, 1::2] = pos[:, 1::2, ::-1].copy()
             best[rows[won]] = pos.reshape(len(won), M, R, B).transpose(0, 2, 1, 3)
             score[won] = got[better]
             kept[won] = i
-            del col, tot, pos
+            del tot, pos
     return best

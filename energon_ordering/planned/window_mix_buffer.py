@@ -308,8 +308,10 @@ def _deal_in_place(buf: np.ndarray, block_of_step: np.ndarray, ids: SampleIds, b
     blocks = buf.reshape(K, G)
     for lo in range(0, K, chunk):
         rows = blocks[lo:lo + chunk]
-        gid = rows & mask
         L = (rows >> bits).astype(np.float64)
+        pos = _deal_steps(L, K, tokens, R, B, M)
+        del L
+        gid = rows & mask  # (after the dealing: one step may be 2^19 samples, 4 MiB a copy)
         steps = step_of_block[lo:lo + len(rows)]
         if S == 1:
             counts[steps] = G
@@ -318,8 +320,6 @@ def _deal_in_place(buf: np.ndarray, block_of_step: np.ndarray, ids: SampleIds, b
             src += (np.arange(len(rows)) * S)[:, None]
             counts[steps] = np.bincount(src.reshape(-1), minlength=len(rows) * S).reshape(-1, S)
             del src
-        pos = _deal_steps(L, K, tokens, R, B, M)
-        del L
         for t in range(len(rows)):
             np.take(gid[t], pos[t], out=rows[t].reshape(R, M, B), mode="clip")  # in range
         del gid, pos
