@@ -471,7 +471,8 @@ class OrderingConfig:
         if packed is None:
             packed = self.packing_buffer_size is not None
         g = int(world_size) * self.micro_batches_per_step * int(batch_size)
-        return default_window_steps(self.resolved_planned_mix, g, packed)
+        return default_window_steps(self.resolved_planned_mix, g, packed,
+                                    capped=self.seq_length_warmup is not None)
 
     @property
     def resolved_planned_mix(self) -> PlannedMix:

@@ -115,10 +115,10 @@ def test_step_idle_of_known_lengths():
 
 def test_window_mix_is_predicted_and_holds_the_window(window, predictions):
     _, step = predictions
-    # the window mix's default window holds about 2^20 samples of this global batch
+    # the window mix's default window holds about 2^22 samples of this global batch
     k = default_window_steps("window", R * M * B)
     assert window.mix == "window" and window.name == f"planned (K={k}, window)"
-    assert window.window_steps == k and k * R * M * B <= 1 << 20
+    assert window.window_steps == k and k * R * M * B <= 1 << 22
     assert all(w < 1.0 for w in window.worst_window_samples.values())
     assert window.worst_mix_samples is window.worst_window_samples
     assert step.worst_mix_samples is step.worst_step_samples

@@ -8,6 +8,8 @@ directly with :func:`energon_ordering.planned.window.plan_window`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import logging
 import pickle
@@ -229,7 +231,9 @@ def test_planned_config_defaults_the_window():
                          length_sort_pool_holds="keys")
     assert cfg.planned and not cfg.length_sort_enabled
     assert cfg.plan_window_steps is None  # the mix's default, for the global batch
-    assert cfg.window_steps(8192, 4) == DEFAULT_WINDOW_STEPS
+    assert cfg.window_steps(8192, 4) == (1 << 22) // (8192 * 4)  # auto: the window mix's
+    step = dataclasses.replace(cfg, planned_mix="step")
+    assert step.window_steps(8192, 4) == DEFAULT_WINDOW_STEPS
     assert OrderingConfig.from_dict(cfg.to_dict()) == cfg
 
 

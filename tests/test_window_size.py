@@ -11,8 +11,9 @@ from energon_ordering.errors import OrderingConfigError
 from energon_ordering.pipeline.plan import PLANNED_SOURCE, BuildArgs, Source, plan_pipeline
 from energon_ordering.pipeline.stamp import pipeline_stamp
 from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
-from energon_ordering.planned.window_size import (MAX_WINDOW_MIX_STEPS, WINDOW_MIX_PACKS,
-                                                  WINDOW_MIX_SAMPLES, default_window_steps)
+from energon_ordering.planned.window_size import (MAX_WINDOW_MIX_STEPS, WINDOW_MIX_CAPPED_SAMPLES,
+                                                  WINDOW_MIX_PACKS, WINDOW_MIX_SAMPLES,
+                                                  default_window_steps)
 
 PLANNED = dict(length_sort_mode="planned", length_sort_placement="pre-encode",
                length_sort_pool_holds="keys")
@@ -33,17 +34,22 @@ def test_the_packed_step_mix_keeps_32_steps_up_to_2_17_packs(g, k):
     assert default_window_steps("step", g, packed=True) == k
 
 
-@pytest.mark.parametrize("g, k", [
-    (2 * 1 * 4, MAX_WINDOW_MIX_STEPS),    # 2 ranks, M 1, B 4: capped, 32,768 samples
-    (8 * 2 * 4, MAX_WINDOW_MIX_STEPS),    # 8 ranks, M 2, B 4: capped, 262,144 samples
-    (256 * 2 * 4, 512),                   # 256 ranks: 2^20 / 2,048
-    (1024 * 8 * 4, 32),                   # 1,024 ranks, M 8: as the fixed default
-    (16384 * 8 * 4, 2),                   # 16,384 ranks: a fixed 32 would be over 2^24
-    (1 << 21, 1),                         # a step over the target: one step per window
+@pytest.mark.parametrize("g, k, capped_k", [
+    (2 * 1 * 4, MAX_WINDOW_MIX_STEPS, MAX_WINDOW_MIX_STEPS),  # 2 ranks, M 1, B 4: 32,768 samples
+    (8 * 2 * 4, MAX_WINDOW_MIX_STEPS, MAX_WINDOW_MIX_STEPS),  # 8 ranks, M 2: 262,144 samples
+    (256 * 2 * 4, 2048, 512),             # 256 ranks: 2^22 / 2,048 (capped 2^20 / 2,048)
+    (1024 * 8 * 4, 128, 32),              # 1,024 ranks, M 8 (capped: the step mix's 32)
+    (16384 * 1 * 4, 64, 16),              # 16,384 ranks, M 1
+    (16384 * 8 * 4, 8, 2),                # 16,384 ranks, M 8: a fixed 32 would be over 2^24
+    (1 << 23, 1, 1),                      # a step over the target: one step per window
 ])
-def test_the_window_mix_holds_about_a_million_samples(g, k):
+def test_the_window_mix_holds_about_four_million_samples_or_one_under_caps(g, k, capped_k):
+    """2^22 samples (the plan built in its own memory), 2^20 under the warmup's caps (whose
+    planner holds about 40 bytes a sample), at most 4,096 steps, at least one."""
     assert default_window_steps("window", g) == k
     assert k * g <= max(WINDOW_MIX_SAMPLES, g)
+    assert default_window_steps("window", g, capped=True) == capped_k
+    assert capped_k * g <= max(WINDOW_MIX_CAPPED_SAMPLES, g)
 
 
 def test_packed_window_mix_counts_packs():
@@ -63,8 +69,12 @@ def test_the_config_leaves_the_window_mixs_k_to_the_global_batch():
     cfg = OrderingConfig(**PLANNED, planned_mix="window", micro_batches_per_step=2)
     assert cfg.plan_window_steps is None
     assert cfg.window_steps(8, 4) == MAX_WINDOW_MIX_STEPS
-    assert cfg.window_steps(1024, 4) == 128
+    assert cfg.window_steps(1024, 4) == 512
     assert cfg.window_steps(1024, 1, packed=True) == 32
+    # under a sequence-length warmup's caps the window mix holds a quarter of the samples
+    warm = dataclasses.replace(cfg, seq_length_warmup={"start": 64, "full": 4096,
+                                                       "warmup_steps": 100})
+    assert warm.window_steps(1024, 4) == 128 and warm.window_steps(8, 4) == 4096
     # round trip keeps "not given"
     assert OrderingConfig.from_dict(cfg.to_dict()).plan_window_steps is None
     given = OrderingConfig(**PLANNED, planned_mix="window", plan_window_steps=48)
@@ -86,7 +96,7 @@ def test_the_pipeline_plans_and_stamps_the_resolved_window(packing):
                      sources=(Source(name="a"),))
     plan = plan_pipeline(cfg, args)
     k = dict(plan.stage(PLANNED_SOURCE).settings)["window_steps"]
-    assert k == default_window_steps("window", 512 * 2 * 4, packed=packing is not None) < 1024
+    assert k == default_window_steps("window", 512 * 2 * 4, packed=packing is not None) < 4096
     assert pipeline_stamp(plan, length_indexes=None)["plan_window_steps"] == k
     # the same global batch on other ranks (an elastic resume): the same window
     other = plan_pipeline(cfg, BuildArgs(batch_size=4, world_size=256, packing_buffer_size=packing,

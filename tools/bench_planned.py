@@ -81,7 +81,7 @@ from energon_ordering.planned.balance import sample_cost
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.packs import plan_packed_window
 from energon_ordering.planned.window import plan_window, window_weights
-from energon_ordering.planned.window_size import default_window_steps
+from energon_ordering.planned.window_size import WINDOW_MIX_SAMPLES, default_window_steps
 
 BATCH = 4
 RANKS = (2, 8, 64, 1024)
@@ -90,8 +90,8 @@ MICRO_BATCHES = (1, 2, 8)
 POOLS = (10_000, 100_000)
 WORKERS = 2  # loader workers per rank, for the pools the package accepts
 #: A window holds at most this many samples at the plan-only shapes (K shrinks with R M B),
-#: unless ``--plan-only-window-samples`` says.
-PLAN_ONLY_WINDOW_SAMPLES = 1 << 20
+#: unless ``--plan-only-window-samples`` says: the window mix's default window.
+PLAN_ONLY_WINDOW_SAMPLES = WINDOW_MIX_SAMPLES
 
 # issue 32's targets
 TARGET_BOUND_RATIO, TARGET_BOUND_POINTS = 1.2, 0.001
@@ -433,7 +433,7 @@ def packed_table(name, lengths, weights, R, M, windows, cap,
               help="Plan windows per setting (default 2; --quick 1).")
 @click.option("--window-steps", type=int, default=None,
               help="plan_window_steps K of both mixes (default: each mix's own: 32 for step, "
-              "about 2^20 samples or 2^16 packs for window; the plan-only shapes shrink it to "
+              "about 2^22 samples or 2^16 packs for window; the plan-only shapes shrink it to "
               "fit their window).")
 @click.option("--plan-only-window-samples", "plan_only_samples", type=int,
               default=PLAN_ONLY_WINDOW_SAMPLES, show_default=True,
@@ -461,7 +461,7 @@ def main(quick: bool, ranks: str | None, micro_batches: str | None,
     WINDOW_STEPS[0] = window_steps
     PLAN_ONLY_SAMPLES[0] = plan_only_samples
     click.echo(f"micro-batch {BATCH} (padded) or one pack of {cap:,} tokens (packed); "
-               f"plan_window_steps {window_steps or 'of each mix (step 32, window ~2^20 samples)'} "
+               f"plan_window_steps {window_steps or 'of each mix (step 32, window ~2^22 samples)'} "
                f"({plan_only_samples:,} samples "
                f"a window at most at the plan-only shapes); {windows} window(s) per setting; "
                f"pools: a loader worker's share of {dataset_samples:,} samples over R x "

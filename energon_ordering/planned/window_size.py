@@ -15,26 +15,34 @@ so K = 64 there). Packed, it packs step by step (K does not change the packs): 3
 ``planned_mix="window"`` sizes its window in samples, not steps: a window's steps are bands of
 the window's sorted lengths, so what decides how narrow a band is (padding) and how alike a
 step's samples are (idle) is how many samples the window sorts, the more the better, while its
-memory grows as the samples (while a loader worker plans it, about 20 bytes each at 2^20 samples and
-40-43 under the warmup's caps, :mod:`.window_mix_buffer`; 45-50 and 80-90 before it). So the window
-holds about :data:`WINDOW_MIX_SAMPLES` samples (packed: :data:`WINDOW_MIX_PACKS` packs of about
-seven samples each at 8,192 tokens), at most :data:`MAX_WINDOW_MIX_STEPS` steps, at least one:
+memory grows as the samples. The plan is built in its own memory (:mod:`.window_mix_buffer`:
+8 bytes a sample plus the dealing's temporaries, a peak of 37-59 MiB at 2^22 samples), except
+under the warmup's caps, whose planner holds each candidate's id, age and sort key besides it
+(about 40 bytes a sample). So the window holds about :data:`WINDOW_MIX_SAMPLES` (2^22) samples,
+:data:`WINDOW_MIX_CAPPED_SAMPLES` (2^20) with ``seq_length_warmup`` (packed:
+:data:`WINDOW_MIX_PACKS` packs of about seven samples each at 8,192 tokens), at most
+:data:`MAX_WINDOW_MIX_STEPS` steps, at least one:
 
 ============================  ===========  ===============================================
 shape (G = R M B per step)    K            samples per window
 ============================  ===========  ===============================================
 2 ranks, M = 1, B = 4         4,096        32,768 (at K = 32: 256)
 8 ranks, M = 2, B = 4         4,096        262,144 (at K = 32: 2,048)
-1,024 ranks, M = 8, B = 4     32           1,048,576 (as the fixed default)
-16,384 ranks, M = 8, B = 4    2            1,048,576 (K = 32: 2^24 ids, 1.4 GiB planning)
+1,024 ranks, M = 8, B = 4     128          4,194,304 (warmup: 32)
+16,384 ranks, M = 1, B = 4    64           4,194,304 (warmup: 16)
+16,384 ranks, M = 8, B = 4    8            4,194,304 (warmup: 2; K = 32: 2^24 ids)
 ============================  ===========  ===============================================
 
 Measured by ``tools/bench_planned.py --quick`` (5 December, 8 ranks, M = 2, B = 4, padded):
 lost compute (idle per optimizer step + padding by tokens) 0.02-0.04% on the trimodal, demo and
 heavy-tailed mixes with K = 4,096, 0.05-0.14% with K = 1,024, 1.4-4.0% with K = 32 (2,048
 samples a window), against 0.79-1.14% for a batch pool of 100,000 samples; on the demo's data
-at M = 1 (``advise``) 0.1% against 5.6% with K = 32. Packed at 1,024 ranks, M = 8, K = 8 peaks
-at 30-51 MiB (K = 32: 143-203 MiB) for about the same idle and padding.
+at M = 1 (``advise``) 0.1% against 5.6% with K = 32. At 1,024 ranks (7 December, side by side,
+one window each, M = 1 and 8) 2^22 samples against 2^20 lost 0.04-0.36% against 0.25-1.28%, for
+the same planning CPU per step and a peak of 37-38 MiB; at 16,384 ranks x 1 and x 8 they idle
+2.4-6.9% per step against 9.3-40% (``docs/benchmarks.md``, *Windows at 16,384 ranks*). Packed
+at 1,024 ranks, M = 8, K = 8 peaks at 30-51 MiB (K = 32: 143-203 MiB) for about the same idle
+and padding.
 
 The mix of a ``"window"`` plan holds per window, so a longer window spreads a source's share
 over more steps: a mixture schedule whose weights change within K steps is followed per window
@@ -49,7 +57,8 @@ from .mix import PlannedMix, check_planned_mix
 from .window import DEFAULT_WINDOW_STEPS
 
 __all__ = ["MAX_WINDOW_MIX_STEPS", "MAX_WINDOW_STEPS", "STEP_MAX_WINDOW_STEPS", "STEP_MIX_PACKS",
-           "STEP_MIX_SAMPLES", "WINDOW_MIX_PACKS", "WINDOW_MIX_SAMPLES", "default_window_steps"]
+           "STEP_MIX_SAMPLES", "WINDOW_MIX_CAPPED_SAMPLES", "WINDOW_MIX_PACKS",
+           "WINDOW_MIX_SAMPLES", "default_window_steps"]
 
 #: The largest ``plan_window_steps`` of the step mix (``OrderingConfig`` refuses more): its
 #: balancing costs memory and time that grow as K^2.
@@ -58,11 +67,13 @@ MAX_WINDOW_STEPS = 1024
 #: at 2 ranks x 1 x 4 a window of 1,024 steps (8,192 samples) lost 0.20-0.56% where a 100,000-
 #: sample batch pool lost 0.20-0.24%; 4,096 steps lost 0.06-0.16% (``tools/bench_planned.py``).
 MAX_WINDOW_MIX_STEPS = 4096
-#: Samples a ``"window"`` plan of padded micro-batches aims for: 2^20 ids, a peak of 20 MiB while
-#: a loader worker plans them, 40-43 MiB under the warmup's caps (``tools/bench_window_mix_
-#: memory.py``; a step of over 2^17 samples adds its dealing's temporaries: 16,384 x 8 x 4 at
-#: K = 8 peaks at 78 MiB).
-WINDOW_MIX_SAMPLES = 1 << 20
+#: Samples a ``"window"`` plan of padded micro-batches aims for without the warmup's caps: 2^22
+#: ids, planned in their own 32 MiB and a peak of 44-59 MiB (``tools/bench_window_mix_memory.py``:
+#: the dealing's temporaries grow with a step's samples; 16,384 x 8 x 4 at K = 8: 59 MiB).
+WINDOW_MIX_SAMPLES = 1 << 22
+#: The same under the warmup's caps (``seq_length_warmup``), whose planner holds each
+#: candidate's id, age and sort key besides the plan: 2^20 ids, a peak of 40-43 MiB.
+WINDOW_MIX_CAPPED_SAMPLES = 1 << 20
 #: Packs a packed ``"window"`` plan aims for: 2^16 packs of 8,192 tokens hold about 460,000
 #: samples of the trimodal mix, a peak of 30-51 MiB on the three mixes (1,024 ranks, M = 8:
 #: K = 8; K = 32 peaked at 143-203 MiB).
@@ -76,27 +87,30 @@ STEP_MAX_WINDOW_STEPS = 128
 STEP_MIX_PACKS = 1 << 17
 
 
-def default_window_steps(mix: PlannedMix | str, draws_per_step: int, packed: bool = False) -> int:
+def default_window_steps(mix: PlannedMix | str, draws_per_step: int, packed: bool = False,
+                         capped: bool = False) -> int:
     """K when ``plan_window_steps`` is not given (module docstring).
 
     Args:
         mix: ``planned_mix``.
         draws_per_step: G = R M B: samples (padded) or packs (packed) per optimizer step.
         packed: Whether the plan packs (G counts packs).
+        capped: Whether a sequence-length warmup caps the steps (``seq_length_warmup``).
 
     Returns:
-        ``"window"``: ``clamp(2^20 // G, 1, 4,096)`` (packed ``2^16 // G``); ``"step"``:
-        ``clamp(2^19 // G, 32, 128)``, below 32 only as ``2^20 // G`` (packed
-        ``clamp(2^17 // G, 1, 32)``).
+        ``"window"``: ``clamp(2^22 // G, 1, 4,096)`` (capped ``2^20 // G``, packed
+        ``2^16 // G``); ``"step"``: ``clamp(2^19 // G, 32, 128)``, below 32 only as
+        ``2^20 // G`` (packed ``clamp(2^17 // G, 1, 32)``).
     """
     mix = check_planned_mix(mix)
     g = int(draws_per_step)
     if g < 1:
         raise ValueError(f"default_window_steps: draws_per_step = {g}; give an int >= 1.")
     if mix == "window":
-        return max(1, min(MAX_WINDOW_MIX_STEPS,
-                          (WINDOW_MIX_PACKS if packed else WINDOW_MIX_SAMPLES) // g))
+        samples = (WINDOW_MIX_PACKS if packed
+                   else WINDOW_MIX_CAPPED_SAMPLES if capped else WINDOW_MIX_SAMPLES)
+        return max(1, min(MAX_WINDOW_MIX_STEPS, samples // g))
     if packed:
         return max(1, min(DEFAULT_WINDOW_STEPS, STEP_MIX_PACKS // g))
-    at_most_32 = min(DEFAULT_WINDOW_STEPS, WINDOW_MIX_SAMPLES // g)  # 32 up to 2^20 samples
+    at_most_32 = min(DEFAULT_WINDOW_STEPS, WINDOW_MIX_CAPPED_SAMPLES // g)  # 32 to 2^20 samples
     return max(1, min(STEP_MAX_WINDOW_STEPS, max(at_most_32, STEP_MIX_SAMPLES // g)))
