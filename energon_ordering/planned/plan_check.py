@@ -31,7 +31,10 @@ holds, and the checks compare, is instead:
   source inside a padded window, each group of steps with the same zero weights holds its
   split of them (the rule of :func:`~.window_mix.mix_window`, step 2);
 - the window's ids: the cursor's deferred samples plus the draws between the two cursors,
-  less the next cursor's deferred samples (:func:`~.window.plan_samples`, as a multiset);
+  less the next cursor's deferred samples (:func:`~.window.plan_samples`, as a multiset),
+  checked without drawing the window again: each id is mapped back by the inverse permutation
+  to the draw it is and takes it (one byte per draw; chunks of the plan's steps), so a window of
+  2^22 ids is checked in about 16 MiB;
 - per step: no sample of a source at a step where its weight is 0, and (padded, with the
   warmup's caps) no more samples above their step's cap than any placement of the group's
   samples needs (0 unless more fit no step than can be deferred: then the planner places the
@@ -48,7 +51,8 @@ from energon_ordering.errors import OrderingConfigError
 from energon_ordering.mixture.step_counts import step_source_counts
 
 from . import window_mix
-from .cursor import PlanCursor, advance, draws
+from .cursor import PlanCursor, advance
+from .permutation import permutation_key, unpermute
 from .mix import PlannedMix, check_planned_mix
 from .packs import PackedWindowPlan
 from .sample_ids import SampleIds
@@ -222,12 +226,6 @@ def _window_plan_problem(ids: np.ndarray, *, seed: int, sizes: Sequence[int],
 
 #: Ids a window-mix check reads at once (a chunk of the plan's steps, or of the draws).
 _CHUNK_IDS = 1 << 17
-#: Bytes the multiset comparison of a window-mix plan may hold (each side's ids, gathered and
-#: then joined: 16 bytes an id a side): beyond it the ids are compared in buckets of a hash of
-#: the id, the window's draws computed again for each (2^20 ids: 2 buckets; 2^22: 8).
-MULTISET_BYTES = 1 << 24
-
-
 def _row_chunks(ids: np.ndarray):
     """``(first step, rows)`` of ``ids`` ``[K, G]`` in chunks of about :data:`_CHUNK_IDS`."""
     rows = max(1, _CHUNK_IDS // max(1, ids.shape[1]))
@@ -313,66 +311,79 @@ def _fewest_over(first_fit: np.ndarray, G: int) -> int:
     return int(max(0, int((need - room).max())))
 
 
-def _bucket(ids: np.ndarray, buckets: int) -> np.ndarray:
-    """Each id's bucket (a multiplicative hash's top bits; every copy of an id in one)."""
-    if buckets == 1:
-        return np.zeros(len(ids), dtype=np.int64)
-    h = ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    return (h >> np.uint64(64 - (buckets.bit_length() - 1))).astype(np.int64)
-
-
 def _window_samples_problem(ids: np.ndarray, later: np.ndarray, sizes: Sequence[int], seed: int,
                             cursor: PlanCursor, nxt: PlanCursor) -> str | None:
     """Why ``ids`` ``[K, G]`` plus the next cursor's deferred ``later`` are not the cursor's
     deferred samples plus the draws between the two cursors, as a multiset
-    (:func:`~.window.plan_samples`), or None. Compared bucket by bucket of a hash of the id
-    where both sides would hold over :data:`MULTISET_BYTES`."""
+    (:func:`~.window.plan_samples`), or None.
+
+    Without drawing the window again: each id is mapped back to the draws it can be (the draw
+    at its position in each source epoch the window's draws of its source cross, by the
+    inverse permutation), and takes one of them not yet taken, else one of the cursor's
+    deferred copies of it. The counts being equal, every id finding a place of its own is the
+    multisets being equal. One byte per draw and chunks of :data:`_CHUNK_IDS`."""
     split_ids = SampleIds.of(sizes)
-    held = np.asarray(cursor.deferred, dtype=np.int64)
-    fresh = [(s, int(cursor.drawn[s]), int(nxt.drawn[s]) - int(cursor.drawn[s]))
-             for s in range(len(sizes))]
+    S = len(sizes)
+    first = [int(cursor.drawn[s]) for s in range(S)]
+    count = [int(nxt.drawn[s]) - first[s] for s in range(S)]
+    held: dict[int, int] = {}
+    for g in cursor.deferred:
+        held[int(g)] = held.get(int(g), 0) + 1
     n_got = ids.size + len(later)
-    n_want = len(held) + sum(k for *_, k in fresh)
+    n_want = len(cursor.deferred) + sum(count)
     if n_got != n_want:
         return f"it holds {n_got} sample ids, the window draws {n_want}"
-    buckets = 1
-    while 32 * n_got > buckets * MULTISET_BYTES:
-        buckets *= 2
-    offsets = split_ids.offsets.tolist()
+    taken = [np.zeros(c, dtype=bool) for c in count]
+    epochs = [range(f // n, (f + c - 1) // n + 1) if c else range(0)
+              for f, c, n in zip(first, count, split_ids.sizes)]
+    keys = {(s, e): permutation_key(seed, s, e) for s in range(S) for e in epochs[s]}
+    offsets = split_ids.offsets
 
-    def want_parts():
-        yield held
-        for s, first, count in fresh:
-            for a in range(0, count, _CHUNK_IDS):
-                k = min(_CHUNK_IDS, count - a)
-                yield draws(seed, s, sizes[s], first + a, k) + offsets[s]
-
-    def got_parts():
+    def chunks():
         for _, rows in _row_chunks(ids):
             yield rows.reshape(-1)
-        yield later
+        yield np.asarray(later, dtype=np.int64)
 
-    for b in range(buckets):
-        got = np.concatenate([x[_bucket(x, buckets) == b] for x in got_parts()])
-        want = np.concatenate([x[_bucket(x, buckets) == b] for x in want_parts()])
-        got.sort()
-        want.sort()
-        n = min(len(got), len(want))
-        differ = np.flatnonzero(got[:n] != want[:n])
-        if differ.size:
-            x = int(min(got[differ[0]], want[differ[0]]))
-        elif len(got) != len(want):  # the longer side's next id (every copy is in the bucket)
-            x = int(got[n] if len(got) > n else want[n])
-        else:
-            continue
-        return (f"sample id {x} appears {_times(got, x)} time(s) in it, {_times(want, x)} in "
-                "the window's draws")
+    for part in chunks():
+        src, within = split_ids.split(part)
+        for s in np.unique(src).tolist():
+            left = within[src == s]
+            size = split_ids.sizes[s]
+            for e in epochs[s]:
+                d = e * size + unpermute(left, size, keys[s, e]) - first[s]
+                fits = np.flatnonzero((d >= 0) & (d < count[s]))
+                fits = fits[~taken[s][d[fits]]]
+                _, once = np.unique(d[fits], return_index=True)  # one id per draw in a chunk
+                fits = fits[once]
+                taken[s][d[fits]] = True
+                keep = np.ones(len(left), dtype=bool)
+                keep[fits] = False
+                left = left[keep]
+                if not len(left):
+                    break
+            for i in left.tolist():  # not a draw of the window: one of the deferred copies
+                g = int(offsets[s]) + int(i)
+                if held.get(g, 0) < 1:
+                    return _times_message(g, ids, later, held, cursor, split_ids, seed,
+                                          first, count)
+                held[g] -= 1
     return None
 
 
-def _times(a: np.ndarray, x: int) -> int:
-    """How often ``x`` is in the sorted ``a``."""
-    return int(np.searchsorted(a, x, "right") - np.searchsorted(a, x, "left"))
+def _times_message(x: int, ids: np.ndarray, later: np.ndarray, held: dict[int, int],
+                   cursor: PlanCursor, split_ids: SampleIds, seed: int, first: list[int],
+                   count: list[int]) -> str:
+    """The reason naming how often sample ``x`` is in the plan and in the window's draws."""
+    got = sum(int(np.count_nonzero(rows == x)) for _, rows in _row_chunks(ids))
+    got += int(np.count_nonzero(np.asarray(later) == x))
+    (s,), (i,) = split_ids.split(np.array([x]))
+    size = split_ids.sizes[s]
+    want = sum(int(g) == x for g in cursor.deferred)
+    if count[s]:
+        for e in range(first[s] // size, (first[s] + count[s] - 1) // size + 1):
+            d = e * size + int(unpermute(np.array([i]), size, permutation_key(seed, s, e))[0])
+            want += first[s] <= d < first[s] + count[s]
+    return f"sample id {x} appears {got} time(s) in it, {want} in the window's draws"
 
 
 def _step_sources(src: list[np.ndarray], w: np.ndarray, counts: np.ndarray | None
