@@ -223,8 +223,9 @@ def test_a_window_mix_state_of_an_older_plan_version_is_refused_naming_it(data):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_default_window_resumes_exactly_and_elastically(data, workers):
-    """plan_window_steps unset: the window mix holds 1,024 steps of this small global batch
-    (2^20 samples' worth, at most 1,024 steps). States at cuts inside it resume exactly, and a
+    """plan_window_steps unset: the window mix holds its default of steps for this small
+    global batch (2^20 samples' worth under the warmup's caps, at most 4,096 steps: the whole
+    run is one window). States at cuts inside it resume exactly, and a
     resume at another data-parallel size with the same global batch keeps the same K and every
     step's samples, cut to the same lengths (the warmup ramps inside the window)."""
     kw = dict(plan_window_steps=None, num_workers=workers)

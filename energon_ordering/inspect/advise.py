@@ -1132,7 +1132,8 @@ def planned_requirements() -> str:
             "and a length index for every dataset (with packing also pack_seq_length: the plan "
             "builds the packs); plan_window_steps defaults to about 2^19 samples' worth of steps "
             f"({DEFAULT_WINDOW_STEPS}-128) with planned_mix: step, which holds each source's "
-            "share in every optimizer step, and to about 2^20 samples' worth (at most 4,096) with "
+            "share in every optimizer step, and to about 2^22 samples' worth (2^20 under a "
+            "sequence-length warmup; at most 4,096) with "
             "planned_mix: window, which holds it in every plan window (its steps free to take one "
             "band of lengths each).")
 

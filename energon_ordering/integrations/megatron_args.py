@@ -65,7 +65,8 @@ def add_energon_ordering_args(parser: argparse.ArgumentParser) -> argparse.Argum
                    help="With --length-sort-mode planned: optimizer steps per window of the "
                         "plan (the ranks are balanced within a window). Default: sized for the "
                         "global batch, about 2^19 samples in 32-128 steps with --planned-mix "
-                        "step, about 2^20 samples in at most 4,096 steps with window.")
+                        "step, about 2^22 samples (2^20 with a sequence-length warmup) in at most "
+                        "4,096 steps with window.")
     g.add_argument("--planned-mix", choices=list(PLANNED_MIX_SETTINGS), default=None,
                    help="With --length-sort-mode planned: where the blend's mix holds; step: "
                         "every optimizer step; window: every plan window, its steps banded by "

@@ -331,7 +331,8 @@ def window_steps(cfg: OrderingConfig, args: BuildArgs, packed: bool) -> int:
 def _check_window_size(cfg: OrderingConfig, args: BuildArgs, packed: bool) -> None:
     """The plan of a window, K x R x M x B sample ids, within
     :data:`~energon_ordering.config.MAX_PLAN_WINDOW_SAMPLES` (every loader worker that plans
-    a window holds it, and about 11 times as much while planning it)."""
+    a window holds it, and while planning it up to about 11 times as much with the step mix,
+    1.2-5 times with the window mix, which builds it in place)."""
     K, M, B = window_steps(cfg, args, packed), cfg.micro_batches_per_step, args.batch_size or 1
     R = args.world_size or 1
     samples = K * R * M * B
@@ -342,7 +343,7 @@ def _check_window_size(cfg: OrderingConfig, args: BuildArgs, packed: bool) -> No
         raise OrderingConfigError(
             f"OrderingConfig.plan_window_steps = {K:,}: a window plans K x R x M x B = {K:,} "
             f"steps x {R:,} ranks x {M:,} micro-batches x {B:,} samples = {samples:,} samples "
-            f"({samples * 8 / 2**20:,.0f} MiB of int64 ids, about 11x that while planning, in "
+            f"({samples * 8 / 2**20:,.0f} MiB of int64 ids, up to about 11x that while planning, in "
             f"every loader worker), over the limit of {MAX_PLAN_WINDOW_SAMPLES:,}; {fix}.")
 
 
