@@ -133,3 +133,25 @@ def test_plan_window_writes_into_out_and_allocates_little_beside_it(capped) -> N
     assert np.shares_memory(plan.ids, out)
     chunk_temporaries = 16 * window_mix_buffer.CHUNK_SAMPLES * 8  # the dealing's, per chunk
     assert peak - chunk_temporaries <= (4 if capped else 1) * 8 * n, peak / n
+
+
+def test_out_is_refused_by_the_step_mix_and_encoding_needs_the_plan_at_the_buffers_head() -> None:
+    from energon_ordering.errors import OrderingConfigError
+    from energon_ordering.pipeline.window_mix_share import (decode_window_mix_plan,
+                                                            encode_window_mix_plan,
+                                                            window_mix_plan_buffer)
+
+    lengths = [np.arange(1, 101)]
+    kw = dict(seed=1, cursor=PlanCursor.start(1), weights=window_weights([1.0], 0, 2),
+              window_steps=2, world_size=2, micro_batch=2, micro_batches_per_step=1)
+    with pytest.raises(OrderingConfigError, match="out given with mix = 'step'"):
+        plan_window(lengths, mix="step", out=np.empty(8, dtype=np.int64), **kw)
+    shape = (2, 2, 1, 2)
+    buf = window_mix_plan_buffer(shape, 1)
+    plan = plan_window(lengths, mix="window", out=buf[:8], **kw)
+    a = encode_window_mix_plan(plan.ids, plan.next_cursor, buf)
+    np.testing.assert_array_equal(a, encode_window_mix_plan(plan.ids, plan.next_cursor))
+    ids, nxt = decode_window_mix_plan(a, kw["cursor"], shape)
+    assert np.array_equal(ids, plan.ids) and nxt == plan.next_cursor
+    with pytest.raises(ValueError, match="not built at the buffer's head"):
+        encode_window_mix_plan(plan.ids.copy(), plan.next_cursor, buf)

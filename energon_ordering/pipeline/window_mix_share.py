@@ -44,7 +44,8 @@ def encode_window_mix_plan(ids: np.ndarray, next_cursor: PlanCursor,
     if buffer is None:
         return np.concatenate([np.asarray(ids, dtype=np.int64).reshape(-1), tail])
     n = int(np.prod(np.shape(ids)))
-    if not np.shares_memory(buffer[:n], ids) or len(buffer) < n + len(tail):
+    head = buffer.__array_interface__["data"][0] == np.asarray(ids).__array_interface__["data"][0]
+    if not head or not np.asarray(ids).flags.c_contiguous or len(buffer) < n + len(tail):
         raise ValueError("encode_window_mix_plan: the plan was not built at the buffer's head")
     buffer[n:n + len(tail)] = tail
     return buffer[:n + len(tail)]

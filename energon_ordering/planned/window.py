@@ -17,7 +17,8 @@ them into steps, micro-batches and ranks with each step's exact counts.
 With ``mix="window"`` (:mod:`.mix`) the window, not each step, holds the sources' shares, and
 :mod:`.window_mix` bands the window's samples by length over its steps instead (each step one
 band, level across ranks, padding-free micro-batches; the schedule's zeros and the warmup's caps
-per step; a sample that fits no step waits in ``PlanCursor.deferred``).
+per step; a sample that fits no step waits in ``PlanCursor.deferred``), built in the memory of
+its output by :mod:`.window_mix_buffer` where the lengths are whole tokens.
 
 Memory: O(K G) per window (the window's draws), never O(samples of a source) beyond the
 lengths the caller passes in (a later reader looks lengths up by id).
@@ -198,6 +199,10 @@ def plan_window(
         raise OrderingConfigError(
             f"planned order: the cursor has {len(cursor.drawn)} sources, the plan {S}.")
     R, B, M = int(world_size), int(micro_batch), int(micro_batches_per_step)
+    if out is not None and mix != "window":
+        raise OrderingConfigError(
+            f"planned order: out given with mix = {show(mix)}; only the window mix builds its "
+            "plan in a given array: drop out.")
     if mix == "window":
         caps = check_caps(caps, k)
         lean = plan_mix_in_buffer(lengths, seed=seed, cursor=cursor, weights=w, caps=caps,
