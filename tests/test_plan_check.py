@@ -477,3 +477,34 @@ def test_a_window_drawing_a_source_several_times_over_is_checked_copy_by_copy(ch
     assert why is not None and "time(s) in it" in why, why
     x = int(why.split()[2])
     assert f"appears {int(np.count_nonzero(ids == x))} time(s) in it" in why
+
+
+def test_deferred_samples_of_a_source_drawn_over_and_over_are_counted_with_its_draws(
+        check_reads):
+    """A source of 5 samples drawn 16 times a window: the warmup's caps of window 0 defer its
+    longest sample (4 copies), window 1 (no caps) places them beside 12 new draws of the
+    source; both pass, and a plan that drops one deferred copy for another sample is refused."""
+    lengths = [np.array([100, 200, 300, 400, 500]), np.full(200, 50)]
+    sizes = [len(x) for x in lengths]
+    K_, R_, M_, B_ = 4, 2, 1, 4
+    w = window_weights([0.5, 0.5], 0, K_)
+    cursor, plans = PlanCursor.start(2), []
+    for caps in (np.full(K_, 450), None):  # sample 4 (500 tokens) waits, 4 times
+        plan = plan_window(lengths, seed=4, cursor=cursor, weights=w, window_steps=K_,
+                           world_size=R_, micro_batch=B_, micro_batches_per_step=M_,
+                           mix="window", caps=caps)
+        plans.append((plan, dict(seed=4, sizes=sizes, cursor=cursor, weights=w,
+                                 next_cursor=plan.next_cursor, mix="window", caps=caps,
+                                 lengths=lengths)))
+        cursor = plan.next_cursor
+    assert plans[1][0].cursor.deferred == (4, 4, 4, 4)  # placed by window 1 ...
+    assert plans[1][0].next_cursor.drawn[0] - plans[1][0].cursor.drawn[0] >= 5  # ... drawn over
+    for plan, inputs in plans:
+        assert plan_matches_inputs(plan.ids, **inputs) is None
+    plan, inputs = plans[1]
+    ids = plan.ids.reshape(-1).copy()
+    g = plan.cursor.deferred[0]
+    at = int(np.flatnonzero(ids == g)[0])
+    ids[at] = next(x for x in range(5) if x != g)
+    why = plan_matches_inputs(ids.reshape(plan.ids.shape), **inputs)
+    assert why is not None and "time(s) in it" in why, why

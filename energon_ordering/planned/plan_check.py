@@ -52,7 +52,7 @@ from energon_ordering.mixture.step_counts import step_source_counts
 
 from . import window_mix
 from .cursor import PlanCursor, advance
-from .permutation import permutation_key, unpermute
+from .permutation import permutation_key, permute, unpermute
 from .mix import PlannedMix, check_planned_mix
 from .packs import PackedWindowPlan
 from .sample_ids import SampleIds
@@ -317,26 +317,40 @@ def _window_samples_problem(ids: np.ndarray, later: np.ndarray, sizes: Sequence[
     deferred samples plus the draws between the two cursors, as a multiset
     (:func:`~.window.plan_samples`), or None.
 
-    Without drawing the window again: each id is mapped back to the draws it can be (the draw
-    at its position in each source epoch the window's draws of its source cross, by the
-    inverse permutation), and takes one of them not yet taken, else one of the cursor's
-    deferred copies of it. The counts being equal, every id finding a place of its own is the
-    multisets being equal. One byte per draw and chunks of :data:`_CHUNK_IDS`."""
+    Without drawing the window again, source by source:
+
+    - a source the window draws fewer times than it has samples (its draws cross at most one
+      epoch end): each id is mapped back by the inverse permutation to the draw it is in each
+      epoch the draws cross, and takes one of them not yet taken, else one of the cursor's
+      deferred copies of it (one byte per draw);
+    - a source drawn at least once over: how often each of its samples is drawn (once per whole
+      epoch, plus the two partial epochs' draws) against how often the plan holds it (a count
+      per sample of the source).
+
+    The counts being equal, every id finding a place of its own is the multisets being equal.
+    The plan is read in chunks of :data:`_CHUNK_IDS`."""
     split_ids = SampleIds.of(sizes)
     S = len(sizes)
     first = [int(cursor.drawn[s]) for s in range(S)]
     count = [int(nxt.drawn[s]) - first[s] for s in range(S)]
-    held: dict[int, int] = {}
-    for g in cursor.deferred:
-        held[int(g)] = held.get(int(g), 0) + 1
     n_got = ids.size + len(later)
     n_want = len(cursor.deferred) + sum(count)
     if n_got != n_want:
         return f"it holds {n_got} sample ids, the window draws {n_want}"
-    taken = [np.zeros(c, dtype=bool) for c in count]
-    epochs = [range(f // n, (f + c - 1) // n + 1) if c else range(0)
-              for f, c, n in zip(first, count, split_ids.sizes)]
-    keys = {(s, e): permutation_key(seed, s, e) for s in range(S) for e in epochs[s]}
+    held: dict[int, int] = {}
+    for g in cursor.deferred:
+        held[int(g)] = held.get(int(g), 0) + 1
+    counted = [count[s] >= split_ids.sizes[s] for s in range(S)]
+    times = [_drawn_times(seed, s, split_ids.sizes[s], first[s], count[s]) if counted[s]
+             else None for s in range(S)]
+    for g, k in held.items():  # a counted source's deferred copies are counted with its draws
+        (s,), (i,) = split_ids.split(np.array([g]))
+        if counted[s]:
+            times[s][i] += k
+    taken = [None if counted[s] else np.zeros(count[s], dtype=bool) for s in range(S)]
+    keys = {(s, e): permutation_key(seed, s, e) for s in range(S) if not counted[s]
+            for e in range(first[s] // sizes[s], (first[s] + count[s] - 1) // sizes[s] + 1)
+            if count[s]}
     offsets = split_ids.offsets
 
     def chunks():
@@ -349,7 +363,12 @@ def _window_samples_problem(ids: np.ndarray, later: np.ndarray, sizes: Sequence[
         for s in np.unique(src).tolist():
             left = within[src == s]
             size = split_ids.sizes[s]
-            for e in epochs[s]:
+            if counted[s]:
+                times[s] -= np.bincount(left, minlength=size)
+                continue
+            for e in range(first[s] // size, (first[s] + count[s] - 1) // size + 1):
+                if not count[s]:
+                    break
                 d = e * size + unpermute(left, size, keys[s, e]) - first[s]
                 fits = np.flatnonzero((d >= 0) & (d < count[s]))
                 fits = fits[~taken[s][d[fits]]]
@@ -364,25 +383,43 @@ def _window_samples_problem(ids: np.ndarray, later: np.ndarray, sizes: Sequence[
             for i in left.tolist():  # not a draw of the window: one of the deferred copies
                 g = int(offsets[s]) + int(i)
                 if held.get(g, 0) < 1:
-                    return _times_message(g, ids, later, held, cursor, split_ids, seed,
-                                          first, count)
+                    return _times_message(g, ids, later, cursor, split_ids, seed, first, count)
                 held[g] -= 1
+    for s in range(S):
+        if counted[s] and times[s].any():
+            i = int(np.flatnonzero(times[s])[0])
+            return _times_message(int(offsets[s]) + i, ids, later, cursor, split_ids, seed,
+                                  first, count)
     return None
 
 
-def _times_message(x: int, ids: np.ndarray, later: np.ndarray, held: dict[int, int],
-                   cursor: PlanCursor, split_ids: SampleIds, seed: int, first: list[int],
-                   count: list[int]) -> str:
+def _drawn_times(seed: int, source: int, size: int, first: int, count: int) -> np.ndarray:
+    """How often each sample of a source is among its draws ``first .. first + count - 1``
+    (int64 ``[size]``): once per whole epoch the draws cover, plus the drawn positions of the
+    (at most two) epochs they cover in part."""
+    times = np.zeros(size, dtype=np.int64)
+    if not count:
+        return times
+    for e in range(first // size, (first + count - 1) // size + 1):
+        lo = max(first, e * size) - e * size
+        hi = min(first + count, (e + 1) * size) - e * size
+        if lo == 0 and hi == size:
+            times += 1
+        else:
+            times[permute(np.arange(lo, hi, dtype=np.int64), size,
+                          permutation_key(seed, source, e))] += 1
+    return times
+
+
+def _times_message(x: int, ids: np.ndarray, later: np.ndarray, cursor: PlanCursor,
+                   split_ids: SampleIds, seed: int, first: list[int], count: list[int]) -> str:
     """The reason naming how often sample ``x`` is in the plan and in the window's draws."""
     got = sum(int(np.count_nonzero(rows == x)) for _, rows in _row_chunks(ids))
     got += int(np.count_nonzero(np.asarray(later) == x))
     (s,), (i,) = split_ids.split(np.array([x]))
     size = split_ids.sizes[s]
     want = sum(int(g) == x for g in cursor.deferred)
-    if count[s]:
-        for e in range(first[s] // size, (first[s] + count[s] - 1) // size + 1):
-            d = e * size + int(unpermute(np.array([i]), size, permutation_key(seed, s, e))[0])
-            want += first[s] <= d < first[s] + count[s]
+    want += int(_drawn_times(seed, int(s), size, first[s], count[s])[i]) if count[s] else 0
     return f"sample id {x} appears {got} time(s) in it, {want} in the window's draws"
 
 
