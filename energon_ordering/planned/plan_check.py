@@ -33,8 +33,10 @@ holds, and the checks compare, is instead:
 - the window's ids: the cursor's deferred samples plus the draws between the two cursors,
   less the next cursor's deferred samples (:func:`~.window.plan_samples`, as a multiset),
   checked without drawing the window again: each id is mapped back by the inverse permutation
-  to the draw it is and takes it (one byte per draw; chunks of the plan's steps), so a window of
-  2^22 ids is checked in about 16 MiB;
+  to the draw it is and takes it (one byte per draw), or, for a source the window draws at
+  least once over, each sample's copies are counted against its draws (one count per sample of
+  the source); the plan is read in chunks of steps, so a window of 2^22 ids is checked in about
+  16 MiB;
 - per step: no sample of a source at a step where its weight is 0, and (padded, with the
   warmup's caps) no more samples above their step's cap than any placement of the group's
   samples needs (0 unless more fit no step than can be deferred: then the planner places the
