@@ -99,6 +99,12 @@ def test_sample_ids_round_trip() -> None:
         SampleIds.of([3, 0])
 
 
+def test_sample_ids_count_each_rows_sources() -> None:
+    ids = SampleIds.of([3, 1, 5])
+    rows = np.array([[0, 2, 3, 8], [4, 4, 4, 1], [3, 3, 3, 3]])
+    assert ids.source_counts(rows).tolist() == [[2, 1, 1], [1, 0, 3], [0, 4, 0]]
+
+
 def test_draws_cover_each_source_epoch_exactly_once() -> None:
     size = 1_003
     d = draws(5, 2, size, first=500, count=3 * size)  # crosses three epoch ends

@@ -343,8 +343,9 @@ def _check_window_size(cfg: OrderingConfig, args: BuildArgs, packed: bool) -> No
         raise OrderingConfigError(
             f"OrderingConfig.plan_window_steps = {K:,}: a window plans K x R x M x B = {K:,} "
             f"steps x {R:,} ranks x {M:,} micro-batches x {B:,} samples = {samples:,} samples "
-            f"({samples * 8 / 2**20:,.0f} MiB of int64 ids, up to about 11x that while planning, in "
-            f"every loader worker), over the limit of {MAX_PLAN_WINDOW_SAMPLES:,}; {fix}.")
+            f"({samples * 8 / 2**20:,.0f} MiB of int64 ids, up to about 11x that while "
+            f"planning, in every loader worker), over the limit of "
+            f"{MAX_PLAN_WINDOW_SAMPLES:,}; {fix}.")
 
 
 def _validate(cfg: OrderingConfig, args: BuildArgs, packing: int | None) -> None:

@@ -161,9 +161,8 @@ def plan_matches_inputs(
     flat = a.reshape(K, -1)
     G = flat.shape[1]
     if mix == "step":
-        src = SampleIds.of(sizes).split(flat)[0]
         counts, carry = step_source_counts(w, G, cursor.carry)
-        why = _step_sources(list(src), w, counts)
+        why = _step_sources(_step_counts(flat, SampleIds.of(sizes)), w, counts)
         if why is None and next_cursor is not None and not _same_cursor(
                 next_cursor, advance(cursor, counts, carry)):
             why = "its next cursor is not where the window's counts lead"
@@ -209,7 +208,7 @@ def _window_plan_problem(ids: np.ndarray, *, seed: int, sizes: Sequence[int],
         return (f"it draws the sources up to {list(nxt.drawn)}, the window's totals and "
                 f"deferrals to {want.tolist()}")
     counts = _step_counts(ids, split_ids)
-    why = _step_sources_counted(counts, w)
+    why = _step_sources(counts, w, None)
     if why is not None:
         return why
     for g in range(len(split)):
@@ -226,8 +225,10 @@ def _window_plan_problem(ids: np.ndarray, *, seed: int, sizes: Sequence[int],
     return _window_samples_problem(ids, later, sizes, seed, cursor, nxt)
 
 
-#: Ids a window-mix check reads at once (a chunk of the plan's steps, or of the draws).
+#: Ids a window-mix check reads at once (a chunk of the plan's steps).
 _CHUNK_IDS = 1 << 17
+
+
 def _row_chunks(ids: np.ndarray):
     """``(first step, rows)`` of ``ids`` ``[K, G]`` in chunks of about :data:`_CHUNK_IDS`."""
     rows = max(1, _CHUNK_IDS // max(1, ids.shape[1]))
@@ -236,26 +237,12 @@ def _row_chunks(ids: np.ndarray):
 
 
 def _step_counts(ids: np.ndarray, split_ids: SampleIds) -> np.ndarray:
-    """``[K, S]`` samples per step and source of ``ids`` ``[K, G]`` (in range)."""
-    S = len(split_ids.sizes)
-    bounds = np.cumsum(split_ids.sizes)
-    counts = np.zeros((ids.shape[0], S), dtype=np.int64)
+    """``[K, S]`` samples per step and source of ``ids`` ``[K, G]`` (in range), read in
+    chunks of steps."""
+    counts = np.zeros((ids.shape[0], len(split_ids.sizes)), dtype=np.int64)
     for lo, rows in _row_chunks(ids):
-        src = np.searchsorted(bounds, rows, "right")
-        src += (np.arange(len(rows)) * S)[:, None]
-        counts[lo:lo + len(rows)] = np.bincount(src.reshape(-1),
-                                                minlength=len(rows) * S).reshape(-1, S)
+        counts[lo:lo + len(rows)] = split_ids.source_counts(rows)
     return counts
-
-
-def _step_sources_counted(counts: np.ndarray, w: np.ndarray) -> str | None:
-    """:func:`_step_sources` without counts to compare, from the per-step ``counts``."""
-    bad = np.argwhere((counts > 0) & (w == 0))
-    if not len(bad):
-        return None
-    t, s = (int(x) for x in bad[0])
-    return (f"its step {t} holds {int(counts[t, s])} sample(s) of source {s}, whose weight "
-            "there is 0")
 
 
 def _over_caps(ids: np.ndarray, group: np.ndarray, caps: np.ndarray,
@@ -269,15 +256,13 @@ def _over_caps(ids: np.ndarray, group: np.ndarray, caps: np.ndarray,
     first_over: list[tuple[int, int, float] | None] = [None] * groups
     fits = [np.zeros(int((group == g).sum()) + 1, dtype=np.int64) for g in range(groups)]
     sorted_caps = [np.sort(c[group == g]) for g in range(groups)]
-    bounds = np.cumsum(split_ids.sizes)
-    offsets = split_ids.offsets
     for lo, rows in _row_chunks(ids):
-        src = np.searchsorted(bounds, rows, "right")
+        src, within = split_ids.split(rows)
         L = np.empty(rows.shape, dtype=np.float64)
-        for s, off in enumerate(offsets.tolist()):
+        for s in range(len(split_ids.sizes)):
             mine = src == s
-            L[mine] = np.asarray(lengths[s])[rows[mine] - off]
-        del src
+            L[mine] = np.asarray(lengths[s])[within[mine]]
+        del src, within
         over = L > c[lo:lo + len(rows), None]
         for g in range(groups):
             mine = np.flatnonzero(group[lo:lo + len(rows)] == g)
@@ -350,9 +335,10 @@ def _window_samples_problem(ids: np.ndarray, later: np.ndarray, sizes: Sequence[
         if counted[s]:
             times[s][i] += k
     taken = [None if counted[s] else np.zeros(count[s], dtype=bool) for s in range(S)]
-    keys = {(s, e): permutation_key(seed, s, e) for s in range(S) if not counted[s]
-            for e in range(first[s] // sizes[s], (first[s] + count[s] - 1) // sizes[s] + 1)
-            if count[s]}
+    # the source epochs the draws of each source not counted cross (at most two)
+    epochs = [range(f // n, (f + c - 1) // n + 1) if c and not k else range(0)
+              for f, c, n, k in zip(first, count, split_ids.sizes, counted)]
+    keys = {(s, e): permutation_key(seed, s, e) for s in range(S) for e in epochs[s]}
     offsets = split_ids.offsets
 
     def chunks():
@@ -368,9 +354,7 @@ def _window_samples_problem(ids: np.ndarray, later: np.ndarray, sizes: Sequence[
             if counted[s]:
                 times[s] -= np.bincount(left, minlength=size)
                 continue
-            for e in range(first[s] // size, (first[s] + count[s] - 1) // size + 1):
-                if not count[s]:
-                    break
+            for e in epochs[s]:
                 d = e * size + unpermute(left, size, keys[s, e]) - first[s]
                 fits = np.flatnonzero((d >= 0) & (d < count[s]))
                 fits = fits[~taken[s][d[fits]]]
@@ -425,14 +409,12 @@ def _times_message(x: int, ids: np.ndarray, later: np.ndarray, cursor: PlanCurso
     return f"sample id {x} appears {got} time(s) in it, {want} in the window's draws"
 
 
-def _step_sources(src: list[np.ndarray], w: np.ndarray, counts: np.ndarray | None
+def _step_sources(held: np.ndarray, w: np.ndarray, counts: np.ndarray | None
                   ) -> str | None:
-    """Why the steps' sources ``src`` (one array per step) put a sample at a step whose
-    weight for its source is 0, or (``counts`` given) differ from the steps' counts, or
+    """Why the steps' samples per source ``held`` (``[steps, S]``) put a sample at a step
+    whose weight for its source is 0, or (``counts`` given) differ from the steps' counts, or
     None."""
-    S = w.shape[1]
-    for t, s_t in enumerate(src):
-        got = np.bincount(np.asarray(s_t).reshape(-1), minlength=S)
+    for t, got in enumerate(np.asarray(held)):
         zero = np.flatnonzero((got > 0) & (w[t] == 0))
         if zero.size:
             s = int(zero[0])
@@ -543,8 +525,10 @@ def packed_plan_matches_inputs(
         return why
     step_ids = [plan.ids[offsets[t * G]:offsets[(t + 1) * G]] for t in range(steps)]
     # each step's counts (the step mix: implied by each step's draws, checked below)
-    why = _step_sources([SampleIds.of(sizes).split(x)[0] for x in step_ids], w,
-                        counts if whole else None)
+    split_ids = SampleIds.of(sizes)
+    held = np.array([np.bincount(split_ids.split(x)[0], minlength=S) for x in step_ids],
+                    dtype=np.int64).reshape(len(step_ids), S)
+    why = _step_sources(held, w, counts if whole else None)
     if why is not None:
         return why
     draws = window_draws(sizes, seed, cursor, counts)

@@ -54,6 +54,15 @@ class SampleIds:
         offsets = self.offsets[np.asarray(sources, dtype=np.int64)]
         return offsets + np.asarray(indices, dtype=np.int64)
 
+    def source_counts(self, rows: np.ndarray) -> np.ndarray:
+        """``[n, S]``: how many ids of each source each row of ``rows`` ``[n, m]`` (ids in
+        range) holds."""
+        r = np.asarray(rows)
+        S = len(self.sizes)
+        src = np.searchsorted(np.cumsum(self.sizes), r, side="right")
+        src += (np.arange(len(r)) * S)[:, None]
+        return np.bincount(src.reshape(-1), minlength=len(r) * S).reshape(-1, S)
+
     def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(source, index within source)`` of global ids (the inverse of :meth:`join`)."""
         ids = np.asarray(ids, dtype=np.int64)

@@ -35,7 +35,7 @@ import numpy as np
 from energon_ordering.pool.pack_order import ATTENTION_CROSSOVER_TOKENS
 
 __all__ = ["COST_SCALE", "sorted_length_keys", "stable_argsort", "stable_argsort_rows",
-           "stable_ascending", "stable_by_int"]
+           "stable_ascending", "stable_by_int", "whole_int64"]
 
 #: Bits of the index in a composite key (at most 2^24 values: a window's plan is capped there).
 _INDEX_BITS = 24
@@ -63,20 +63,30 @@ def sorted_length_keys(lengths: np.ndarray, ids: np.ndarray, id_bound: int
     return None if key is None else (key, bits)
 
 
+def whole_int64(values: np.ndarray, limit: int) -> np.ndarray | None:
+    """``values`` as int64 (a new array), or None unless every one is whole, >= 0 and below
+    ``limit``: the test for sorting lengths by composite keys."""
+    v = np.asarray(values)
+    if v.dtype.kind not in "iuf":
+        return None
+    if len(v) and not (0 <= v.min() and v.max() < limit):  # (NaN fails here too)
+        return None
+    out = v.astype(np.int64)
+    if v.dtype.kind == "f" and not np.array_equal(out, v):
+        return None
+    return out
+
+
 def _sorted_keys(values: np.ndarray, low: np.ndarray | None, bits: int) -> np.ndarray | None:
     """``values << bits | low`` (``low``: below 2^bits; None: each value's index), sorted, as
     int64; None unless every value is whole, >= 0 and below ``2^(63 - bits)``."""
-    v = np.asarray(values)
-    if not len(v) or bits > 62 or v.dtype.kind not in "iuf":
+    if not len(values) or bits > 62:
         return None
-    lo, hi = v.min(), v.max()
-    if not (0 <= lo and hi < (1 << (63 - bits))):  # (NaN fails here too)
-        return None
-    key = v.astype(np.int64)
-    if v.dtype.kind == "f" and not np.array_equal(key, v):
+    key = whole_int64(values, 1 << (63 - bits))
+    if key is None:
         return None
     key <<= bits
-    key |= np.arange(len(v), dtype=np.int64) if low is None else low
+    key |= np.arange(len(key), dtype=np.int64) if low is None else low
     key.sort()
     return key
 

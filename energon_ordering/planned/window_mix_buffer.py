@@ -44,6 +44,7 @@ import numpy as np
 from . import window_mix
 from .cursor import PlanCursor
 from .sample_ids import SampleIds
+from .sort_order import whole_int64
 from .window_mix import CHUNK_SAMPLES, _Candidates, _deal_steps, band_order, window_counts
 
 __all__ = ["plan_mix_in_buffer"]
@@ -130,14 +131,9 @@ def plan_mix_in_buffer(lengths: Sequence[np.ndarray], *, seed: int, cursor: Plan
 
 def _whole(values: np.ndarray, limit: int) -> np.ndarray:
     """``values`` as int64, or :class:`_NotWhole` unless every one is whole, >= 0 and below
-    ``limit`` (the reference's test for sorting by keys)."""
-    v = np.asarray(values)
-    if v.dtype.kind not in "iuf":
-        raise _NotWhole
-    if len(v) and not (0 <= v.min() and v.max() < limit):  # (NaN fails here too)
-        raise _NotWhole
-    out = v.astype(np.int64)
-    if v.dtype.kind == "f" and not np.array_equal(out, v):
+    ``limit`` (the reference's test for sorting by keys, :func:`~.sort_order.whole_int64`)."""
+    out = whole_int64(values, limit)
+    if out is None:
         raise _NotWhole
     return out
 
@@ -302,7 +298,6 @@ def _deal_in_place(buf: np.ndarray, block_of_step: np.ndarray, ids: SampleIds, b
     counts = np.empty((K, S), dtype=np.int64)
     step_of_block = np.empty(K, dtype=np.int64)
     step_of_block[block_of_step] = np.arange(K)
-    bounds = ids.offsets[1:]
     mask = (1 << bits) - 1
     chunk = max(1, CHUNK_SAMPLES // G)
     blocks = buf.reshape(K, G)
@@ -313,13 +308,7 @@ def _deal_in_place(buf: np.ndarray, block_of_step: np.ndarray, ids: SampleIds, b
         del L
         gid = rows & mask  # (after the dealing: one step may be 2^19 samples, 4 MiB a copy)
         steps = step_of_block[lo:lo + len(rows)]
-        if S == 1:
-            counts[steps] = G
-        else:
-            src = np.searchsorted(bounds, gid, "right")
-            src += (np.arange(len(rows)) * S)[:, None]
-            counts[steps] = np.bincount(src.reshape(-1), minlength=len(rows) * S).reshape(-1, S)
-            del src
+        counts[steps] = G if S == 1 else ids.source_counts(gid)
         for t in range(len(rows)):
             np.take(gid[t], pos[t], out=rows[t].reshape(R, M, B), mode="clip")  # in range
         del gid, pos

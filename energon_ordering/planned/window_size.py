@@ -57,8 +57,8 @@ from .mix import PlannedMix, check_planned_mix
 from .window import DEFAULT_WINDOW_STEPS
 
 __all__ = ["MAX_WINDOW_MIX_STEPS", "MAX_WINDOW_STEPS", "STEP_MAX_WINDOW_STEPS", "STEP_MIX_PACKS",
-           "STEP_MIX_SAMPLES", "WINDOW_MIX_CAPPED_SAMPLES", "WINDOW_MIX_PACKS",
-           "WINDOW_MIX_SAMPLES", "default_window_steps"]
+           "STEP_MIX_MAX_SAMPLES", "STEP_MIX_SAMPLES", "WINDOW_MIX_CAPPED_SAMPLES",
+           "WINDOW_MIX_PACKS", "WINDOW_MIX_SAMPLES", "default_window_steps"]
 
 #: The largest ``plan_window_steps`` of the step mix (``OrderingConfig`` refuses more): its
 #: balancing costs memory and time that grow as K^2.
@@ -80,6 +80,9 @@ WINDOW_MIX_CAPPED_SAMPLES = 1 << 20
 WINDOW_MIX_PACKS = 1 << 16
 #: Samples a padded ``"step"`` plan's window aims for (module docstring).
 STEP_MIX_SAMPLES = 1 << 19
+#: Samples beyond which a ``"step"`` window holds fewer than 32 steps by default (module
+#: docstring: 32 steps of 16,384 ranks x 8 x 4 would be 2^24 ids).
+STEP_MIX_MAX_SAMPLES = 1 << 20
 #: The most steps a ``"step"`` window takes by default (its balancing grows as K^2).
 STEP_MAX_WINDOW_STEPS = 128
 #: Packs a packed ``"step"`` plan's window holds at most: it packs step by step, so 16 steps of
@@ -112,5 +115,5 @@ def default_window_steps(mix: PlannedMix | str, draws_per_step: int, packed: boo
         return max(1, min(MAX_WINDOW_MIX_STEPS, samples // g))
     if packed:
         return max(1, min(DEFAULT_WINDOW_STEPS, STEP_MIX_PACKS // g))
-    at_most_32 = min(DEFAULT_WINDOW_STEPS, WINDOW_MIX_CAPPED_SAMPLES // g)  # 32 to 2^20 samples
+    at_most_32 = min(DEFAULT_WINDOW_STEPS, STEP_MIX_MAX_SAMPLES // g)  # 32 up to 2^20 samples
     return max(1, min(STEP_MAX_WINDOW_STEPS, max(at_most_32, STEP_MIX_SAMPLES // g)))
