@@ -204,16 +204,18 @@ def test_a_state_written_before_planned_mix_restores_as_the_step_mix(data):
 
 
 def test_a_window_mix_state_of_an_older_plan_version_is_refused_naming_it(data):
-    """A window-mix state stamped with WINDOW_MIX_PLAN_VERSION 1 (its windows dealt otherwise)
-    is refused, naming the field, both versions and the fix."""
+    """A window-mix state stamped with an older WINDOW_MIX_PLAN_VERSION (2: its bands tied by
+    id) is refused, naming the field, both versions and the fix."""
+    from energon_ordering.planned.window import WINDOW_MIX_PLAN_VERSION
     from energon_ordering.state_stamp import _find_saved_class
 
     _, states = _run(data, 2, 2, 4, save_at={4})
     entry = _find_saved_class(states[4].worker_states[0], "PlannedSourceDataset")
-    entry["_stamp"]["window_mix_plan_version"] = 1
+    entry["_stamp"]["window_mix_plan_version"] = WINDOW_MIX_PLAN_VERSION - 1
     loader = _loader(data, 2, 2, 0)
-    with pytest.raises(StateMismatchError, match=r"window_mix_plan_version: saved 1 != "
-                       r"configured 2\).*resume with the energon_ordering version that wrote "
+    with pytest.raises(StateMismatchError, match=rf"window_mix_plan_version: saved "
+                       rf"{WINDOW_MIX_PLAN_VERSION - 1} != configured {WINDOW_MIX_PLAN_VERSION}"
+                       r"\).*resume with the energon_ordering version that wrote "
                        r"the state, or start the data stream fresh"):
         restore_state_rank(loader, states[4])
     close_loader(loader)

@@ -105,6 +105,23 @@ def test_sample_ids_count_each_rows_sources() -> None:
     assert ids.source_counts(rows).tolist() == [[2, 1, 1], [1, 0, 3], [0, 4, 0]]
 
 
+@pytest.mark.parametrize("sources", [1, 2, 8, 9, 30])
+def test_sample_ids_count_sources_alike_by_comparison_and_by_search(sources, monkeypatch):
+    """Up to _COMPARED_SOURCES sources the counts compare ids with each source's end; beyond,
+    each id's source is searched: the same counts, empty rows and rows of nothing included."""
+    from energon_ordering.planned import sample_ids
+
+    rng = np.random.default_rng(sources)
+    ids = SampleIds.of(rng.integers(1, 500, sources).tolist())
+    for shape in ((40, 33), (3, 0), (0, 5)):
+        rows = rng.integers(0, ids.total, shape)
+        want = np.stack([np.bincount(ids.split(r)[0], minlength=sources) for r in rows]
+                        ) if len(rows) else np.zeros((0, sources), dtype=np.int64)
+        for limit in (0, 64):
+            monkeypatch.setattr(sample_ids, "_COMPARED_SOURCES", limit)
+            assert np.array_equal(ids.source_counts(rows), want), (limit, shape)
+
+
 def test_draws_cover_each_source_epoch_exactly_once() -> None:
     size = 1_003
     d = draws(5, 2, size, first=500, count=3 * size)  # crosses three epoch ends

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from energon_ordering.planned.sort_order import (
-    sorted_length_keys,
+    scatter_by_length,
     stable_argsort,
     stable_argsort_rows,
     stable_ascending,
@@ -34,28 +34,31 @@ def test_nan_falls_back():
     assert np.array_equal(stable_ascending(v), np.argsort(v, kind="stable"))
 
 
-@pytest.mark.parametrize("make", [
-    lambda r: r.integers(0, 8, 5000).astype(np.float64),     # many ties: broken by id
-    lambda r: r.integers(0, 1 << 20, 5000),
-    lambda r: r.random(5000) * 100,                          # fractions: None
-    lambda r: r.integers(-5, 5, 5000),                       # negative: None
-    lambda r: np.full(5000, 2.0**45),                        # no room beside the ids: None
-])
-def test_sorted_length_keys_order_by_length_then_id_or_decline(make):
-    r = np.random.default_rng(1)
-    lengths = make(r)
-    ids = r.permutation(1 << 22)[:len(lengths)]
-    got = sorted_length_keys(lengths, ids, 1 << 22)
-    whole = (lengths >= 0).all() and np.array_equal(lengths, np.floor(lengths)) and (
-        lengths.max() < 2**41)
-    if not whole:
-        assert got is None
-        return
-    key, bits = got
-    assert bits == 22 and key.dtype == np.int64
-    order = np.lexsort((ids, lengths))
-    assert np.array_equal(key & ((1 << bits) - 1), ids[order])
-    assert np.array_equal(key >> bits, lengths[order])
+@pytest.mark.parametrize("n", [0, 1, 5000, (1 << 17) * 2 + 123])  # empty, one, one chunk, three
+@pytest.mark.parametrize("spread", [8, 300, (1 << 16) - 1])  # many ties .. the widest lengths
+def test_scatter_by_length_is_the_stable_order_of_its_keys(n, spread):
+    """The keys land in numpy's stable order of the lengths, ties in index order, across
+    chunks (a length's samples in several chunks keep their order)."""
+    r = np.random.default_rng(n + spread)
+    lengths = r.integers(0, spread, n, endpoint=True).astype(np.uint16)
+    ids = r.permutation(1 << 22)[:n] if n <= 1 << 22 else None
+    order = np.argsort(lengths, kind="stable")
+    for low, bits in ((ids, 22), (None, 24)):
+        out = np.full(n, -1, dtype=np.int64)
+        scatter_by_length(lengths, low, bits, out)
+        want_low = order if low is None else low[order]
+        assert np.array_equal(out >> bits, lengths[order].astype(np.int64))
+        assert np.array_equal(out & ((1 << bits) - 1), want_low)
+
+
+def test_scatter_by_length_refuses_what_it_cannot_count():
+    out = np.empty(3, dtype=np.int64)
+    with pytest.raises(ValueError, match="uint16"):
+        scatter_by_length(np.array([1, 2, 3]), None, 8, out)
+    with pytest.raises(ValueError, match="bits=48"):
+        scatter_by_length(np.array([1, 2, 3], dtype=np.uint16), None, 48, out)
+    with pytest.raises(ValueError, match="as many"):
+        scatter_by_length(np.array([1, 2, 3], dtype=np.uint16), np.arange(2), 8, out)
 
 
 @pytest.mark.parametrize("make", [

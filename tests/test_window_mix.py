@@ -404,8 +404,8 @@ def test_one_window_peaks_under_60_bytes_per_sample() -> None:
 
 
 #: sha256 of :func:`_window_digest`'s plans (every id in place, counts and cursors), computed
-#: with WINDOW_MIX_PLAN_VERSION 2 (deal_bands without re-sorting, bands tied by global id).
-WINDOW_DIGEST = "f7e9166591a7aab2c1d63526c30fa7b053869871b02163477c88a9edc1848195"
+#: with WINDOW_MIX_PLAN_VERSION 3 (deal_bands without re-sorting, bands tied in draw order).
+WINDOW_DIGEST = "214d09ff76062788a6bc6ddca5ccaf19218fe6b3e84b77e8188e622ba9570ab3"
 
 
 def _window_digest() -> str:
@@ -438,7 +438,7 @@ def test_window_mix_plans_are_pinned_to_their_version() -> None:
     and the stamp refuses it only if the version moved."""
     from energon_ordering.planned.window import WINDOW_MIX_PLAN_VERSION
 
-    assert (WINDOW_MIX_PLAN_VERSION, _window_digest()) == (2, WINDOW_DIGEST)
+    assert (WINDOW_MIX_PLAN_VERSION, _window_digest()) == (3, WINDOW_DIGEST)
 
 
 def _deal_steps_every_way(L: np.ndarray, K: int, tokens: float, R: int, B: int, M: int

@@ -8,7 +8,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from energon_ordering.planned import window_mix_buffer
+from energon_ordering.planned import sort_order, window_mix_buffer
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.window import plan_window, window_weights
 from energon_ordering.planned.window_mix import MAX_DEFERRED, deal_bands, mix_window
@@ -31,7 +31,7 @@ def _window(rng: np.random.Generator, case: int):
     lengths = []
     for _ in range(S):
         n = int(rng.choice([7, 50, 400, 3000]))
-        top = int(rng.choice([8, 300, 5000, 40000]))
+        top = int(rng.choice([8, 300, 5000, 40000, 100_000]))  # (beyond 2^16: no counting)
         lengths.append(rng.integers(1, top, n).astype(rng.choice([np.int64, np.int32,
                                                                   np.float32])))
     R, M, B = int(rng.integers(1, 9)), int(rng.integers(1, 4)), int(rng.integers(1, 5))
@@ -57,6 +57,7 @@ def test_the_buffer_plans_the_reference_plan_window_after_window(chunk, monkeypa
     the default chunk and with chunks of 5 samples (every chunked loop runs many times): the
     ids in every place, the counts and the next cursor are the reference's."""
     monkeypatch.setattr(window_mix_buffer, "CHUNK_SAMPLES", chunk)
+    monkeypatch.setattr(sort_order, "_SCATTER_CHUNK", chunk)
     rng = np.random.default_rng(chunk)
     deferred_seen = forced_seen = 0
     for case in range(60):

@@ -20,6 +20,11 @@ from energon_ordering.errors import OrderingConfigError, show
 __all__ = ["SampleIds"]
 
 
+#: Sources up to which :meth:`SampleIds.source_counts` compares ids with each source's end
+#: (S - 1 passes) rather than searching each id's source (a binary search and a count per id).
+_COMPARED_SOURCES = 8
+
+
 @dataclass(frozen=True)
 class SampleIds:
     """The id space of a list of sources.
@@ -59,6 +64,13 @@ class SampleIds:
         range) holds."""
         r = np.asarray(rows)
         S = len(self.sizes)
+        if S <= _COMPARED_SOURCES:  # ids below each source's end, row by row: no per-id search
+            below = np.empty((len(r), S + 1), dtype=np.int64)
+            below[:, 0] = 0
+            for s, end in enumerate(np.cumsum(self.sizes)[:-1].tolist()):
+                below[:, s + 1] = np.count_nonzero(r < end, axis=1)
+            below[:, S] = r.shape[1] if r.ndim == 2 else 0
+            return np.diff(below, axis=1)
         src = np.searchsorted(np.cumsum(self.sizes), r, side="right")
         src += (np.arange(len(r)) * S)[:, None]
         return np.bincount(src.reshape(-1), minlength=len(r) * S).reshape(-1, S)

@@ -4,13 +4,15 @@ Every rank must compute the same plan, so the plans sort stably (ties in index o
 the machine's sorting code). ``np.argsort(kind="stable")`` of 2^20 float lengths takes about
 80 ms, most of a window's plan. Whole lengths below 2^39 with fewer than 2^24 values are instead
 packed with their index into one int64 key, ``length << 24 | index``: the keys are distinct, so
-any sort orders them alike, and numpy's (vectorised) sort of the keys gives the stable order in
-about 9 ms. Lengths with fractions, negative or larger ones fall back to the stable argsort.
+any sort orders them alike, and numpy's sort of the keys gives the stable order in about 9 ms
+where it is vectorised (AVX-512 on Intel) and about 60 ms where it is not. Lengths with fractions, negative or larger ones fall back to the stable argsort.
 
-:func:`sorted_length_keys` sorts samples by length with ties by their global id instead, packing
-``length << id_bits | id``: the sorted ids and lengths are read off the keys, with no gather
-through an order (a random read per sample of the window's ids: 1,024 ranks x 8 x 4, about a
-quarter of the window mix's CPU).
+:func:`scatter_by_length` sorts a window's samples by length (ties in draw order) where every
+length is below 2^16 tokens: a counting sort, chunk by chunk (numpy's radix sort of each chunk's
+uint16 lengths, then a scatter to each sample's place among the window's), writing the keys
+``length << bits | id`` straight into the plan's buffer. 2^22 samples: about 90 ms, where
+numpy's sort of the same int64 keys takes 270 ms on a machine whose sort is not vectorised
+(``tools/bench_planned.py`` prints the machine's sort speed).
 
 :func:`stable_argsort` is ``np.argsort(kind="stable")`` of a 1-D array computed by numpy's
 default sort, 5x faster on the rank costs a pack fill sorts every round (8,192 floats), the
@@ -34,8 +36,8 @@ import numpy as np
 
 from energon_ordering.pool.pack_order import ATTENTION_CROSSOVER_TOKENS
 
-__all__ = ["COST_SCALE", "sorted_length_keys", "stable_argsort", "stable_argsort_rows",
-           "stable_ascending", "stable_by_int", "whole_int64"]
+__all__ = ["COST_SCALE", "COUNTED_LENGTHS", "scatter_by_length", "stable_argsort",
+           "stable_argsort_rows", "stable_ascending", "stable_by_int", "whole_int64"]
 
 #: Bits of the index in a composite key (at most 2^24 values: a window's plan is capped there).
 _INDEX_BITS = 24
@@ -45,22 +47,61 @@ def stable_ascending(values: np.ndarray) -> np.ndarray:
     """Indices that sort the 1-D ``values`` ascending, ties in index order: exactly
     ``np.argsort(values, kind="stable")`` (int64)."""
     v = np.asarray(values)
-    key = None if len(v) > (1 << _INDEX_BITS) else _sorted_keys(v, None, _INDEX_BITS)
+    key = None if len(v) > (1 << _INDEX_BITS) else _sorted_keys(v, _INDEX_BITS)
     if key is None:
         return np.argsort(v, kind="stable")
     key &= (1 << _INDEX_BITS) - 1
     return key
 
 
-def sorted_length_keys(lengths: np.ndarray, ids: np.ndarray, id_bound: int
-                       ) -> tuple[np.ndarray, int] | None:
-    """``(keys, bits)``: the samples' keys ``length << bits | id`` sorted (by length, ties by
-    id; ids distinct, in ``[0, id_bound)``), for a caller that reads them off in parts
-    (``key >> bits``: the length, ``key & (2^bits - 1)``: the id); or None where a key does not
-    fit an int64 (fractional, negative or too long lengths: the caller sorts otherwise)."""
-    bits = max(1, int(id_bound - 1).bit_length())
-    key = _sorted_keys(lengths, ids, bits)
-    return None if key is None else (key, bits)
+#: Lengths :func:`scatter_by_length` counts: below 2^16 (uint16, numpy's radix sort).
+COUNTED_LENGTHS = 1 << 16
+#: Samples :func:`scatter_by_length` orders at once (its temporaries: a few times this).
+_SCATTER_CHUNK = 1 << 16
+
+
+def scatter_by_length(lengths: np.ndarray, low: np.ndarray | None, bits: int,
+                      out: np.ndarray) -> None:
+    """Writes the keys ``lengths << bits | low`` into ``out`` in a stable ascending order of
+    the lengths (ties in index order): the keys ``np.argsort(lengths, kind="stable")`` puts
+    in order, by a counting sort read chunk by chunk (temporaries of a chunk, not of the
+    array).
+
+    Args:
+        lengths: uint16 lengths (below :data:`COUNTED_LENGTHS`).
+        low: Non-negative integers below ``2^bits``, one per length (a sample's id); None:
+            each length's index.
+        bits: Bits of ``low`` in a key (``16 + bits <= 63``).
+        out: An int64 array of ``len(lengths)`` elements, not sharing memory with the inputs.
+    """
+    L = np.asarray(lengths)
+    n_low = len(L) if low is None else len(low)
+    if L.dtype != np.uint16 or L.ndim != 1 or n_low != len(L) or len(out) != len(L):
+        raise ValueError(f"scatter_by_length: 1-D uint16 lengths with as many low values and "
+                         f"outputs expected, got {L.dtype} {L.shape}, {n_low}, {len(out)}")
+    if not 0 < bits <= 63 - 16:
+        raise ValueError(f"scatter_by_length: bits={bits} leaves no room for a 16-bit length "
+                         f"in an int64 key (1 <= bits <= 47)")
+    total = np.zeros(COUNTED_LENGTHS, dtype=np.int64)
+    for a in range(0, len(L), _SCATTER_CHUNK):  # (np.bincount copies its input as int64)
+        total += np.bincount(L[a:a + _SCATTER_CHUNK], minlength=COUNTED_LENGTHS)
+    nxt = np.cumsum(total)
+    nxt -= total  # where the next sample of each length goes
+    for a in range(0, len(L), _SCATTER_CHUNK):
+        part = L[a:a + _SCATTER_CHUNK]
+        order = np.argsort(part, kind="stable")  # numpy's radix sort (uint16)
+        here = np.bincount(part, minlength=COUNTED_LENGTHS)
+        first = np.cumsum(here)
+        first -= here  # each length's first place in the chunk's order
+        ordered = part[order]
+        dest = nxt[ordered]
+        dest -= first[ordered]
+        dest += np.arange(len(order), dtype=np.int64)
+        key = ordered.astype(np.int64)
+        key <<= bits
+        key |= order + a if low is None else np.asarray(low[a:a + _SCATTER_CHUNK])[order]
+        out[dest] = key
+        nxt += here
 
 
 def whole_int64(values: np.ndarray, limit: int) -> np.ndarray | None:
@@ -77,16 +118,16 @@ def whole_int64(values: np.ndarray, limit: int) -> np.ndarray | None:
     return out
 
 
-def _sorted_keys(values: np.ndarray, low: np.ndarray | None, bits: int) -> np.ndarray | None:
-    """``values << bits | low`` (``low``: below 2^bits; None: each value's index), sorted, as
-    int64; None unless every value is whole, >= 0 and below ``2^(63 - bits)``."""
+def _sorted_keys(values: np.ndarray, bits: int) -> np.ndarray | None:
+    """``values << bits | index`` sorted, as int64; None unless every value is whole, >= 0
+    and below ``2^(63 - bits)``."""
     if not len(values) or bits > 62:
         return None
     key = whole_int64(values, 1 << (63 - bits))
     if key is None:
         return None
     key <<= bits
-    key |= np.arange(len(key), dtype=np.int64) if low is None else low
+    key |= np.arange(len(key), dtype=np.int64)
     key.sort()
     return key
 

@@ -15,7 +15,8 @@ holds each source's share of the whole window, and its samples move between its 
    to its groups in draw order.
 3. **Bands.** In each group, the steps are put in band order (by cap, ties in a seeded shuffle
    of the window's steps, so long bands are spread over the window), the group's samples sorted
-   by length, and sample i placed at slot ``u_i = i + max over j <= i of (a_j G - j)``, where
+   by length (ties in draw order: a source's deferred samples, then its draws, source by
+   source), and sample i placed at slot ``u_i = i + max over j <= i of (a_j G - j)``, where
    ``a_j`` is the first band whose step's cap fits sample j: band p takes the samples ranked
    ``[p G, (p + 1) G)`` when nothing is capped, and under caps the earliest band each fits in
    ascending order (optimal: if a sample overflows, no placement of these samples fits them
@@ -60,7 +61,7 @@ from .lpt import deal_sorted
 from .cursor import PlanCursor, draws
 from .permutation import permutation_key, permute
 from .sample_ids import SampleIds
-from .sort_order import sorted_length_keys, stable_ascending
+from .sort_order import stable_ascending
 
 __all__ = ["DEFER_ROUNDS", "MAX_DEFERRED", "band_order", "deal_bands", "mix_window",
            "window_counts", "window_totals"]
@@ -279,7 +280,7 @@ def mix_window(lengths: Sequence[np.ndarray], *, seed: int, cursor: PlanCursor,
         band_caps = None if caps is None else np.asarray(caps, dtype=np.float64)[steps]
         gid, age, src, L = _gather(streams, split[g], D, lengths, caps is not None)
         if band_caps is None:  # nothing overflows: the bands are the samples by length
-            _place_by_length(out_gid, out_len, counts, steps, gid, src, L, ids)
+            _place_by_length(out_gid, out_len, counts, steps, gid, src, L)
             del gid, src, L
             continue
         over = np.zeros(0, dtype=np.int64)
@@ -330,24 +331,10 @@ def _place(out_gid: np.ndarray, out_len: np.ndarray, counts: np.ndarray, steps: 
 
 
 def _place_by_length(out_gid: np.ndarray, out_len: np.ndarray, counts: np.ndarray,
-                     steps: np.ndarray, gid: np.ndarray, src: np.ndarray, L: np.ndarray,
-                     ids: SampleIds) -> None:
-    """:func:`_place` of a group without caps: its samples by length (ties by global id), band
-    b to step ``steps[b]``, read off the sorted keys band by band (one step's temporaries)."""
-    G, S = out_gid.shape[1], counts.shape[1]
-    keys = sorted_length_keys(L, gid, ids.total)
-    if keys is None:  # lengths that do not fit a key beside the ids: a lexsort, the same order
-        order = np.lexsort((gid, L))
-        _place(out_gid, out_len, counts, steps, gid, src, L, order)
-        return
-    key, bits = keys
-    bounds = ids.offsets[1:]
-    for b, step in enumerate(np.asarray(steps).tolist()):
-        part = key[b * G:(b + 1) * G]
-        np.bitwise_and(part, (1 << bits) - 1, out=out_gid[step])
-        out_len[step] = part >> bits
-        counts[step] = G if S == 1 else np.bincount(
-            np.searchsorted(bounds, out_gid[step], "right"), minlength=S)
+                     steps: np.ndarray, gid: np.ndarray, src: np.ndarray, L: np.ndarray) -> None:
+    """:func:`_place` of a group without caps: its samples by length (ties in draw order),
+    band b to step ``steps[b]``."""
+    _place(out_gid, out_len, counts, steps, gid, src, L, stable_ascending(L))
 
 
 def _gather(streams: list[_Candidates], counts: np.ndarray, age_base: int,

@@ -13,11 +13,15 @@ the next cursor, for the same inputs) in one int64 buffer of the plan's size, pl
 of :data:`~.window_mix.CHUNK_SAMPLES` samples:
 
 1. **Bands as keys.** Without caps, a group's samples are drawn straight into its part of the
-   buffer and each becomes the key ``length << id_bits | id``; the part is sorted in place, and
-   band b (to step ``steps[b]``, :func:`~.window_mix.band_order`) is the sorted keys
-   ``[b G, (b + 1) G)``: the reference's order (by length, ties by id).
+   buffer, their ids copied out (4 bytes a sample) and the part overwritten with the keys
+   ``length << id_bits | id`` sorted by length, ties in draw order (a counting sort where every
+   length is below 2^16 tokens, :func:`~.sort_order.scatter_by_length`; else a sort of the keys
+   ``length << p | position`` in place). Band b (to step ``steps[b]``,
+   :func:`~.window_mix.band_order`) is the sorted keys ``[b G, (b + 1) G)``: the reference's
+   order.
 2. **Under caps** the group's candidates are held in draw order (id, age, length: 24 bytes a
-   sample) with the sweep's sort as ``length << 24 | position`` (8 more). The sweep's slots
+   sample) with the sweep's sort as ``length << 24 | position`` (8 more; counted as in 1 where
+   every length is below 2^16 tokens, into a new array: 10 more while it is built). The sweep's slots
    ``u_i`` rise strictly with the sorted position i (each is ``i +`` a running maximum), so
    the samples that overflow are the sorted suffix from the first ``u_i >= n``, found chunk by
    chunk; deferral and the forced placement follow the reference's rules. The placed rows are
@@ -44,7 +48,7 @@ import numpy as np
 from . import window_mix
 from .cursor import PlanCursor
 from .sample_ids import SampleIds
-from .sort_order import whole_int64
+from .sort_order import COUNTED_LENGTHS, scatter_by_length, whole_int64
 from .window_mix import CHUNK_SAMPLES, _Candidates, _deal_steps, band_order, window_counts
 
 __all__ = ["plan_mix_in_buffer"]
@@ -109,8 +113,7 @@ def plan_mix_in_buffer(lengths: Sequence[np.ndarray], *, seed: int, cursor: Plan
             steps = band_order(caps, np.flatnonzero(group_of_step == g), seed, cursor.window, K)
             seg = buf[block * G:(block + len(steps)) * G]
             if caps is None:
-                tokens += _draw_keys(seg, streams, split[g], D, lengths, bits)
-                seg.sort()
+                tokens += _draw_sorted(seg, streams, split[g], D, lengths, ids, bits)
             else:
                 band_caps = np.asarray(caps, dtype=np.float64)[steps]
                 tokens += _place_capped(seg, streams, split[g], D, lengths, ids, band_caps, G,
@@ -138,23 +141,55 @@ def _whole(values: np.ndarray, limit: int) -> np.ndarray:
     return out
 
 
-def _draw_keys(seg: np.ndarray, streams: list[_Candidates], counts: np.ndarray, age_base: int,
-               lengths: Sequence[np.ndarray], bits: int) -> int:
-    """Draws a group's candidates into ``seg`` as keys ``length << bits | id`` (unsorted),
-    source by source; returns their tokens."""
+def _draw_sorted(seg: np.ndarray, streams: list[_Candidates], counts: np.ndarray,
+                 age_base: int, lengths: Sequence[np.ndarray], ids: SampleIds, bits: int) -> int:
+    """Draws a group's candidates and writes them to ``seg`` as keys ``length << bits | id``
+    sorted by length, ties in draw order (source by source); returns their tokens.
+
+    The draws go to ``seg`` first, then their ids to a compact copy (4 bytes a sample below
+    2^31 ids) and ``seg`` takes the sorted keys: by a counting sort where every length is below
+    2^16 (2 bytes a sample more, :func:`~.sort_order.scatter_by_length`), else by sorting the
+    keys ``length << p | position`` in place and reading each position's id back."""
+    n = len(seg)
     limit = 1 << (63 - bits)
+    parts: list[tuple[int, int, int]] = []  # (source, start, count)
+    short = np.empty(n, dtype=np.uint16)
+    counted = True  # every length so far below COUNTED_LENGTHS
     tokens, lo = 0, 0
     for s, k in enumerate(np.asarray(counts, dtype=np.int64).tolist()):
         part = seg[lo:lo + k]
         streams[s].take(k, age_base, part, None)
+        parts.append((s, lo, k))
         src = np.asarray(lengths[s])
         for a in range(0, k, CHUNK_SAMPLES):
-            x = part[a:a + CHUNK_SAMPLES]
-            L = _whole(src[x - streams[s].offset], limit)
+            L = _whole(src[part[a:a + CHUNK_SAMPLES] - streams[s].offset], limit)
             tokens += int(L.sum())
-            L <<= bits
-            x |= L
+            counted = counted and bits <= 47 and (not len(L) or int(L.max()) < COUNTED_LENGTHS)
+            if counted:
+                short[lo + a:lo + a + len(L)] = L
         lo += k
+    gid = seg.astype(np.int32 if ids.total <= np.iinfo(np.int32).max else np.int64)
+    if counted:
+        scatter_by_length(short, gid, bits, seg)
+        return tokens
+    del short
+    p = max(1, (n - 1).bit_length())
+    limit = 1 << (63 - max(bits, p))
+    for s, lo, k in parts:  # seg: length << p | position, sorted: the stable order
+        src = np.asarray(lengths[s])
+        for a in range(lo, lo + k, CHUNK_SAMPLES):
+            b = min(a + CHUNK_SAMPLES, lo + k)
+            L = _whole(src[gid[a:b] - streams[s].offset], limit)
+            L <<= p
+            L |= np.arange(a, b, dtype=np.int64)
+            seg[a:b] = L
+    seg.sort()
+    for a in range(0, n, CHUNK_SAMPLES):
+        key = seg[a:a + CHUNK_SAMPLES]
+        at = key & ((1 << p) - 1)
+        key >>= p
+        key <<= bits
+        key |= gid[at]
     return tokens
 
 
@@ -180,8 +215,13 @@ def _gather(streams: list[_Candidates], counts: np.ndarray, age_base: int,
 
 
 def _sorted_by_length(L: np.ndarray) -> np.ndarray:
-    """``L`` turned in place into the keys ``length << 24 | position``, sorted: the order of
-    ``np.argsort(L, kind="stable")``."""
+    """The keys ``length << 24 | position`` of the int64 lengths ``L``, sorted: the order of
+    ``np.argsort(L, kind="stable")`` (a counting sort into a new array where every length is
+    below 2^16, else ``L`` itself turned into the keys and sorted)."""
+    if len(L) and int(L.max()) < COUNTED_LENGTHS:
+        out = np.empty_like(L)
+        scatter_by_length(L.astype(np.uint16), None, _POSITION_BITS, out)
+        return out
     L <<= _POSITION_BITS
     for a in range(0, len(L), CHUNK_SAMPLES):
         L[a:a + CHUNK_SAMPLES] |= np.arange(a, min(a + CHUNK_SAMPLES, len(L)), dtype=np.int64)
