@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from energon_ordering.planned.lpt import deal_sorted, deal_tuples
+from energon_ordering.planned.lpt import deal_sorted, deal_tuples, falling_order
 
 
 @pytest.mark.parametrize("R,P", [(1, 1), (4, 1), (4, 3), (16, 4), (7, 5)])
@@ -31,3 +31,12 @@ def test_deal_sorted_gives_every_rank_one_item_of_each_tuple_ties_included():
         assert (np.sort(tuple_of, axis=1) == np.arange(P)).all()
     lpt_spread = totals.max(axis=1) - totals.min(axis=1)
     assert (lpt_spread <= costs.max(axis=1) - costs.min(axis=1) + 1e-9).all()
+
+
+@pytest.mark.parametrize("spread", [1, 3, 1000])  # all tied, many ties, few
+def test_falling_order_is_the_stable_argsort_of_rows_that_do_not_rise(spread):
+    """The first tuple's order, known without a sort: numpy's stable order, ties by index."""
+    rng = np.random.default_rng(spread)
+    for n, R in ((0, 5), (3, 0), (1, 1), (4, 7), (6, 300)):
+        v = -np.sort(-rng.integers(0, spread, (n, R)).astype(np.float64), axis=1)
+        assert np.array_equal(falling_order(v), np.argsort(v, axis=1, kind="stable")), (n, R)

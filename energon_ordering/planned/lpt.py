@@ -14,7 +14,7 @@ import numpy as np
 
 from .sort_order import stable_argsort_rows
 
-__all__ = ["deal_sorted", "deal_tuples"]
+__all__ = ["deal_sorted", "deal_tuples", "falling_order"]
 
 
 def deal_tuples(slots: np.ndarray, costs: np.ndarray, world_size: int, per_rank: int,
@@ -72,10 +72,38 @@ def _deal(items: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray
     flat_out, flat_totals = out.reshape(-1), totals.reshape(-1)
     row_start = np.arange(0, n * R, R, dtype=np.int64)[:, None]
     for j in range(1, P):
-        at = stable_argsort_rows(totals)  # cheapest rank first (ties by rank)
+        # cheapest rank first (ties by rank); after the first tuple the totals are its values,
+        # costliest first where the items came sorted: their order is known without a sort
+        falling = j == 1 and not (totals[:, 1:] > totals[:, :-1]).any()
+        at = falling_order(totals) if falling else stable_argsort_rows(totals)
         at += row_start
         flat_totals[at] += values[:, j]  # a row's ranks are distinct: no index repeats
         at *= P
         at += j
         flat_out[at] = items[:, j]
     return out, totals
+
+
+def falling_order(values: np.ndarray) -> np.ndarray:
+    """``np.argsort(values, axis=1, kind="stable")`` of rows that do not rise (``[n, R]``),
+    without a sort: an item's place is the count of smaller items (those after its run of
+    equal items) plus its place in its run."""
+    v = np.asarray(values)
+    n, R = v.shape
+    if n == 0 or R == 0:
+        return np.zeros((n, R), dtype=np.int64)
+    index = np.arange(R, dtype=np.int64)
+    starts = np.ones((n, R), dtype=bool)
+    np.not_equal(v[:, 1:], v[:, :-1], out=starts[:, 1:])
+    first = np.where(starts, index, 0)
+    np.maximum.accumulate(first, axis=1, out=first)
+    ends = np.ones((n, R), dtype=bool)
+    ends[:, :-1] = starts[:, 1:]
+    past = np.where(ends, index + 1, R)[:, ::-1]  # one past each run's last item, from the right
+    past = np.minimum.accumulate(past, axis=1)[:, ::-1]
+    place = R - past
+    place += index
+    place -= first
+    out = np.empty((n, R), dtype=np.int64)
+    np.put_along_axis(out, place, np.broadcast_to(index, (n, R)), axis=1)
+    return out

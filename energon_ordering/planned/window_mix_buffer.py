@@ -141,6 +141,20 @@ def _whole(values: np.ndarray, limit: int) -> np.ndarray:
     return out
 
 
+def _whole_top(values: np.ndarray, limit: int) -> tuple[np.ndarray, int]:
+    """``(values, their largest)``: integer lengths as they are (checked in range), others as
+    :func:`_whole` gives them; the largest -1 where there are none."""
+    if not len(values):
+        return values, -1
+    if values.dtype.kind in "iu":
+        low, top = int(values.min()), int(values.max())
+        if low < 0 or top >= limit:
+            raise _NotWhole
+        return values, top
+    out = _whole(values, limit)
+    return out, int(out.max())
+
+
 def _draw_sorted(seg: np.ndarray, streams: list[_Candidates], counts: np.ndarray,
                  age_base: int, lengths: Sequence[np.ndarray], ids: SampleIds, bits: int) -> int:
     """Draws a group's candidates and writes them to ``seg`` as keys ``length << bits | id``
@@ -162,9 +176,9 @@ def _draw_sorted(seg: np.ndarray, streams: list[_Candidates], counts: np.ndarray
         parts.append((s, lo, k))
         src = np.asarray(lengths[s])
         for a in range(0, k, CHUNK_SAMPLES):
-            L = _whole(src[part[a:a + CHUNK_SAMPLES] - streams[s].offset], limit)
-            tokens += int(L.sum())
-            counted = counted and bits <= 47 and (not len(L) or int(L.max()) < COUNTED_LENGTHS)
+            L, top = _whole_top(src[part[a:a + CHUNK_SAMPLES] - streams[s].offset], limit)
+            tokens += int(L.sum(dtype=np.int64))
+            counted = counted and bits <= 47 and top < COUNTED_LENGTHS
             if counted:
                 short[lo + a:lo + a + len(L)] = L
         lo += k
