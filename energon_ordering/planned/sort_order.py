@@ -82,15 +82,16 @@ def scatter_by_length(lengths: np.ndarray, low: np.ndarray | None, bits: int,
     if not 0 < bits <= 63 - 16:
         raise ValueError(f"scatter_by_length: bits={bits} leaves no room for a 16-bit length "
                          f"in an int64 key (1 <= bits <= 47)")
-    total = np.zeros(COUNTED_LENGTHS, dtype=np.int64)
+    size = int(L.max()) + 1 if len(L) else 1  # the tables: one count per length up to the top
+    total = np.zeros(size, dtype=np.int64)
     for a in range(0, len(L), _SCATTER_CHUNK):  # (np.bincount copies its input as int64)
-        total += np.bincount(L[a:a + _SCATTER_CHUNK], minlength=COUNTED_LENGTHS)
+        total += np.bincount(L[a:a + _SCATTER_CHUNK], minlength=size)
     nxt = np.cumsum(total)
     nxt -= total  # where the next sample of each length goes
     for a in range(0, len(L), _SCATTER_CHUNK):
         part = L[a:a + _SCATTER_CHUNK]
         order = np.argsort(part, kind="stable")  # numpy's radix sort (uint16)
-        here = np.bincount(part, minlength=COUNTED_LENGTHS)
+        here = np.bincount(part, minlength=size)
         first = np.cumsum(here)
         first -= here  # each length's first place in the chunk's order
         ordered = part[order]
