@@ -16,7 +16,7 @@ so K = 64 there). Packed, it packs step by step (K does not change the packs): 3
 the window's sorted lengths, so what decides how narrow a band is (padding) and how alike a
 step's samples are (idle) is how many samples the window sorts, the more the better, while its
 memory grows as the samples. The plan is built in its own memory (:mod:`.window_mix_buffer`:
-8 bytes a sample plus the dealing's temporaries, a peak of 37-59 MiB at 2^22 samples), except
+8 bytes a sample, 14 while its samples are sorted, a peak of 59-62 MiB at 2^22 samples), except
 under the warmup's caps, whose planner holds each candidate's id, age and sort key besides it
 (about 40 bytes a sample). So the window holds about :data:`WINDOW_MIX_SAMPLES` (2^22) samples,
 :data:`WINDOW_MIX_CAPPED_SAMPLES` (2^20) with ``seq_length_warmup`` (packed:
