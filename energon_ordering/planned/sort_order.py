@@ -5,7 +5,8 @@ the machine's sorting code). ``np.argsort(kind="stable")`` of 2^20 float lengths
 80 ms, most of a window's plan. Whole lengths below 2^39 with fewer than 2^24 values are instead
 packed with their index into one int64 key, ``length << 24 | index``: the keys are distinct, so
 any sort orders them alike, and numpy's sort of the keys gives the stable order in about 9 ms
-where it is vectorised (AVX-512 on Intel) and about 60 ms where it is not. Lengths with fractions, negative or larger ones fall back to the stable argsort.
+where it is vectorised (AVX-512 on Intel) and about 60 ms where it is not. Lengths with
+fractions, negative or larger ones fall back to the stable argsort.
 
 :func:`scatter_by_length` sorts a window's samples by length (ties in draw order) where every
 length is below 2^16 tokens: a counting sort, chunk by chunk (numpy's radix sort of each chunk's

@@ -21,10 +21,10 @@ of :data:`~.window_mix.CHUNK_SAMPLES` samples:
    order.
 2. **Under caps** the group's candidates are held in draw order (id, age, length: 24 bytes a
    sample) with the sweep's sort as ``length << 24 | position`` (8 more; counted as in 1 where
-   every length is below 2^16 tokens, into a new array: 10 more while it is built). The sweep's slots
-   ``u_i`` rise strictly with the sorted position i (each is ``i +`` a running maximum), so
-   the samples that overflow are the sorted suffix from the first ``u_i >= n``, found chunk by
-   chunk; deferral and the forced placement follow the reference's rules. The placed rows are
+   every length is below 2^16 tokens, into a new array: 10 more while it is built). The
+   sweep's slots ``u_i`` rise strictly with the sorted position i (each is ``i +`` a running
+   maximum), so the samples that overflow are the sorted suffix from the first ``u_i >= n``,
+   found chunk by chunk; deferral and the forced placement follow the reference's rules. The placed rows are
    written to the buffer as keys ``length << id_bits | id`` in the reference's row order (by
    length, ties by draw order or, where the forced placement mixes in, by slot).
 3. **Dealt in place.** Chunks of bands are read off the buffer (ids, lengths, per-step
