@@ -24,9 +24,9 @@ of :data:`~.window_mix.CHUNK_SAMPLES` samples:
    every length is below 2^16 tokens, into a new array: 10 more while it is built). The
    sweep's slots ``u_i`` rise strictly with the sorted position i (each is ``i +`` a running
    maximum), so the samples that overflow are the sorted suffix from the first ``u_i >= n``,
-   found chunk by chunk; deferral and the forced placement follow the reference's rules. The placed rows are
-   written to the buffer as keys ``length << id_bits | id`` in the reference's row order (by
-   length, ties by draw order or, where the forced placement mixes in, by slot).
+   found chunk by chunk; deferral and the forced placement follow the reference's rules. The
+   placed rows are written to the buffer as keys ``length << id_bits | id`` in the reference's
+   row order (by length, ties by draw order or, where the forced placement mixes in, by slot).
 3. **Dealt in place.** Chunks of bands are read off the buffer (ids, lengths, per-step
    counts), dealt by the reference's own ``_deal_steps`` (each step's dealing depends on its
    row, K and the window's tokens only) and their plan rows written back over their keys;
