@@ -114,8 +114,9 @@ def test_lengths_that_are_not_whole_tokens_are_left_to_the_reference() -> None:
 @pytest.mark.parametrize("capped", [False, True])
 def test_plan_window_writes_into_out_and_allocates_little_beside_it(capped) -> None:
     """``out`` receives the plan (the ids are a view of it), and the planning's peak beside it
-    is about the plan's own size: uncapped well under 2 x the plan (the keys are sorted in the
-    plan's memory), capped under 5 x (ids, ages and keys of the window in draw order)."""
+    is about the plan's own size: uncapped under 2 x the plan (the ids copied out at 4 bytes a
+    sample and the lengths at 2, the sorted keys counted into the plan's memory), capped under
+    5 x (ids, ages and keys of the window in draw order)."""
     rng = np.random.default_rng(2)
     lengths = [rng.integers(1, 30000, 200_000), rng.integers(1, 4000, 200_000)]
     K, R, M, B = 32, 256, 2, 4
