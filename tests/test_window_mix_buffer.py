@@ -96,6 +96,33 @@ def test_the_buffer_plans_the_reference_where_the_deferral_fills_up() -> None:
         cursor = got[2]
 
 
+@pytest.mark.parametrize("chunk", [1 << 17, 7])
+@pytest.mark.parametrize("share", [0.02, 0.9])  # a few long-context samples, or most of them
+def test_lengths_past_the_counted_ones_are_sorted_after_them_as_the_reference_sorts(
+        chunk, share, monkeypatch) -> None:
+    """Lengths from 2^16 - 1 tokens up (long contexts) are counted at the top code, land last
+    in draw order and are sorted there by their own lengths: the reference's plan, with the
+    boundary lengths 65,535 and 65,536 tied across sources and the tail cut into chunks."""
+    monkeypatch.setattr(window_mix_buffer, "CHUNK_SAMPLES", chunk)
+    rng = np.random.default_rng(int(share * 100))
+    lengths = []
+    for n in (900, 700):
+        x = rng.integers(1, 65_000, n)
+        long = rng.random(n) < share
+        x[long] = rng.choice([65_535, 65_536, 70_000, 200_000, 1 << 20], int(long.sum()))
+        lengths.append(x)
+    kw = dict(seed=5, weights=np.full((6, 2), 0.5), caps=None, defer=True, world_size=4,
+              micro_batch=3, micro_batches_per_step=2)
+    cursor = PlanCursor.start(2)
+    for _ in range(3):
+        want = _reference(lengths, cursor=cursor, **kw)
+        got = plan_mix_in_buffer(lengths, cursor=cursor, **kw)
+        np.testing.assert_array_equal(got[0], want[0].reshape(got[0].shape))
+        np.testing.assert_array_equal(got[1], want[1])
+        assert got[2] == want[2]
+        cursor = got[2]
+
+
 def test_lengths_that_are_not_whole_tokens_are_left_to_the_reference() -> None:
     """Fractional or negative lengths do not fit a key: the buffer declines, and plan_window
     plans them with the reference (the same as before)."""

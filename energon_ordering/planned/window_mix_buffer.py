@@ -13,12 +13,13 @@ the next cursor, for the same inputs) in one int64 buffer of the plan's size, pl
 of :data:`~.window_mix.CHUNK_SAMPLES` samples:
 
 1. **Bands as keys.** Without caps, a group's samples are drawn straight into its part of the
-   buffer, their ids copied out (4 bytes a sample) and the part overwritten with the keys
-   ``length << id_bits | id`` sorted by length, ties in draw order (a counting sort where every
-   length is below 2^16 tokens, :func:`~.sort_order.scatter_by_length`; else a sort of the keys
-   ``length << p | position`` in place). Band b (to step ``steps[b]``,
-   :func:`~.window_mix.band_order`) is the sorted keys ``[b G, (b + 1) G)``: the reference's
-   order.
+   buffer, their ids copied out (4 bytes a sample) with their lengths (2 bytes: a length from
+   2^16 - 1 tokens up counts as 2^16 - 1), and the part overwritten with the keys
+   ``length << id_bits | id`` sorted by length, ties in draw order: a counting sort
+   (:func:`~.sort_order.scatter_by_length`), then the samples counted at the top, which are
+   the last ones, sorted by their own lengths (a long context's few). Band b (to step
+   ``steps[b]``, :func:`~.window_mix.band_order`) is the sorted keys ``[b G, (b + 1) G)``:
+   the reference's order.
 2. **Under caps** the group's candidates are held in draw order (id, age, length: 24 bytes a
    sample) with the sweep's sort as ``length << 24 | position`` (8 more; counted as in 1 where
    every length is below 2^16 tokens, into a new array: 10 more while it is built). The
@@ -53,6 +54,9 @@ from .window_mix import CHUNK_SAMPLES, _Candidates, _deal_steps, band_order, win
 
 __all__ = ["plan_mix_in_buffer"]
 
+#: The largest length code of the counting sort: longer lengths count as it, and are sorted
+#: after it by their own lengths (:func:`_sort_tail`).
+_TOP_CODE = COUNTED_LENGTHS - 1
 #: Bits of a sample's position in a capped group's sort key (the reference's stable sort of
 #: lengths packs the same ``length << 24 | position``).
 _POSITION_BITS = 24
@@ -161,50 +165,65 @@ def _draw_sorted(seg: np.ndarray, streams: list[_Candidates], counts: np.ndarray
     sorted by length, ties in draw order (source by source); returns their tokens.
 
     The draws go to ``seg`` first, then their ids to a compact copy (4 bytes a sample below
-    2^31 ids) and ``seg`` takes the sorted keys: by a counting sort where every length is below
-    2^16 (2 bytes a sample more, :func:`~.sort_order.scatter_by_length`), else by sorting the
-    keys ``length << p | position`` in place and reading each position's id back."""
+    2^31 ids) and their lengths to 2 bytes each, counted up to :data:`_TOP_CODE` (longer
+    lengths count as it); ``seg`` takes the keys by a counting sort
+    (:func:`~.sort_order.scatter_by_length`). The samples counted at the top code are the last
+    ones, in draw order, and are then sorted by their own lengths (:func:`_sort_tail`)."""
     n = len(seg)
+    if bits > 47:
+        raise _NotWhole  # no room beside the ids for a counted length (2^47 samples)
     limit = 1 << (63 - bits)
-    parts: list[tuple[int, int, int]] = []  # (source, start, count)
     short = np.empty(n, dtype=np.uint16)
-    counted = True  # every length so far below COUNTED_LENGTHS
+    tail = 0  # samples counted at the top code
     tokens, lo = 0, 0
     for s, k in enumerate(np.asarray(counts, dtype=np.int64).tolist()):
         part = seg[lo:lo + k]
         streams[s].take(k, age_base, part, None)
-        parts.append((s, lo, k))
         src = np.asarray(lengths[s])
         for a in range(0, k, CHUNK_SAMPLES):
             L, top = _whole_top(src[part[a:a + CHUNK_SAMPLES] - streams[s].offset], limit)
             tokens += int(L.sum(dtype=np.int64))
-            counted = counted and bits <= 47 and top < COUNTED_LENGTHS
-            if counted:
-                short[lo + a:lo + a + len(L)] = L
+            if top >= _TOP_CODE:
+                tail += int(np.count_nonzero(L >= _TOP_CODE))
+                L = np.minimum(L, _TOP_CODE)
+            short[lo + a:lo + a + len(L)] = L
         lo += k
     gid = seg.astype(np.int32 if ids.total <= np.iinfo(np.int32).max else np.int64)
-    if counted:
-        scatter_by_length(short, gid, bits, seg)
-        return tokens
-    del short
-    p = max(1, (n - 1).bit_length())
+    scatter_by_length(short, gid, bits, seg)
+    del short, gid
+    if tail:
+        _sort_tail(seg[n - tail:], lengths, ids, bits)
+    return tokens
+
+
+def _sort_tail(tail: np.ndarray, lengths: Sequence[np.ndarray], ids: SampleIds,
+               bits: int) -> None:
+    """``tail``'s keys ``code << bits | id`` (in draw order) rewritten as ``length << bits |
+    id`` sorted by each sample's own length, ties in draw order: the keys ``length << p |
+    position`` sorted in place, each position's id read back from a compact copy."""
+    t = len(tail)
+    mask = (1 << bits) - 1
+    gid = np.empty(t, dtype=np.int32 if ids.total <= np.iinfo(np.int32).max else np.int64)
+    np.bitwise_and(tail, mask, out=gid, casting="unsafe")
+    p = max(1, (t - 1).bit_length())
     limit = 1 << (63 - max(bits, p))
-    for s, lo, k in parts:  # seg: length << p | position, sorted: the stable order
-        src = np.asarray(lengths[s])
-        for a in range(lo, lo + k, CHUNK_SAMPLES):
-            b = min(a + CHUNK_SAMPLES, lo + k)
-            L = _whole(src[gid[a:b] - streams[s].offset], limit)
-            L <<= p
-            L |= np.arange(a, b, dtype=np.int64)
-            seg[a:b] = L
-    seg.sort()
-    for a in range(0, n, CHUNK_SAMPLES):
-        key = seg[a:a + CHUNK_SAMPLES]
+    for a in range(0, t, CHUNK_SAMPLES):
+        g = gid[a:a + CHUNK_SAMPLES].astype(np.int64)
+        source, local = ids.split(g)
+        L = np.empty(len(g), dtype=np.int64)
+        for s in np.unique(source).tolist():
+            at = source == s
+            L[at] = _whole(np.asarray(lengths[s])[local[at]], limit)
+        L <<= p
+        L |= np.arange(a, a + len(g), dtype=np.int64)
+        tail[a:a + len(g)] = L
+    tail.sort()
+    for a in range(0, t, CHUNK_SAMPLES):
+        key = tail[a:a + CHUNK_SAMPLES]
         at = key & ((1 << p) - 1)
         key >>= p
         key <<= bits
         key |= gid[at]
-    return tokens
 
 
 def _gather(streams: list[_Candidates], counts: np.ndarray, age_base: int,
