@@ -351,8 +351,9 @@ def _window_samples_problem(ids: np.ndarray, later: np.ndarray, sizes: Sequence[
         for s in np.unique(src).tolist():
             left = within[src == s]
             size = split_ids.sizes[s]
-            if counted[s]:
-                times[s] -= np.bincount(left, minlength=size)
+            if counted[s]:  # (the counts' int64 temporary: 8 bytes a sample of the source)
+                np.subtract(times[s], np.bincount(left, minlength=size), out=times[s],
+                            casting="unsafe")
                 continue
             for e in epochs[s]:
                 d = e * size + unpermute(left, size, keys[s, e]) - first[s]
@@ -381,9 +382,9 @@ def _window_samples_problem(ids: np.ndarray, later: np.ndarray, sizes: Sequence[
 
 def _drawn_times(seed: int, source: int, size: int, first: int, count: int) -> np.ndarray:
     """How often each sample of a source is among its draws ``first .. first + count - 1``
-    (int64 ``[size]``): once per whole epoch the draws cover, plus the drawn positions of the
-    (at most two) epochs they cover in part."""
-    times = np.zeros(size, dtype=np.int64)
+    (int32 ``[size]``): once per whole epoch the draws cover, plus the drawn positions of the
+    (at most two) epochs they cover in part, permuted a chunk at a time."""
+    times = np.zeros(size, dtype=np.int32)
     if not count:
         return times
     for e in range(first // size, (first + count - 1) // size + 1):
@@ -391,9 +392,10 @@ def _drawn_times(seed: int, source: int, size: int, first: int, count: int) -> n
         hi = min(first + count, (e + 1) * size) - e * size
         if lo == 0 and hi == size:
             times += 1
-        else:
-            times[permute(np.arange(lo, hi, dtype=np.int64), size,
-                          permutation_key(seed, source, e))] += 1
+            continue
+        key = permutation_key(seed, source, e)
+        for a in range(lo, hi, _CHUNK_IDS):  # an epoch's positions are distinct samples
+            times[permute(np.arange(a, min(a + _CHUNK_IDS, hi), dtype=np.int64), size, key)] += 1
     return times
 
 
