@@ -159,9 +159,11 @@ W_SIZES = tuple(len(x) for x in W_LENGTHS)
 @pytest.fixture(params=["whole", "in chunks"])
 def check_reads(request, monkeypatch):
     """The window-mix check as it reads a small window (whole), and as it reads a large one:
-    steps in chunks of 3 ids (a sample's copies in different chunks)."""
+    steps in chunks of 3 ids (a sample's copies in different chunks), a source drawn over
+    counted 2 samples at a time."""
     if request.param != "whole":
         monkeypatch.setattr(plan_check, "_CHUNK_IDS", 3)
+        monkeypatch.setattr(plan_check, "_COUNT_BLOCK", 2)
     return request.param
 
 

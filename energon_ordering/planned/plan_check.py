@@ -351,9 +351,8 @@ def _window_samples_problem(ids: np.ndarray, later: np.ndarray, sizes: Sequence[
         for s in np.unique(src).tolist():
             left = within[src == s]
             size = split_ids.sizes[s]
-            if counted[s]:  # (the counts' int64 temporary: 8 bytes a sample of the source)
-                np.subtract(times[s], np.bincount(left, minlength=size), out=times[s],
-                            casting="unsafe")
+            if counted[s]:
+                _subtract_counts(times[s], left)
                 continue
             for e in epochs[s]:
                 d = e * size + unpermute(left, size, keys[s, e]) - first[s]
@@ -378,6 +377,22 @@ def _window_samples_problem(ids: np.ndarray, later: np.ndarray, sizes: Sequence[
             return _times_message(int(offsets[s]) + i, ids, later, cursor, split_ids, seed,
                                   first, count)
     return None
+
+
+#: Samples of a source whose copies :func:`_subtract_counts` counts at once (its int64
+#: temporary: 8 MiB, whatever the source's size).
+_COUNT_BLOCK = 1 << 20
+
+
+def _subtract_counts(times: np.ndarray, ids: np.ndarray) -> None:
+    """``times[i] -= (copies of i in ids)``, a block of :data:`_COUNT_BLOCK` samples at a
+    time."""
+    for lo in range(0, len(times), _COUNT_BLOCK):
+        hi = min(lo + _COUNT_BLOCK, len(times))
+        here = ids if len(times) <= _COUNT_BLOCK else ids[(ids >= lo) & (ids < hi)]
+        if len(here):
+            np.subtract(times[lo:hi], np.bincount(here - lo, minlength=hi - lo), out=times[lo:hi],
+                        casting="unsafe")
 
 
 def _drawn_times(seed: int, source: int, size: int, first: int, count: int) -> np.ndarray:
