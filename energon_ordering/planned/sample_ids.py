@@ -69,7 +69,7 @@ class SampleIds:
             below[:, 0] = 0
             for s, end in enumerate(np.cumsum(self.sizes)[:-1].tolist()):
                 below[:, s + 1] = np.count_nonzero(r < end, axis=1)
-            below[:, S] = r.shape[1] if r.ndim == 2 else 0
+            below[:, S] = r.shape[1]
             return np.diff(below, axis=1)
         src = np.searchsorted(np.cumsum(self.sizes), r, side="right")
         src += (np.arange(len(r)) * S)[:, None]

@@ -188,12 +188,17 @@ def _draw_sorted(seg: np.ndarray, streams: list[_Candidates], counts: np.ndarray
                 L = np.minimum(L, _TOP_CODE)
             short[lo + a:lo + a + len(L)] = L
         lo += k
-    gid = seg.astype(np.int32 if ids.total <= np.iinfo(np.int32).max else np.int64)
+    gid = seg.astype(_id_dtype(ids))
     scatter_by_length(short, gid, bits, seg)
     del short, gid
     if tail:
         _sort_tail(seg[n - tail:], lengths, ids, bits)
     return tokens
+
+
+def _id_dtype(ids: SampleIds) -> type:
+    """The dtype of a compact copy of ids: int32 below 2^31 ids, else int64."""
+    return np.int32 if ids.total <= np.iinfo(np.int32).max else np.int64
 
 
 def _sort_tail(tail: np.ndarray, lengths: Sequence[np.ndarray], ids: SampleIds,
@@ -203,7 +208,7 @@ def _sort_tail(tail: np.ndarray, lengths: Sequence[np.ndarray], ids: SampleIds,
     position`` sorted in place, each position's id read back from a compact copy."""
     t = len(tail)
     mask = (1 << bits) - 1
-    gid = np.empty(t, dtype=np.int32 if ids.total <= np.iinfo(np.int32).max else np.int64)
+    gid = np.empty(t, dtype=_id_dtype(ids))
     np.bitwise_and(tail, mask, out=gid, casting="unsafe")
     p = max(1, (t - 1).bit_length())
     limit = 1 << (63 - max(bits, p))
@@ -219,11 +224,7 @@ def _sort_tail(tail: np.ndarray, lengths: Sequence[np.ndarray], ids: SampleIds,
         tail[a:a + len(g)] = L
     tail.sort()
     for a in range(0, t, CHUNK_SAMPLES):
-        key = tail[a:a + CHUNK_SAMPLES]
-        at = key & ((1 << p) - 1)
-        key >>= p
-        key <<= bits
-        key |= gid[at]
+        tail[a:a + CHUNK_SAMPLES] = _row_keys(tail[a:a + CHUNK_SAMPLES], gid, bits, p)
 
 
 def _gather(streams: list[_Candidates], counts: np.ndarray, age_base: int,
@@ -271,11 +272,13 @@ def _lengths_by_position(key: np.ndarray) -> np.ndarray:
     return L
 
 
-def _row_keys(key: np.ndarray, gid: np.ndarray, bits: int) -> np.ndarray:
-    """Row keys ``length << bits | id`` of sorted keys ``length << 24 | position``."""
-    out = key >> _POSITION_BITS
+def _row_keys(key: np.ndarray, gid: np.ndarray, bits: int,
+              position_bits: int = _POSITION_BITS) -> np.ndarray:
+    """Row keys ``length << bits | id`` of sorted keys ``length << position_bits | position``
+    (``gid``: the id at each position)."""
+    out = key >> position_bits
     out <<= bits
-    out |= gid[key & ((1 << _POSITION_BITS) - 1)]
+    out |= gid[key & ((1 << position_bits) - 1)]
     return out
 
 
