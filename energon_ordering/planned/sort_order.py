@@ -27,8 +27,12 @@ keys below 2^19: 8 ms, where ``np.lexsort`` of the key's two parts took 45 ms).
 
 :func:`stable_argsort_rows` orders each row of the ranks' running costs in a dealing (sums of
 ``L + L^2/4096`` over whole lengths: multiples of 1/4096) by distinct int64 keys ``4096 cost
-<< bits | column``: numpy's fast sort of the keys is the stable order of the costs, 6-7x
-faster than the stable argsort of 16,384 floats a row.
+<< bits | column``, sorted by numpy's stable sort (timsort for int64): the keys are distinct,
+so any sort gives the stable order of the costs, and a dealing's running totals come in long
+ascending runs (the cheapest rank took the costliest item), which timsort merges rather than
+sorts. The 56 rows of 16,384 ranks that one window of 16,384 ranks x 8 micro-batches deals take
+14 ms so, against 32 ms by numpy's default sort of the same keys and 22 ms by the stable
+argsort of the floats, on a machine whose sort is not vectorised.
 """
 
 from __future__ import annotations
@@ -210,6 +214,6 @@ def stable_argsort_rows(values: np.ndarray) -> np.ndarray:
     del scaled
     key <<= bits
     key |= np.arange(m, dtype=np.int64)
-    key.sort(axis=1)
+    key.sort(axis=1, kind="stable")  # timsort: the rows come in ascending runs (module)
     key &= (1 << bits) - 1
     return key
