@@ -59,6 +59,7 @@ import numpy as np
 
 from energon_ordering.pool.pack_order import ATTENTION_CROSSOVER_TOKENS
 
+from .lpt import falling_order
 from .sort_order import stable_argsort_rows, stable_ascending, stable_by_int
 
 __all__ = ["balance_window", "deal_step", "radix_keys", "sample_cost"]
@@ -384,14 +385,26 @@ def _deal(slots: np.ndarray, costs: np.ndarray, world_size: int, micro_batch: in
         part = np.empty((n, M, R, B), dtype=slots.dtype)
         pc = np.empty((n, M, R, B))  # the costs of ``part``, kept beside it (no gathers)
         totals = np.zeros((n, R))
-        rows = np.arange(n)[:, None]
+        row = np.arange(n)
+        # flat indices into part, pc and totals: 1-D fancy indexing is faster than 4-D
+        flat_part, flat_pc, flat_totals = part.reshape(-1), pc.reshape(-1), totals.reshape(-1)
+        at_row = (row * R)[:, None]
         for i in range(M * B):
             q = order[:, i]
             m, j = q // B, q % B
-            ranks = stable_argsort_rows(totals)  # cheapest rank first (ties by rank)
-            part[rows, m[:, None], ranks, j[:, None]] = tuples[rows[:, 0], q]
-            pc[rows, m[:, None], ranks, j[:, None]] = value[rows[:, 0], q]
-            totals[rows, ranks] += value[rows[:, 0], q]
+            if i == 0:  # every total is 0: rank k takes item k
+                ranks = np.broadcast_to(np.arange(R), (n, R))
+            elif i == 1 and not (totals[:, 1:] > totals[:, :-1]).any():
+                ranks = falling_order(totals)  # the first tuple's values: no sort
+            else:
+                ranks = stable_argsort_rows(totals)  # cheapest rank first (ties by rank)
+            v = value[row, q]
+            at = ranks + ((row * M + m) * R)[:, None]
+            at *= B
+            at += j[:, None]
+            flat_part[at] = tuples[row, q]
+            flat_pc[at] = v
+            flat_totals[ranks + at_row] += v  # a row's ranks are distinct: no index repeats
         # swaps within a micro-batch index first (they keep each index's lengths), then any
         _even_out(part, pc, totals, micro_batch_weight, same_index=True)
         _even_out(part, pc, totals, micro_batch_weight, tolerance=CROSS_TOLERANCE)
