@@ -140,13 +140,15 @@ def _match(dist: np.ndarray) -> np.ndarray:
 
 
 def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndarray,
-           s: int, s2: int, loose: bool = False) -> int:
+           s: int, s2: int, loose: bool = False, keys: np.ndarray | None = None) -> int:
     """Trades samples of source ``s`` from steps that have too many of s and too few of
     ``s2`` for samples of s2 from steps with the opposite excess, nearest costs first, as many
     as the steps' excesses allow. ``loose``: the steps giving s2 need only have too many of s2
     (an excess over three or more sources, in a cycle: each trade still lowers the total
     absolute excess by at least 2, the giving step's by 2). Returns the number of trades (0:
-    no such steps). ``src``: the source of each sample of ``flat``, swapped along with it."""
+    no such steps). ``src``: the source of each sample of ``flat``, swapped along with it.
+    ``keys``: :func:`radix_keys` of the samples (the candidates sorted by them, a radix sort:
+    the same order as by their costs), or None."""
     qa = np.minimum(excess[:, s], -excess[:, s2]).clip(min=0)  # steps giving s, taking s2
     qb = (excess[:, s2] if loose else np.minimum(excess[:, s2], -excess[:, s])).clip(min=0)
     left = int(min(qa.sum(), qb.sum()))
@@ -160,8 +162,11 @@ def _trade(flat: np.ndarray, costs: np.ndarray, src: np.ndarray, excess: np.ndar
     cell = np.concatenate((ca, cb))
     kind = np.concatenate((np.zeros(len(ca), dtype=bool), np.ones(len(cb), dtype=bool)))
     del ca, cb
-    value = costs[flat.ravel()[cell]]
-    order = np.argsort(value, kind="stable")  # ties by candidate order
+    at = flat.ravel()[cell]
+    value = costs[at]
+    # ties by candidate order; uint16 keys sort by radix, the same order as the costs
+    order = np.argsort(value if keys is None else keys[at], kind="stable")
+    del at
     cell = cell[order]  # one at a time: each old array freed before the next copy
     kind = kind[order]
     value = value[order]
@@ -321,7 +326,8 @@ def _swap_slots(slots: np.ndarray, bands: np.ndarray, comp: np.ndarray,
         gain[:, :, both] = gains(slice(None), both)
 
 
-def _repair(slots: np.ndarray, costs: np.ndarray, sources: np.ndarray, counts: np.ndarray) -> None:
+def _repair(slots: np.ndarray, costs: np.ndarray, sources: np.ndarray, counts: np.ndarray,
+            keys: np.ndarray | None = None) -> None:
     """Step 4: trades samples between steps (in place on ``slots`` ``[K, M, RB]``) until every
     step holds exactly ``counts[t, s]`` samples of source s.
 
@@ -339,9 +345,10 @@ def _repair(slots: np.ndarray, costs: np.ndarray, sources: np.ndarray, counts: n
     excess = have - counts
     pairs = [(s, s2) for s in range(S) for s2 in range(S) if s != s2]
     while excess.any():
-        if sum(_trade(flat, costs, src, excess, s, s2) for s, s2 in pairs):
+        if sum(_trade(flat, costs, src, excess, s, s2, keys=keys) for s, s2 in pairs):
             continue
-        done = sum(_trade(flat, costs, src, excess, s, s2, loose=True) for s, s2 in pairs)
+        done = sum(_trade(flat, costs, src, excess, s, s2, loose=True, keys=keys)
+                   for s, s2 in pairs)
         if not done:  # pragma: no cover - each column of excess sums to 0: a loose trade exists
             raise AssertionError("balance_window: the repair made no progress.")
 
@@ -607,7 +614,7 @@ def balance_window(
         slot_of_step[m, step_of_slot] = np.arange(K)
     _swap_slots(slots, bands, comp, slot_of_step, (have - counts).astype(np.int64))
     del order, bands  # a loader worker pays the peak: drop the sort before the repair
-    _repair(slots, costs, sources, counts)
+    _repair(slots, costs, sources, counts, keys)
     _resort(slots, costs, keys)
     return _deal(slots, costs, R, B, keys, float(micro_batch_weight))
 
