@@ -367,3 +367,29 @@ def test_radix_keys_sort_as_the_costs_do() -> None:
     plain = balance_window(sample_cost(lengths), sources, counts, **kw)
     keyed = balance_window(sample_cost(lengths), sources, counts, lengths=lengths, **kw)
     assert np.array_equal(plain, keyed)
+
+
+def test_the_repairs_trades_sort_by_keys_as_by_costs(monkeypatch) -> None:
+    """Sources apart in length: the bands cannot meet every step's counts, so the repair
+    trades (in bulk and, over three sources, loosely); its candidates sorted by the uint16
+    length keys give the plan the float costs give."""
+    import energon_ordering.planned.balance as balance
+
+    traded = []
+    real = balance._trade
+    monkeypatch.setattr(balance, "_trade", lambda *a, **k: traded.append(real(*a, **k)) or traded[-1])
+    rng = np.random.default_rng(7)
+    K, R, B, M = 6, 8, 2, 2
+    G = R * B * M
+    counts = np.array([rng.multinomial(G, [0.5, 0.3, 0.2]) for _ in range(K)])
+    n = counts.sum(axis=0)
+    sources = np.concatenate([np.full(c, s) for s, c in enumerate(n)])
+    lengths = np.concatenate([rng.integers(10, 400, n[0]), rng.integers(300, 2000, n[1]),
+                              rng.integers(1500, 9000, n[2])]).astype(float)
+    kw = dict(world_size=R, micro_batch=B, micro_batches_per_step=M)
+    plain = balance_window(sample_cost(lengths), sources, counts, **kw)
+    assert sum(traded) > 0
+    keyed = balance_window(sample_cost(lengths), sources, counts, lengths=lengths, **kw)
+    assert np.array_equal(plain, keyed)
+    for t in range(K):
+        assert np.array_equal(np.bincount(sources[keyed[t].ravel()], minlength=3), counts[t])
