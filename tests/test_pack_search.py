@@ -206,3 +206,47 @@ def test_an_emptier_count_that_cannot_win_is_not_packed(packings, R):
         pack, packing = pack_fill(cut_lengths(streams, counts_of(m)[0], CAP), R, P, CAP)
         assert (pack >= 0).all()
         assert packing.idle > tolerance and packing.lost >= found.packing.lost
+
+
+#: sha256 of :func:`_packed_digest`'s plans (every pack's ids, the offsets, counts and cursors)
+#: under PACKED_PLAN_VERSION 5 (and, for the window mix, WINDOW_MIX_PLAN_VERSION 3). A packed
+#: state resumes by re-planning its window, so a change of any packed plan for the same inputs
+#: must bump the version (restores of older states are then refused by name) and update these.
+PINNED_PACKED_DIGESTS = {
+    "step": "e7d75de2d235d6b906f6d38416281bc19bdc2b7b8b644bbb1cd01a44aae3b77d",
+    "window": "337fc06995aad37d85c1d1e6eb895ed6783854ac7abe3a22ef8df8092935dd09",
+}
+
+
+def _packed_digest(mix: str) -> str:
+    import hashlib
+
+    from energon_ordering.planned.cursor import PlanCursor
+    from energon_ordering.planned.packs import plan_packed_window
+
+    rng = np.random.default_rng(11)
+    lengths = [rng.integers(20, 3000, 30011), np.minimum(rng.lognormal(7.5, 0.8, 9001), 12000)
+               .astype(np.int64)]
+    h = hashlib.sha256()
+    cursor = PlanCursor.start(2)
+    for w in range(3):
+        plan = plan_packed_window(lengths, seed=4, cursor=cursor, weights=[[0.7, 0.3]] * 4,
+                                  caps=[4096, 4096, 4096, 4096], world_size=8, micro_batch=1,
+                                  micro_batches_per_step=2, mix=mix)
+        for a in (plan.ids, plan.offsets, plan.counts):
+            h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+        cursor = plan.next_cursor
+        h.update(repr(cursor).encode())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("mix", ["step", "window"])
+def test_packed_plans_are_pinned_to_their_version(mix):
+    from energon_ordering.planned.packs import PACKED_PLAN_VERSION
+    from energon_ordering.planned.window import WINDOW_MIX_PLAN_VERSION
+
+    assert (PACKED_PLAN_VERSION, WINDOW_MIX_PLAN_VERSION) == (5, 3), (
+        "a plan version was bumped: recompute PINNED_PACKED_DIGESTS")
+    assert _packed_digest(mix) == PINNED_PACKED_DIGESTS[mix], (
+        f"the packed plans of planned_mix={mix} changed for the same inputs: bump "
+        "PACKED_PLAN_VERSION (or WINDOW_MIX_PLAN_VERSION) and update PINNED_PACKED_DIGESTS")
