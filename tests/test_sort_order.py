@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from energon_ordering.planned import sort_order
 from energon_ordering.planned.sort_order import (
     scatter_by_length,
     stable_argsort,
@@ -118,9 +119,18 @@ def _costs(r, shape, high):
     lambda r: np.where(r.random((2, 100)) < 0.1, np.nan, 1.0),  # NaN: the fallback
     lambda r: np.zeros((0, 100)),
 ])
-def test_stable_argsort_rows_is_the_stable_argsort_of_each_row(make):
+@pytest.mark.parametrize("kind", [None, "stable"])  # either machine's sort of the keys
+def test_stable_argsort_rows_is_the_stable_argsort_of_each_row(make, kind, monkeypatch):
+    monkeypatch.setattr(sort_order, "runs_sort_kind", lambda: kind)
     v = make(np.random.default_rng(5))
     assert np.array_equal(stable_argsort_rows(v), np.argsort(v, axis=1, kind="stable"))
+
+
+def test_the_runs_sort_kind_is_decided_once_and_is_a_sort_numpy_has():
+    kind = sort_order.runs_sort_kind()
+    assert kind in (None, "stable")
+    assert sort_order.runs_sort_kind() is kind  # cached: one timing per process
+    np.sort(np.arange(5), kind=kind)
 
 
 def test_stable_argsort_rows_takes_two_dimensions():

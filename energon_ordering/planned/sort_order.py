@@ -27,22 +27,28 @@ keys below 2^19: 8 ms, where ``np.lexsort`` of the key's two parts took 45 ms).
 
 :func:`stable_argsort_rows` orders each row of the ranks' running costs in a dealing (sums of
 ``L + L^2/4096`` over whole lengths: multiples of 1/4096) by distinct int64 keys ``4096 cost
-<< bits | column``, sorted by numpy's stable sort (timsort for int64): the keys are distinct,
-so any sort gives the stable order of the costs, and a dealing's running totals come in long
-ascending runs (the cheapest rank took the costliest item), which timsort merges rather than
-sorts. The 56 rows of 16,384 ranks that one window of 16,384 ranks x 8 micro-batches deals take
-14 ms so, against 32 ms by numpy's default sort of the same keys and 22 ms by the stable
-argsort of the floats, on a machine whose sort is not vectorised.
+<< bits | column``: the keys are distinct, so any sort gives the stable order of the costs, and
+the rows are sorted by :func:`runs_sort_kind`'s sort. A dealing's running totals come in long
+ascending runs (the cheapest rank took the costliest item), which numpy's stable sort (timsort
+for int64) merges rather than sorts: the 56 rows of 16,384 ranks one window of 16,384 ranks x 8
+micro-batches deals take 14 ms so, against 32 ms by numpy's default sort of the same keys and
+22 ms by the stable argsort of the floats, on a machine whose default sort is not vectorised.
+Where it is (x86-simd-sort on AVX-512 Intel CPUs; numpy leaves it off on AMD's), the default
+sort of distinct keys is several times faster than any scalar sort, runs or not.
 """
 
 from __future__ import annotations
+
+import functools
+import time
 
 import numpy as np
 
 from energon_ordering.pool.pack_order import ATTENTION_CROSSOVER_TOKENS
 
-__all__ = ["COST_SCALE", "COUNTED_LENGTHS", "scatter_by_length", "stable_argsort",
-           "stable_argsort_rows", "stable_ascending", "stable_by_int", "whole_int64"]
+__all__ = ["COST_SCALE", "COUNTED_LENGTHS", "runs_sort_kind", "scatter_by_length",
+           "stable_argsort", "stable_argsort_rows", "stable_ascending", "stable_by_int",
+           "whole_int64"]
 
 #: Bits of the index in a composite key (at most 2^24 values: a window's plan is capped there).
 _INDEX_BITS = 24
@@ -188,6 +194,36 @@ def stable_argsort(values: np.ndarray) -> np.ndarray:
     return np.argsort(key)
 
 
+#: numpy's default sort counts as vectorised where it sorts random int64 keys this many times
+#: faster than its stable sort (timsort): timsort merges the ascending runs of a dealing's
+#: running totals about 2.5x faster than it sorts random keys, so below this it wins on them.
+VECTORISED_SORT_RATIO = 3.0
+
+
+@functools.cache
+def runs_sort_kind() -> str | None:
+    """The ``kind`` of numpy's sort for distinct int64 keys that come in ascending runs (a
+    dealing's running totals, a packing round's ranks): None (numpy's default sort) where that
+    is vectorised, else ``"stable"`` (timsort, which merges the runs).
+
+    Decided once per process by timing both on the same random keys (a few milliseconds):
+    numpy says which instruction sets it dispatches to, not whether its sort is among them
+    (x86-simd-sort runs on AVX-512 Intel CPUs; numpy leaves it off on AMD's). The keys are
+    distinct, so either kind gives the same order: only the speed depends on the outcome."""
+    keys = np.random.default_rng(0).integers(0, 2**40, (4, 4096))
+
+    def took(kind: str | None) -> float:
+        best = float("inf")
+        for _ in range(3):
+            k = keys.copy()
+            t0 = time.perf_counter()
+            k.sort(axis=1, kind=kind)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    return None if took(None) * VECTORISED_SORT_RATIO <= took("stable") else "stable"
+
+
 #: Costs of whole lengths, ``L + L^2 / 4096``, are multiples of 1/COST_SCALE.
 COST_SCALE = ATTENTION_CROSSOVER_TOKENS
 #: Rows shorter than this are sorted stably as they are (the keys cost more than they save).
@@ -214,6 +250,6 @@ def stable_argsort_rows(values: np.ndarray) -> np.ndarray:
     del scaled
     key <<= bits
     key |= np.arange(m, dtype=np.int64)
-    key.sort(axis=1, kind="stable")  # timsort: the rows come in ascending runs (module)
+    key.sort(axis=1, kind=runs_sort_kind())  # the rows come in ascending runs (module)
     key &= (1 << bits) - 1
     return key
