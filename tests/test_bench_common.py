@@ -136,3 +136,13 @@ def test_machine_speed_names_both_reference_operations_with_their_sizes() -> Non
     assert "a random gather of 4,096 lengths" in line
     figures = [float(x) for x in line.replace(",", "").split() if x.replace(".", "").isdigit()]
     assert len(figures) == 4 and all(f >= 0 for f in figures[1::2])
+
+
+def test_machine_speed_says_which_sort_the_planners_take_for_runs() -> None:
+    """The sort of keys in runs is timed once per process (runs_sort_kind): the line says which
+    one won, and deciding it there keeps its timing out of the first plan's CPU."""
+    from energon_ordering.planned.sort_order import runs_sort_kind
+
+    line = bc.machine_speed(n=1 << 12, repeats=1)
+    want = "stable" if runs_sort_kind() == "stable" else "vectorised default"
+    assert line.endswith(f"the planners sort keys in runs by numpy's {want} sort")

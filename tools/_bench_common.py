@@ -116,7 +116,10 @@ def machine_speed(n: int = 1 << 20, repeats: int = 5) -> str:
     """This machine's speed at a planner's two staple operations, as a line to print: CPU ms
     (the best of ``repeats``) of a stable sort of ``n`` random int64 keys, and of a gather of
     ``n`` lengths at random positions of a 10^7-sample length array. Planning CPU scales with
-    both, so CPU figures of runs on different machines compare through them."""
+    both, so CPU figures of runs on different machines compare through them. Also which sort
+    the planners take for keys in runs
+    (:func:`~energon_ordering.planned.sort_order.runs_sort_kind`, timed once per process: here,
+    outside the plans' CPU)."""
     import numpy as np  # the helpers above do not need it
 
     rng = np.random.default_rng(0)
@@ -131,9 +134,14 @@ def machine_speed(n: int = 1 << 20, repeats: int = 5) -> str:
         np.take(lengths, at)
         t2 = time.process_time()
         sort_s, gather_s = min(sort_s, t1 - t0), min(gather_s, t2 - t1)
+    # decided once per process (a few ms of timing): decided here, before any plan is timed
+    from energon_ordering.planned.sort_order import runs_sort_kind
+
+    runs = "stable" if runs_sort_kind() == "stable" else "vectorised default"
     return (f"this machine: a stable sort of {n:,} int64 keys takes {1e3 * sort_s:.1f} ms CPU, "
             f"a random gather of {n:,} lengths {1e3 * gather_s:.1f} ms (CPU figures of other "
-            f"machines compare through these)")
+            f"machines compare through these); the planners sort keys in runs by numpy's {runs} "
+            "sort")
 
 
 def ratio(numerator: float, denominator: float) -> float:
