@@ -334,18 +334,24 @@ def test_window_balances_ranks_and_pads_little() -> None:
     assert out[1][0] > 1.2 * out[1][1] and mb_idle[1] > 0.05 and out[1][2] > 0.3, out
 
 
+def _sources_apart_in_length(rng, steps: int, per_step: int, weights, ranges):
+    """``(counts [steps, S], sources, lengths)``: each step's counts drawn from ``weights``, the
+    window's samples grouped by source, source s's lengths drawn from ``ranges[s]``."""
+    counts = np.array([rng.multinomial(per_step, weights) for _ in range(steps)])
+    n = counts.sum(axis=0)
+    sources = np.concatenate([np.full(c, s) for s, c in enumerate(n)])
+    lengths = np.concatenate([rng.integers(lo, hi, k) for (lo, hi), k in zip(ranges, n)])
+    return counts, sources, lengths
+
+
 def test_balance_meets_exact_counts_with_disjoint_sources() -> None:
     """Three sources with disjoint lengths and counts that no slot structure holds: the repair
     (including its loose trades for excesses in a cycle) still reaches every step's exact
     counts, and every sample is used once."""
-    rng = np.random.default_rng(3)
     K, M, R, B = 5, 3, 4, 2
     G = M * R * B
-    counts = np.array([rng.multinomial(G, [0.45, 0.35, 0.2]) for _ in range(K)])
-    n = counts.sum(axis=0)
-    sources = np.concatenate([np.full(c, s) for s, c in enumerate(n)])
-    lengths = np.concatenate([rng.integers(10, 50, n[0]), rng.integers(1000, 1100, n[1]),
-                              rng.integers(5000, 6000, n[2])])
+    counts, sources, lengths = _sources_apart_in_length(
+        np.random.default_rng(3), K, G, [0.45, 0.35, 0.2], [(10, 50), (1000, 1100), (5000, 6000)])
     pos = balance_window(sample_cost(lengths), sources, counts, world_size=R, micro_batch=B,
                          micro_batches_per_step=M)
     assert pos.shape == (K, M, R, B)
@@ -377,15 +383,17 @@ def test_the_repairs_trades_sort_by_keys_as_by_costs(monkeypatch) -> None:
 
     traded = []
     real = balance._trade
-    monkeypatch.setattr(balance, "_trade", lambda *a, **k: traded.append(real(*a, **k)) or traded[-1])
-    rng = np.random.default_rng(7)
+
+    def counted(*a, **k):
+        traded.append(real(*a, **k))
+        return traded[-1]
+
+    monkeypatch.setattr(balance, "_trade", counted)
     K, R, B, M = 6, 8, 2, 2
-    G = R * B * M
-    counts = np.array([rng.multinomial(G, [0.5, 0.3, 0.2]) for _ in range(K)])
-    n = counts.sum(axis=0)
-    sources = np.concatenate([np.full(c, s) for s, c in enumerate(n)])
-    lengths = np.concatenate([rng.integers(10, 400, n[0]), rng.integers(300, 2000, n[1]),
-                              rng.integers(1500, 9000, n[2])]).astype(float)
+    counts, sources, lengths = _sources_apart_in_length(
+        np.random.default_rng(7), K, R * B * M, [0.5, 0.3, 0.2],
+        [(10, 400), (300, 2000), (1500, 9000)])
+    lengths = lengths.astype(float)
     kw = dict(world_size=R, micro_batch=B, micro_batches_per_step=M)
     plain = balance_window(sample_cost(lengths), sources, counts, **kw)
     assert sum(traded) > 0
