@@ -208,6 +208,7 @@ class _WholeCosts:
         P = load.shape[1]
         pmask, rbits = (1 << self.pack_bits) - 1, self.rank_bits
         flat_load, flat_key = load.reshape(-1), key.reshape(-1)
+        runs = runs_sort_kind()  # (once, not every round)
         head = 0
         while head < len(queue):
             # the needle in the queue's dtype: an int64 one would convert the queue to int64
@@ -223,7 +224,7 @@ class _WholeCosts:
             # distinct keys: the stable order of the costs, sorted as runs (the near ranks'
             # costs come in runs: timsort merges them where numpy's sort is not vectorised,
             # 10% of a packing at 1,024 ranks)
-            order.sort(kind=runs_sort_kind())
+            order.sort(kind=runs)
             n = min(len(near), len(queue) - head)
             items = queue[head:head + n]
             li = -neg[head:head + n].astype(np.int64)
