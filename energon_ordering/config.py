@@ -455,14 +455,18 @@ class OrderingConfig:
             )
         object.__setattr__(self, "plan_window_steps", int(k))
 
-    def window_steps(self, world_size: int, batch_size: int, packed: bool | None = None) -> int:
+    def window_steps(self, world_size: int, batch_size: int, packed: bool | None = None,
+                     samples_per_pack: float | None = None) -> int:
         """K, the optimizer steps of a plan window, for ``world_size`` ranks of micro-batches of
         ``batch_size`` samples (packed: packs): ``plan_window_steps`` if given, else the
         default of ``planned_mix`` for that global batch
         (:func:`~energon_ordering.planned.window_size.default_window_steps`). ``packed``:
         None reads it off ``packing_buffer_size`` (the pipeline passes it: Energon's
-        ``get_train_dataset`` may pack where the config does not say so). Planned mode
-        only."""
+        ``get_train_dataset`` may pack where the config does not say so).
+        ``samples_per_pack``: packed, the most samples a pack holds on average under the run's
+        weights (:func:`~energon_ordering.planned.window_size.packed_samples_per_pack`, from
+        the length index): short samples make the default window hold fewer packs, so that
+        its planning stays within a loader worker's memory. Planned mode only."""
         if not self.planned:
             raise OrderingConfigError(
                 f"OrderingConfig.window_steps: length_sort_mode is {show(self.length_sort_mode)}; "
@@ -473,7 +477,8 @@ class OrderingConfig:
             packed = self.packing_buffer_size is not None
         g = int(world_size) * self.micro_batches_per_step * int(batch_size)
         return default_window_steps(self.resolved_planned_mix, g, packed,
-                                    capped=self.seq_length_warmup is not None)
+                                    capped=self.seq_length_warmup is not None,
+                                    samples_per_pack=samples_per_pack if packed else None)
 
     @property
     def resolved_planned_mix(self) -> PlannedMix:

@@ -40,6 +40,7 @@ from energon_ordering.pipeline.plan import (
     SHUFFLE,
     BuildArgs,
     PipelinePlan,
+    packed_window_steps,
     plan_pipeline,
 )
 from energon_ordering.pipeline.planned_packs import PlannedPackDataset, PlannedPackSourceDataset
@@ -313,7 +314,8 @@ class OrderingTaskEncoder:
                 dataset = self._build_scheduled_train(plan, batch_size=batch_size, **kwargs)
             else:
                 dataset = super().build_train_datasets(batch_size=batch_size, **kwargs)  # type: ignore[misc]
-        stamp = pipeline_stamp(plan, length_indexes=build.loads.length_indexes)
+        stamp = pipeline_stamp(plan, length_indexes=build.loads.length_indexes,
+                               window_steps=build.loads.window_steps)
         return PipelineStampDataset(dataset, stamp=stamp, worker_config=kwargs["worker_config"])
 
     def _load_dataset(
@@ -540,6 +542,15 @@ class OrderingTaskEncoder:
         cls = PlannedSourceDataset
         if packs is not None:
             cls = PlannedPackSourceDataset
+            # a packed window's default steps depend on how many samples a pack holds
+            k = packed_window_steps(plan.config, plan.args, lengths)
+            if k != kw["window_steps"]:
+                logger.info(
+                    "length_sort_mode = 'planned' with packing: a plan window holds %d steps "
+                    "rather than %d: a pack holds many of these short samples, and a window's "
+                    "planning holds about 53 bytes a sample (set plan_window_steps to choose)",
+                    k, kw["window_steps"])
+            kw["window_steps"] = build.loads.window_steps = k
             logger.info(
                 "length_sort_mode = 'planned' with packing: the plan builds every pack "
                 "(packing_buffer_size = %s and %s unused); %s packs each",

@@ -22,6 +22,7 @@ from energon_ordering.errors import OrderingConfigError, StateMismatchError
 from energon_ordering.inspect.rank_simulation import (
     build_train_loader,
     close_loader,
+    planned_window_steps,
     record_batch,
     run_ranks,
     run_saving_every_step,
@@ -64,7 +65,7 @@ def _loader(data, *, rank=0, world_size=2, num_workers=0, repeat=True, **cfg):
                               task_encoder_factory=IndexedSyntheticTaskEncoder)
 
 
-def expected_packs(data, world_size, micro_batches, warmup=None):
+def expected_packs(data, world_size, micro_batches, warmup=None, K=K, mix="step"):
     """``packs[rank][b]``: the keys of each pack of rank's micro-batch b, from the pure plan."""
     readers = _readers(data)
     lengths = [np.array([r.visit(i)[2] for i in range(len(r))]) for r in readers]
@@ -77,7 +78,7 @@ def expected_packs(data, world_size, micro_batches, warmup=None):
         plan = plan_packed_window(
             lengths, seed=5, cursor=cursor, weights=np.tile(w, (K, 1)),
             caps=[pack_target(first + t, CAP, warmup) for t in range(K)],
-            world_size=world_size, micro_batch=B, micro_batches_per_step=M)
+            world_size=world_size, micro_batch=B, micro_batches_per_step=M, mix=mix)
         for t in range(K):
             for r in range(world_size):
                 ids, bounds = plan.rank_step(t, r)
@@ -113,6 +114,56 @@ def test_every_rank_reads_the_plans_packs_within_the_cap(data):
         for r in records[rank]:
             assert all(sum(p) <= CAP for p in r.pack_lengths)
     assert any(len(p) > 1 for r in records[0] for p in r.pack_lengths)  # packs hold several
+
+
+def test_short_samples_shrink_the_default_packed_window_and_it_is_stamped(data, monkeypatch):
+    """A packed plan's default window holds at most WINDOW_MIX_PACKED_SAMPLES samples, read off
+    the length index (its planning holds about 53 bytes a sample): here a budget of 2^12
+    samples, so 2 ranks x 2 packs a step take 4,096 / (samples a pack) // 4 steps, not 4,096.
+    The loader plans that window, stamps it, resumes in it and refuses a state of another."""
+    from energon_ordering.pipeline.plan import BuildArgs, Source, packed_window_steps
+    from energon_ordering.planned import window_size
+    from test_stamp_fields import _saved_stamp
+
+    cfg = dict(plan_window_steps=None, planned_mix="window")
+    def make():
+        return _loader(data, **cfg)
+
+    roomy = run_with_cuts(make, 2, [1])[1][1]
+    assert _saved_stamp(roomy)["plan_window_steps"] == 4096  # 2^16 packs / 4, at most 4,096
+    monkeypatch.setattr(window_size, "WINDOW_MIX_PACKED_SAMPLES", 1 << 12)
+    readers = _readers(data)
+    lengths = [np.array([r.visit(i)[2] for i in range(len(r))]) for r in readers]
+    args = BuildArgs(batch_size=B, world_size=2, packing_buffer_size=32,
+                     sources=(Source(name="web", weight=0.7), Source(name="code", weight=0.3)))
+    k = packed_window_steps(packed(**cfg), args, lengths)
+    spp = window_size.packed_samples_per_pack(lengths, [[0.7, 0.3]], CAP)
+    assert k == int(4096 / spp) // 4 and 2 <= k < 4096
+    # what inspect and check-resume report: the build's own
+    assert planned_window_steps(data, packed(**cfg), world_size=2, batch_size=B,
+                                packing_buffer_size=32,
+                                task_encoder_factory=IndexedSyntheticTaskEncoder) == k
+    steps = 6
+    records = run_ranks(data, ordering=packed(**cfg), world_size=2, steps=steps, batch_size=B,
+                        packing_buffer_size=32, task_encoder_factory=IndexedSyntheticTaskEncoder)
+    want = expected_packs(data, 2, steps, K=k, mix="window")
+    for rank in range(2):
+        assert [_packs_of(r) for r in records[rank]] == want[rank]
+    got, states = run_with_cuts(make, steps, [3])
+    assert got == records[0]
+    state = states[3]
+    assert _saved_stamp(state)["plan_window_steps"] == k
+    loader = make()
+    restore_state_rank(loader, state)
+    it = iter(loader)
+    assert [record_batch(next(it)) for _ in range(steps - 3)] == records[0][3:]
+    del it
+    close_loader(loader)
+    monkeypatch.undo()  # the packs' default again: the saved window is not this one
+    loader = make()
+    with pytest.raises(StateMismatchError, match="plan_window_steps"):
+        restore_state_rank(loader, state)
+    close_loader(loader)
 
 
 def test_packs_follow_the_warmup_cap_of_their_step(data):

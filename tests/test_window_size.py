@@ -1,19 +1,24 @@
 """How many steps a plan window holds when plan_window_steps is not given (issue 32): the step
-mix keeps 32, the window mix sizes its window in samples (2^20) or packs (2^16), and what the
-pipeline plans and stamps is that K."""
+mix keeps 32, the window mix sizes its window in samples (2^20) or packs (2^16), a packed window
+holds fewer packs where short samples fill a pack with many, and what the pipeline plans and
+stamps is that K."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from energon_ordering import OrderingConfig
 from energon_ordering.errors import OrderingConfigError
-from energon_ordering.pipeline.plan import PLANNED_SOURCE, BuildArgs, Source, plan_pipeline
+from energon_ordering.pipeline.plan import (PLANNED_SOURCE, BuildArgs, Source,
+                                            packed_window_steps, plan_pipeline, run_weight_rows)
 from energon_ordering.pipeline.stamp import pipeline_stamp
 from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
-from energon_ordering.planned.window_size import (MAX_WINDOW_MIX_STEPS, WINDOW_MIX_CAPPED_SAMPLES,
-                                                  WINDOW_MIX_PACKS, WINDOW_MIX_SAMPLES,
-                                                  default_window_steps)
+from energon_ordering.planned.window_size import (MAX_WINDOW_MIX_STEPS, STEP_MIX_PACKED_SAMPLES,
+                                                  WINDOW_MIX_CAPPED_SAMPLES,
+                                                  WINDOW_MIX_PACKED_SAMPLES, WINDOW_MIX_PACKS,
+                                                  WINDOW_MIX_SAMPLES, default_window_steps,
+                                                  packed_samples_per_pack)
 
 PLANNED = dict(length_sort_mode="planned", length_sort_placement="pre-encode",
                length_sort_pool_holds="keys")
@@ -56,6 +61,65 @@ def test_packed_window_mix_counts_packs():
     assert default_window_steps("window", 1024 * 8, packed=True) == 8
     assert default_window_steps("window", 8 * 2, packed=True) == MAX_WINDOW_MIX_STEPS
     assert 8 * 1024 * 8 == WINDOW_MIX_PACKS
+
+
+def test_short_samples_make_a_packed_window_hold_fewer_packs():
+    """A packed window's planning holds about 53 bytes a sample (the step mix's about 25): at
+    most 2^20 (2^21) samples, whatever the packs hold."""
+    g = 1024 * 8
+    # the benchmark's mixes hold 5-9 samples a pack: the packs decide, as before
+    assert default_window_steps("window", g, packed=True, samples_per_pack=8.5) == 8
+    assert default_window_steps("step", g, packed=True, samples_per_pack=8.5) == 16
+    # 217-token samples in 8,192-token packs: 38 a pack
+    spp = 8192 / 217
+    k = default_window_steps("window", g, packed=True, samples_per_pack=spp)
+    assert k == 3 and k * g * spp <= WINDOW_MIX_PACKED_SAMPLES < (k + 1) * g * spp
+    k = default_window_steps("step", g, packed=True, samples_per_pack=spp)
+    assert k == 6 and k * g * spp <= STEP_MIX_PACKED_SAMPLES < (k + 1) * g * spp
+    # at least one step; padded plans count samples already
+    assert default_window_steps("window", 16384 * 8, packed=True, samples_per_pack=spp) == 1
+    assert default_window_steps("window", 64, samples_per_pack=100) == default_window_steps(
+        "window", 64)
+    for bad in (0.5, float("nan")):
+        with pytest.raises(ValueError, match=f"samples_per_pack = {bad}"):
+            default_window_steps("window", 64, packed=True, samples_per_pack=bad)
+
+
+def test_samples_per_pack_is_the_shortest_weighted_mean_of_the_cut_lengths():
+    short, long = np.full(1000, 100), np.full(500, 2000)
+    assert packed_samples_per_pack([short, long], [[1, 0]], 800) == 8
+    assert packed_samples_per_pack([short, long], [[0, 1]], 800) == 1  # cut: one a pack
+    assert packed_samples_per_pack([short, long], [[1, 1]], 800) == pytest.approx(800 / 450)
+    # the most over the rows (a schedule's): the row that draws the short source most
+    rows = [[0, 1], [3, 1], [1, 1]]
+    assert packed_samples_per_pack([short, long], rows, 800) == pytest.approx(800 / 275)
+    # at most most_read evenly spaced samples of a source are read
+    x = np.arange(1, 10**6 + 1)
+    assert packed_samples_per_pack([x], [[1]], 10**7, most_read=1000) == pytest.approx(
+        10**7 / x.mean(), rel=1e-3)
+    for bad in ([[1]], [[-1, 2]], [[0, 0]], [[np.nan, 1]]):
+        with pytest.raises(ValueError, match="weights of shape"):
+            packed_samples_per_pack([short, long], bad, 800)
+
+
+def test_the_run_weights_are_the_blend_or_the_schedules_piece_ends():
+    args = BuildArgs(batch_size=1, world_size=8, packing_buffer_size=16,
+                     sources=(Source(name="b", weight=1.0), Source(name="a", weight=3.0)))
+    cfg = OrderingConfig(**PLANNED, pack_seq_length=800)
+    assert run_weight_rows(cfg, args).tolist() == [[1.0, 3.0]]
+    # a schedule's rows in the metadataset's source order, at the ends of its pieces
+    ramp = OrderingConfig(**PLANNED, pack_seq_length=800, total_steps=100, mixture_schedule={
+        "phases": [{"until": 0.5, "weights": {"a": 1, "b": 0}},
+                   {"until": 1.0, "ramp_steps": 10, "weights": {"a": 1, "b": 3}}]})
+    rows = run_weight_rows(ramp, args)
+    assert rows[0].tolist() == [0.0, 1.0] and rows[-1].tolist() == [0.75, 0.25]
+    # the shortest mean over the run is at one of them: b's 100-token samples at 3 / 4
+    lengths = [np.full(64, 100), np.full(64, 700)]
+    assert packed_samples_per_pack(lengths, rows, 800) == pytest.approx(800 / 250)
+    k_blend = packed_window_steps(cfg, args, lengths)
+    assert packed_window_steps(ramp, args, lengths) <= k_blend
+    given = OrderingConfig(**PLANNED, pack_seq_length=800, plan_window_steps=7)
+    assert packed_window_steps(given, args, lengths) == 7
 
 
 def test_bad_inputs_are_named():

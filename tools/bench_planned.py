@@ -81,7 +81,8 @@ from energon_ordering.planned.balance import sample_cost
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.packs import plan_packed_window
 from energon_ordering.planned.window import plan_window, window_weights
-from energon_ordering.planned.window_size import WINDOW_MIX_SAMPLES, default_window_steps
+from energon_ordering.planned.window_size import (WINDOW_MIX_SAMPLES, default_window_steps,
+                                                  packed_samples_per_pack)
 
 BATCH = 4
 RANKS = (2, 8, 64, 1024)
@@ -337,11 +338,14 @@ WINDOW_STEPS: list[int | None] = [None]
 PLAN_ONLY_SAMPLES: list[int] = [PLAN_ONLY_WINDOW_SAMPLES]
 
 
-def window_steps_for(R: int, M: int, b: int, plan_only: bool, mix: str, packed: bool) -> int:
+def window_steps_for(R: int, M: int, b: int, plan_only: bool, mix: str, packed: bool,
+                     samples_per_pack: float | None = None) -> int:
     """K of ``mix`` at the shape: ``--window-steps``, else the package's default
-    (:func:`~energon_ordering.planned.window_size.default_window_steps`); plan-only shapes
+    (:func:`~energon_ordering.planned.window_size.default_window_steps`; packed, with the
+    mix's samples per pack as the pipeline reads them off the length index); plan-only shapes
     shrink it to fit their window."""
-    k = WINDOW_STEPS[0] or default_window_steps(mix, R * M * b, packed)
+    k = WINDOW_STEPS[0] or default_window_steps(mix, R * M * b, packed,
+                                                samples_per_pack=samples_per_pack)
     if not plan_only:
         return k
     return int(max(1, min(k, PLAN_ONLY_SAMPLES[0] // (R * M * b))))
@@ -389,7 +393,8 @@ def padded_table(name, lengths, weights, pop, R, M, windows, dataset_samples,
 
 def packed_table(name, lengths, weights, R, M, windows, cap,
                  plan_only: bool) -> tuple[list[Row], dict[str, int]]:
-    ks = {mix: window_steps_for(R, M, 1, plan_only, mix, True) for mix in ("step", "window")}
+    spp = packed_samples_per_pack(lengths, [weights], cap)
+    ks = {mix: window_steps_for(R, M, 1, plan_only, mix, True, spp) for mix in ("step", "window")}
     k = ks["step"]
     rows: list[Row] = []
     base = None

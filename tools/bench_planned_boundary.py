@@ -38,6 +38,7 @@ Usage:
 
 from __future__ import annotations
 
+import functools
 import shlex
 import sys
 import time
@@ -60,6 +61,19 @@ class _NoReader:
         pass
 
 
+WEIGHTS = [0.7, 0.3]
+
+
+@functools.cache
+def _mix_lengths() -> list[np.ndarray]:
+    """The heavy-tailed two-source mix (2,000,000 samples each, cut to the pack's tokens)."""
+    rng = np.random.default_rng(0)
+    n = 2_000_000
+    short = np.minimum(rng.lognormal(6.0, 0.9, n), PACK_SEQ_LENGTH).round().clip(16)
+    long_ = np.minimum(3 * rng.lognormal(6.0, 0.9, n), PACK_SEQ_LENGTH).round().clip(16)
+    return [short, long_]
+
+
 def _source(world_size: int, window_steps: int, packed: bool, ahead: bool, mix: str):
     """Loader worker 1 of the last rank, over a heavy-tailed two-source mix (lengths only)."""
     from megatron.energon import WorkerConfig
@@ -67,15 +81,11 @@ def _source(world_size: int, window_steps: int, packed: bool, ahead: bool, mix: 
     from energon_ordering.pipeline.planned_packs import PlannedPackSourceDataset
     from energon_ordering.pipeline.planned_source import PlannedSourceDataset
 
-    rng = np.random.default_rng(0)
-    n = 2_000_000
-    short = np.minimum(rng.lognormal(6.0, 0.9, n), PACK_SEQ_LENGTH).round().clip(16)
-    long_ = np.minimum(3 * rng.lognormal(6.0, 0.9, n), PACK_SEQ_LENGTH).round().clip(16)
-    kw = dict(weights=[0.7, 0.3], seed=0, window_steps=window_steps, micro_batches_per_step=M,
+    kw = dict(weights=WEIGHTS, seed=0, window_steps=window_steps, micro_batches_per_step=M,
               batch_size=1 if packed else BATCH, planned_mix=mix,
               worker_config=WorkerConfig(rank=world_size - 1, world_size=world_size,
                                          num_workers=WORKERS))
-    lengths = [short, long_]
+    lengths = _mix_lengths()
     if packed:
         ds = PlannedPackSourceDataset([_NoReader(), _NoReader()], [[], []], lengths,
                                       pack_seq_length=PACK_SEQ_LENGTH, warmup=None, **kw)
@@ -133,7 +143,7 @@ def _gaps(world_size: int, window_steps: int, windows: int, step_s: float, packe
 def main(ranks: int, window_steps: int | None, mixes: str, windows: int, step_s: float,
          orders: str, modes: str) -> None:
     """Longest micro-batch gap at a window boundary and inside a window, per mode."""
-    from energon_ordering.planned.window_size import default_window_steps
+    from energon_ordering.planned.window_size import default_window_steps, packed_samples_per_pack
 
     click.echo(f"$ {shlex.join(['python', *sys.argv])}")
     t0 = time.perf_counter()
@@ -141,8 +151,10 @@ def main(ranks: int, window_steps: int | None, mixes: str, windows: int, step_s:
     wanted = [m.strip() for m in modes.split(",")]
     for packed, mix in [(o.strip() == "packed", x.strip()) for o in orders.split(",")
                         for x in mixes.split(",")]:
+        spp = (packed_samples_per_pack(_mix_lengths(), [WEIGHTS], PACK_SEQ_LENGTH)
+               if packed else None)  # as the pipeline reads it off the length index
         k = window_steps or default_window_steps(mix, ranks * M * (1 if packed else BATCH),
-                                                 packed)
+                                                 packed, samples_per_pack=spp)
         digests = {}
         for ahead in [m == "ahead" for m in wanted]:
             inside, boundary, first, digests[ahead] = _gaps(ranks, k, windows, step_s, packed,

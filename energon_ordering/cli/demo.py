@@ -96,7 +96,7 @@ def _mix_line(mix: str | None, lost: dict[str, float], ranks: int, batch_size: i
 
 
 def _planned_note(results: dict, name: str, plan_cfg: OrderingConfig, ranks: int,
-                  batch_size: int) -> str:
+                  batch_size: int, window_steps: int) -> str:
     """What the planned run shows beside the pool: its mix, and the compute each loses."""
     pool = next((n for n in results if n not in ("pool off", name)), None)
     plan, m = results[name], plan_cfg.micro_batches_per_step
@@ -104,7 +104,7 @@ def _planned_note(results: dict, name: str, plan_cfg: OrderingConfig, ranks: int
     step_samples = ranks * batch_size
     held = ("every step holds each source's scheduled share of its samples within one sample"
             if plan_cfg.resolved_planned_mix == "step" else
-            f"every plan window of {plan_cfg.window_steps(ranks, batch_size)} steps holds each "
+            f"every plan window of {window_steps} steps holds each "
             "source's scheduled share within one sample, and each of its steps takes one band "
             "of lengths, as a pool's steps do")
     text = (f"The planned run: {held} (dispersion per step {plan.step_histogram_dispersion:.2f}"
@@ -174,8 +174,9 @@ def command(out: str, recipe: str, ranks: int, steps: int, batch_size: int, scal
                                     planned_mix=mix)
     click.echo(measure_table(results, extra["planned"]))
     click.echo("\n" + definitions(extra))
-    click.echo("\n" + _planned_note(results, extra["planned"][0], as_planned(cfg, mix),
-                                    ranks, batch_size))
+    name = extra["planned"][0]
+    click.echo("\n" + _planned_note(results, name, as_planned(cfg, mix), ranks, batch_size,
+                                    extra["plan_window_steps"][name]))
     if extra["note"]:
         click.echo("\n" + extra["note"])
     if epochs is not None:

@@ -80,10 +80,11 @@ def as_planned(cfg: OrderingConfig, mix: str | None = None) -> OrderingConfig:
                                      **({} if mix is None else {"planned_mix": mix})})
 
 
-def planned_name(cfg: OrderingConfig, ranks: int, batch_size: int) -> str:
-    """A planned run's column name: the mode, its window (at ``ranks`` x micro-batches of
-    ``batch_size``) and its mix granularity."""
-    k = cfg.window_steps(ranks, batch_size)
+def planned_name(cfg: OrderingConfig, ranks: int, batch_size: int,
+                 window_steps: int | None = None) -> str:
+    """A planned run's column name: the mode, its window (``window_steps``, None: the
+    config's at ``ranks`` x micro-batches of ``batch_size``) and its mix granularity."""
+    k = cfg.window_steps(ranks, batch_size) if window_steps is None else window_steps
     return f"planned (K={k}, {cfg.resolved_planned_mix})"
 
 
@@ -146,22 +147,31 @@ def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, nu
 
     Returns:
         ``({run name: Measurement}, {"png", "period", "note", "window_steps", "packed",
-        "planned", "planned_mix"})``: ``planned`` names the planned runs, ``planned_mix`` maps
-        each to its mix granularity.
+        "planned", "planned_mix", "plan_window_steps"})``: ``planned`` names the planned
+        runs, ``planned_mix`` maps each to its mix granularity, ``plan_window_steps`` to the
+        steps of its plan windows (``window_steps`` is the mix plot's averaging window).
     """
     from energon_ordering.inspect.inspection import measure, shard_length
     from energon_ordering.inspect.plots import plot_run
-    from energon_ordering.inspect.rank_simulation import run_ranks
+    from energon_ordering.inspect.rank_simulation import planned_window_steps, run_ranks
 
     with user_errors():
         configs = {"pool off": pool_off(cfg)}
         if cfg.length_sort_enabled:
             configs[f"pool {cfg.length_sort_pool_size} ({cfg.length_sort_mode})"] = cfg
-        if cfg.planned or planned:
-            plan_cfg = as_planned(cfg, planned_mix)
-            configs[planned_name(plan_cfg, ranks, batch_size)] = plan_cfg
-    preflight(path, list(configs.values())[::-1], batch_size=batch_size, num_workers=num_workers,
-              world_size=ranks, task_encoder_factory=task_encoder_factory)
+        plan_cfg = as_planned(cfg, planned_mix) if cfg.planned or planned else None
+    preflight(path, ([plan_cfg] if plan_cfg else []) + list(configs.values())[::-1],
+              batch_size=batch_size, num_workers=num_workers, world_size=ranks,
+              task_encoder_factory=task_encoder_factory)
+    if plan_cfg is not None:
+        k = None
+        if plan_cfg.packing_buffer_size is not None and plan_cfg.plan_window_steps is None:
+            with user_errors():  # a packed window's default reads the length index
+                k = planned_window_steps(path, plan_cfg, world_size=ranks,
+                                         batch_size=batch_size,
+                                         task_encoder_factory=task_encoder_factory)
+        k = plan_cfg.window_steps(ranks, batch_size) if k is None else k
+        configs[planned_name(plan_cfg, ranks, batch_size, k)] = plan_cfg
     period = max(1, shard_length(path) // batch_size)
     mbps = cfg.micro_batches_per_step
     # The averaging window of the mix plot: one pool's worth of steps (10 without a pool).
@@ -185,7 +195,8 @@ def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, nu
     packed = any(r.docs_per_pack == r.docs_per_pack for r in results.values())
     mixes = {n: c.resolved_planned_mix for n, c in configs.items() if c.planned}
     return results, {"png": png, "period": period, "note": note, "window_steps": window,
-                     "packed": packed, "planned": list(mixes), "planned_mix": mixes}
+                     "packed": packed, "planned": list(mixes), "planned_mix": mixes,
+                     "plan_window_steps": {n: k for n in mixes}}
 
 
 @click.command("inspect", context_settings=CONTEXT)

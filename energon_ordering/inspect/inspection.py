@@ -34,6 +34,7 @@ from energon_ordering.inspect.rank_simulation import (
     BatchRecord,
     build_train_loader,
     lengths_by_step,
+    planned_window_steps,
     resume,
     run_with_cuts,
 )
@@ -343,11 +344,13 @@ def check_elastic_resume(
             f"check_elastic_resume: {world_size} ranks x {M} micro-batches per step do not split "
             f"over resume_world_size = {resume_world_size} ranks; it must divide {world_size * M}.")
     M2 = world_size * M // resume_world_size
-    K = ordering.window_steps(world_size, batch_size)
     if not 0 <= cut_step < end_step:
         raise OrderingConfigError(
             f"check_elastic_resume: cut_step = {cut_step}, end_step = {end_step}: need "
             "0 <= cut_step < end_step (optimizer steps).")
+    # as the build settles it (a packed window's default reads the length index)
+    K = planned_window_steps(path, ordering, world_size=world_size, batch_size=batch_size,
+                             task_encoder_factory=task_encoder_factory)
 
     def make(cfg: OrderingConfig, rank: int, size: int) -> Callable[[], Any]:
         return lambda: build_train_loader(path, ordering=cfg, rank=rank, world_size=size,

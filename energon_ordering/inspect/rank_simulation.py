@@ -20,8 +20,8 @@ from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 from megatron.energon.wrappers.gc_dataset import GC_DEFAULT_EVERY_N_ITER
 
 from energon_ordering.config import OrderingConfig
-from energon_ordering.errors import OrderingTypeError
-from energon_ordering.state_stamp import restore_state_rank
+from energon_ordering.errors import OrderingConfigError, OrderingTypeError, show
+from energon_ordering.state_stamp import PipelineStampDataset, restore_state_rank
 
 __all__ = [
     "BatchRecord",
@@ -30,6 +30,7 @@ __all__ = [
     "build_train_loader",
     "close_loader",
     "lengths_by_step",
+    "planned_window_steps",
     "record_batch",
     "resume",
     "run_ranks",
@@ -143,6 +144,23 @@ def build_train_loader(
             configuration says).
         **loader_kwargs: Passed to ``get_savable_loader`` (over :data:`SIMULATION_GC`).
     """
+    ds = _train_dataset(path, ordering, rank, world_size, num_workers, batch_size,
+                        shuffle_buffer_size, max_samples_per_sequence, repeat,
+                        task_encoder_factory, packing_buffer_size)
+    loader = get_savable_loader(ds, **{**SIMULATION_GC, **loader_kwargs})
+    if not _has_accelerator():
+        # Energon always asks torch to pin batches; without a GPU there is nothing to pin to
+        # and torch warns at every iterator it creates.
+        loader.pin_memory = False
+    return loader
+
+
+def _train_dataset(path: str | Path, ordering: OrderingConfig, rank: int, world_size: int,
+                   num_workers: int, batch_size: int, shuffle_buffer_size: int | None,
+                   max_samples_per_sequence: int | None, repeat: bool,
+                   task_encoder_factory: Callable[[], Any] | None,
+                   packing_buffer_size: int | None) -> Any:
+    """Energon's ``get_train_dataset`` as :func:`build_train_loader` calls it."""
     if task_encoder_factory is None:
         from energon_ordering.inspect.synthetic_task import SyntheticTaskEncoder
 
@@ -150,7 +168,7 @@ def build_train_loader(
     te = task_encoder_factory()
     te.ordering = ordering
     wc = WorkerConfig(rank=rank, world_size=world_size, num_workers=num_workers)
-    ds = get_train_dataset(
+    return get_train_dataset(
         path,
         batch_size=batch_size,
         worker_config=wc,
@@ -160,12 +178,23 @@ def build_train_loader(
         repeat=repeat,
         **({} if packing_buffer_size is None else {"packing_buffer_size": packing_buffer_size}),
     )
-    loader = get_savable_loader(ds, **{**SIMULATION_GC, **loader_kwargs})
-    if not _has_accelerator():
-        # Energon always asks torch to pin batches; without a GPU there is nothing to pin to
-        # and torch warns at every iterator it creates.
-        loader.pin_memory = False
-    return loader
+
+
+def planned_window_steps(path: str | Path, ordering: OrderingConfig, *, world_size: int,
+                         batch_size: int, task_encoder_factory: Callable[[], Any] | None = None,
+                         packing_buffer_size: int | None = None) -> int:
+    """K, the steps of a plan window, as the planned order's build settles it and stamps it
+    (a packed plan's default reads the length index: short samples, fewer packs a window),
+    read off rank 0's pipeline; nothing is iterated."""
+    node = _train_dataset(path, ordering, 0, world_size, 0, batch_size, None, None, True,
+                          task_encoder_factory, packing_buffer_size)
+    while not isinstance(node, PipelineStampDataset):
+        node = getattr(node, "dataset", None)
+        if node is None:
+            raise OrderingConfigError(
+                f"planned_window_steps: the pipeline of {show(str(path))} carries no state stamp "
+                "(build it with an OrderingTaskEncoder in length_sort_mode = 'planned').")
+    return int(node.stamp["plan_window_steps"])
 
 
 def _has_accelerator() -> bool:

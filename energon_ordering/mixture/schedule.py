@@ -369,13 +369,20 @@ class MixtureSchedule:
         phase's ramp blends two normalised rows linearly, so the normalised weights are
         constant on a piece wherever they are equal at its ends: checking every breakpoint,
         the step after it and each ramp's end covers every piece."""
+        table = self.weights_table(self.piece_ends())
+        return bool(np.abs(table - table[0]).max() > 1e-12)
+
+    def piece_ends(self) -> np.ndarray:
+        """The steps that end the pieces of the weights: every breakpoint, the step after it
+        and each ramp's end. Between two of them the raw weights move linearly (a ramp blends
+        two normalised rows linearly), so a weighted mean of per-source values, such as a mean
+        length, moves monotonically: its extremes over the run are at these steps."""
         steps = set(self._breakpoints().tolist())
         steps |= {s + 1 for s in steps}
         for i, ph in enumerate(self.phases or ()):
             if i and ph.ramp_steps:
                 steps.add(self.phases[i - 1].end + ph.ramp_steps)
-        table = self.weights_table(np.array(sorted(steps), dtype=np.int64))
-        return bool(np.abs(table - table[0]).max() > 1e-12)
+        return np.array(sorted(steps), dtype=np.int64)
 
     def weights(self, step: int) -> dict[str, float]:
         """Normalised weights at ``step`` (an int >= 0)."""

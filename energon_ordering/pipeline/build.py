@@ -41,11 +41,15 @@ __all__ = ["SourceLoads", "TrainBuild", "current_build"]
 class SourceLoads:
     """What one build collects while Energon loads its sources (pre-encode pool only):
     per source, its split-off load functions and its length source, in load order, and the
-    identity of each length index, for the state stamp. Append-only; one per build."""
+    identity of each length index and a packed plan's window steps, for the state stamp.
+    Append-only; one per build."""
 
     def __init__(self) -> None:
         self._sources: list[tuple[list[Any], Any]] = []
         self._length_indexes: list[dict[str, Any]] = []
+        #: A packed planned order's window steps once its length index is read (its default
+        #: depends on how many samples a pack holds), for the state stamp; None: the plan's.
+        self.window_steps: int | None = None
 
     def add(self, load_fns: list[Any], length_source: Any) -> int:
         """Records one source; returns its index (the order Energon loaded it in)."""

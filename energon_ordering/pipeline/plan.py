@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
+
+import numpy as np
 
 from energon_ordering.config import MAX_PLAN_WINDOW_SAMPLES, OrderingConfig
 from energon_ordering.errors import OrderingConfigError
 from energon_ordering.pool.order import BATCHED_MODES
 from energon_ordering.source_tag import SOURCE_KEY
 from energon_ordering.errors import show
+from energon_ordering.planned.window_size import packed_samples_per_pack
 
 __all__ = [
     "BATCH",
@@ -322,10 +325,40 @@ def _check_planned_weights(args: BuildArgs) -> None:
             "least one `blend:` entry a weight > 0.")
 
 
-def window_steps(cfg: OrderingConfig, args: BuildArgs, packed: bool) -> int:
+def window_steps(cfg: OrderingConfig, args: BuildArgs, packed: bool,
+                 samples_per_pack: float | None = None) -> int:
     """K of the planned order under ``cfg`` for Energon's build arguments (``plan_window_steps``,
-    or its default for the global batch: :meth:`OrderingConfig.window_steps`)."""
-    return cfg.window_steps(args.world_size or 1, args.batch_size or 1, packed)
+    or its default for the global batch: :meth:`OrderingConfig.window_steps`; packed, with
+    ``samples_per_pack`` once the length index is read: :func:`packed_window_steps`)."""
+    return cfg.window_steps(args.world_size or 1, args.batch_size or 1, packed,
+                            samples_per_pack=samples_per_pack)
+
+
+def packed_window_steps(cfg: OrderingConfig, args: BuildArgs,
+                        lengths: Sequence[np.ndarray]) -> int:
+    """K of a packed planned order, read off the length index: :func:`window_steps` with the
+    most samples a pack holds on average under any of the run's weights (the blend weights, or
+    the mixture schedule's at the ends of its pieces) at the run's largest cap
+    (``pack_seq_length``, else the warmup's ``full``)."""
+    if cfg.plan_window_steps is not None:
+        return int(cfg.plan_window_steps)
+    rows = run_weight_rows(cfg, args)
+    cap = cfg.pack_seq_length if cfg.pack_seq_length is not None else cfg.seq_length_warmup.full
+    return window_steps(cfg, args, True, packed_samples_per_pack(lengths, rows, int(cap)))
+
+
+def run_weight_rows(cfg: OrderingConfig, args: BuildArgs) -> np.ndarray:
+    """``[n, S]`` weights the planned order can draw by, in the metadataset's source order: the
+    blend weights, or the mixture schedule's at the ends of its pieces (between them a
+    weighted mean moves monotonically)."""
+    schedule = cfg.mixture_schedule
+    if schedule is None:
+        return np.asarray([[1.0 if s.weight is None else float(s.weight)
+                            for s in args.sources]])
+    names = [s.name for s in args.sources]
+    columns = (list(range(len(schedule.sources))) if None in names
+               else [list(schedule.sources).index(n) for n in names])
+    return schedule.weights_table(schedule.piece_ends())[:, columns]
 
 
 def _check_window_size(cfg: OrderingConfig, args: BuildArgs, packed: bool) -> None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from energon_ordering.planned.window import PLAN_VERSION
-from energon_ordering.pipeline.plan import (BLEND, PACKING, REPEAT, SCHEDULED_BLEND, PipelinePlan,
-                                            window_steps)
+from energon_ordering.pipeline.plan import BLEND, PACKING, REPEAT, SCHEDULED_BLEND, PipelinePlan
+from energon_ordering.pipeline.plan import window_steps as plan_window_steps
 
 __all__ = ["pipeline_stamp"]
 
 
-def pipeline_stamp(plan: PipelinePlan, *, length_indexes: list[dict[str, Any]] | None) -> dict[str, Any]:
+def pipeline_stamp(plan: PipelinePlan, *, length_indexes: list[dict[str, Any]] | None,
+                   window_steps: int | None = None) -> dict[str, Any]:
     """What a training pipeline's continuation depends on besides rank, world size and
     num_workers; plain builtin values only (Megatron-Bridge's restricted unpickler). A setting
     whose stage is off is stamped as None, so changing it is not refused.
@@ -25,6 +26,9 @@ def pipeline_stamp(plan: PipelinePlan, *, length_indexes: list[dict[str, Any]] |
         plan: The pipeline's plan.
         length_indexes: The identity of each length index the pre-encode pool sorts by
             (collected while the sources were loaded); None or empty: none.
+        window_steps: The planned order's K as the build settled it (packed: read off the
+            length index, :func:`~energon_ordering.pipeline.plan.packed_window_steps`); None:
+            the plan's.
     """
     stamp = _stamp(plan, length_indexes)
     if plan.config.planned:
@@ -41,8 +45,9 @@ def pipeline_stamp(plan: PipelinePlan, *, length_indexes: list[dict[str, Any]] |
             "length_sort_placement": cfg.length_sort_placement,
             "seed": cfg.seed,
             "micro_batches_per_step": cfg.micro_batches_per_step,
-            "plan_window_steps": window_steps(cfg, plan.args,
-                                              plan.packing_buffer_size is not None),
+            "plan_window_steps": (plan_window_steps(cfg, plan.args,
+                                                   plan.packing_buffer_size is not None)
+                                  if window_steps is None else int(window_steps)),
             "plan_version": PLAN_VERSION,
         })
     return stamp

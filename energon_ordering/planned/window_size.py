@@ -12,6 +12,14 @@ CPU per step not higher, peak 9-25 -> 16-61 MiB (1M samples at 256 ranks and K =
 so K = 64 there). Packed, it packs step by step (K does not change the packs): 32 steps, at most
 :data:`STEP_MIX_PACKS` packs.
 
+Packed windows are sized in packs, and also in samples where a pack holds many: a packed
+window's planning holds about 53 bytes a sample (the step mix's, packing step by step and
+holding the window's ids, about 25), so short samples would make a window of 2^16 packs 2.5
+million samples of 217 tokens and 123 MiB. :func:`packed_samples_per_pack` reads the most
+samples a pack holds on average under the run's weights off the length index, and the window
+holds at most :data:`WINDOW_MIX_PACKED_SAMPLES` (:data:`STEP_MIX_PACKED_SAMPLES`) of them; the
+benchmark's mixes, 5-9 samples a pack of 8,192 tokens, keep their packs' window.
+
 ``planned_mix="window"`` sizes its window in samples, not steps: a window's steps are bands of
 the window's sorted lengths, so what decides how narrow a band is (padding) and how alike a
 step's samples are (idle) is how many samples the window sorts, the more the better, while its
@@ -53,12 +61,17 @@ the global batch, which an elastic resume keeps; a resume that changes the globa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
 from .mix import PlannedMix, check_planned_mix
 from .window import DEFAULT_WINDOW_STEPS
 
 __all__ = ["MAX_WINDOW_MIX_STEPS", "MAX_WINDOW_STEPS", "STEP_MAX_WINDOW_STEPS", "STEP_MIX_PACKS",
            "STEP_MIX_MAX_SAMPLES", "STEP_MIX_SAMPLES", "WINDOW_MIX_CAPPED_SAMPLES",
-           "WINDOW_MIX_PACKS", "WINDOW_MIX_SAMPLES", "default_window_steps"]
+           "WINDOW_MIX_PACKS", "WINDOW_MIX_PACKED_SAMPLES", "STEP_MIX_PACKED_SAMPLES",
+           "WINDOW_MIX_SAMPLES", "default_window_steps", "packed_samples_per_pack"]
 
 #: The largest ``plan_window_steps`` of the step mix (``OrderingConfig`` refuses more): its
 #: balancing costs memory and time that grow as K^2.
@@ -78,6 +91,15 @@ WINDOW_MIX_CAPPED_SAMPLES = 1 << 20
 #: samples of the trimodal mix, a peak of 30-51 MiB on the three mixes (1,024 ranks, M = 8:
 #: K = 8; K = 32 peaked at 143-203 MiB).
 WINDOW_MIX_PACKS = 1 << 16
+#: Samples a packed window holds at most, whatever its packs: a packed ``"window"`` plan holds
+#: about 53 bytes a sample while it plans (``tools/bench_planned.py``'s mixes and 220-token
+#: samples alike), so 2^20 samples peak near 53 MiB. Short samples fill a pack with many: 2^16
+#: packs of 8,192 tokens hold 2.5 million samples of 217 tokens (123 MiB), and the window
+#: then holds fewer packs (:func:`packed_samples_per_pack`).
+WINDOW_MIX_PACKED_SAMPLES = 1 << 20
+#: The same for a packed ``"step"`` plan, which packs step by step and holds the window's ids
+#: (about 25 bytes a sample: 2^17 packs of 217-token samples peaked at 116 MiB).
+STEP_MIX_PACKED_SAMPLES = 1 << 21
 #: Samples a padded ``"step"`` plan's window aims for (module docstring).
 STEP_MIX_SAMPLES = 1 << 19
 #: Samples beyond which a ``"step"`` window holds fewer than 32 steps by default (module
@@ -91,7 +113,7 @@ STEP_MIX_PACKS = 1 << 17
 
 
 def default_window_steps(mix: PlannedMix | str, draws_per_step: int, packed: bool = False,
-                         capped: bool = False) -> int:
+                         capped: bool = False, samples_per_pack: float | None = None) -> int:
     """K when ``plan_window_steps`` is not given (module docstring).
 
     Args:
@@ -99,21 +121,64 @@ def default_window_steps(mix: PlannedMix | str, draws_per_step: int, packed: boo
         draws_per_step: G = R M B: samples (padded) or packs (packed) per optimizer step.
         packed: Whether the plan packs (G counts packs).
         capped: Whether a sequence-length warmup caps the steps (``seq_length_warmup``).
+        samples_per_pack: Packed: the most samples a pack holds on average under any of the
+            run's weights (:func:`packed_samples_per_pack`, from the length index); None: the
+            packs alone decide.
 
     Returns:
         ``"window"``: ``clamp(2^22 // G, 1, 4,096)`` (capped ``2^20 // G``, packed
-        ``2^16 // G``); ``"step"``: ``clamp(2^19 // G, 32, 128)``, below 32 only as
-        ``2^20 // G`` (packed ``clamp(2^17 // G, 1, 32)``).
+        ``2^16 // G`` and at most 2^20 samples); ``"step"``: ``clamp(2^19 // G, 32, 128)``,
+        below 32 only as ``2^20 // G`` (packed ``clamp(2^17 // G, 1, 32)`` and at most 2^21
+        samples).
     """
     mix = check_planned_mix(mix)
     g = int(draws_per_step)
     if g < 1:
         raise ValueError(f"default_window_steps: draws_per_step = {g}; give an int >= 1.")
-    if mix == "window":
-        samples = (WINDOW_MIX_PACKS if packed
-                   else WINDOW_MIX_CAPPED_SAMPLES if capped else WINDOW_MIX_SAMPLES)
-        return max(1, min(MAX_WINDOW_MIX_STEPS, samples // g))
     if packed:
-        return max(1, min(DEFAULT_WINDOW_STEPS, STEP_MIX_PACKS // g))
+        packs, samples, most = ((WINDOW_MIX_PACKS, WINDOW_MIX_PACKED_SAMPLES, MAX_WINDOW_MIX_STEPS)
+                                if mix == "window" else
+                                (STEP_MIX_PACKS, STEP_MIX_PACKED_SAMPLES, DEFAULT_WINDOW_STEPS))
+        if samples_per_pack is not None:
+            if not samples_per_pack >= 1:  # also NaN
+                raise ValueError(f"default_window_steps: samples_per_pack = {samples_per_pack}; "
+                                 "give a number >= 1 (packed_samples_per_pack).")
+            packs = min(packs, int(samples / samples_per_pack))
+        return max(1, min(most, packs // g))
+    if mix == "window":
+        samples = WINDOW_MIX_CAPPED_SAMPLES if capped else WINDOW_MIX_SAMPLES
+        return max(1, min(MAX_WINDOW_MIX_STEPS, samples // g))
     at_most_32 = min(DEFAULT_WINDOW_STEPS, STEP_MIX_MAX_SAMPLES // g)  # 32 up to 2^20 samples
     return max(1, min(STEP_MAX_WINDOW_STEPS, max(at_most_32, STEP_MIX_SAMPLES // g)))
+
+
+def packed_samples_per_pack(lengths: Sequence[np.ndarray], weights: np.ndarray, cap: int,
+                            most_read: int = 1 << 20) -> float:
+    """The most samples a pack of ``cap`` tokens holds on average under any row of
+    ``weights``: ``cap / sum_s w_s mean_s(min(L, cap))``, at least 1.
+
+    A pure function of the length index (read at ``most_read`` evenly spaced samples of each
+    source at most: the same on every rank), the weights and the cap, for
+    :func:`default_window_steps`.
+
+    Args:
+        lengths: Per source, every sample's length (the length index).
+        weights: ``[n, S]`` rows of weights the run can draw by (the blend weights, or the
+            mixture schedule's at the ends of its pieces: between them its mean length moves
+            monotonically). Rows are normalised here.
+        cap: Tokens per pack (the largest cap of the run).
+    """
+    w = np.atleast_2d(np.asarray(weights, dtype=np.float64))
+    if w.shape[1] != len(lengths) or not np.isfinite(w).all() or (w < 0).any() or (
+            w.sum(axis=1) <= 0).any():
+        raise ValueError(f"packed_samples_per_pack: weights of shape {w.shape} for "
+                         f"{len(lengths)} sources; give rows of finite weights >= 0, one > 0.")
+    means = np.zeros(len(lengths))
+    for s, x in enumerate(lengths):
+        n = len(x)
+        if n:
+            at = np.linspace(0, n - 1, min(n, int(most_read))).astype(np.int64)
+            means[s] = float(np.minimum(np.asarray(x)[at], cap).astype(np.float64).mean())
+    mean = (w / w.sum(axis=1, keepdims=True)) @ means
+    least = float(mean.min())
+    return max(1.0, float(cap) / least) if least > 0 else float(cap)
