@@ -140,7 +140,8 @@ FIELD_FIXES: dict[str, str] = {
     "plan_window_steps": (
         "The planned order's windows hold another number of optimizer steps "
         "(OrderingConfig.plan_window_steps, Megatron: --plan-window-steps; left unset it "
-        "follows the global batch): set plan_window_steps to the saved value to resume."
+        "follows the global batch, and with packing also how many samples a pack holds, read "
+        "off the length index): set plan_window_steps to the saved value to resume."
     ),
     "packing": (
         "A planned order with packing stamps what its packs depend on: the packed plan's logic "
