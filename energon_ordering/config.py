@@ -144,8 +144,8 @@ class OrderingConfig:
             :mod:`energon_ordering.planned.window_size`, measured by
             ``tools/bench_planned.py``): with ``planned_mix = "step"`` about 2^19 samples in
             32-128 steps (packed: 32 steps); with ``"window"`` about 2^22 samples (2^20 with a
-            ``seq_length_warmup``; packed 2^16 packs) in at most 4,096 steps. Only in planned
-            mode. At most
+            ``seq_length_warmup``; packed 2^17 packs and at most 2^20 samples) in at most 4,096
+            steps. Only in planned mode. At most
             :data:`MAX_PLAN_WINDOW_STEPS` (step mix) or 4,096 (window mix,
             :data:`~energon_ordering.planned.window_size.MAX_WINDOW_MIX_STEPS`), and the
             window's plan, K x R x M x B sample ids

@@ -130,7 +130,7 @@ def test_short_samples_shrink_the_default_packed_window_and_it_is_stamped(data, 
         return _loader(data, **cfg)
 
     roomy = run_with_cuts(make, 2, [1])[1][1]
-    assert _saved_stamp(roomy)["plan_window_steps"] == 4096  # 2^16 packs / 4, at most 4,096
+    assert _saved_stamp(roomy)["plan_window_steps"] == 4096  # 2^17 packs / 4, at most 4,096
     monkeypatch.setattr(window_size, "WINDOW_MIX_PACKED_SAMPLES", 1 << 12)
     readers = _readers(data)
     lengths = [np.array([r.visit(i)[2] for i in range(len(r))]) for r in readers]

@@ -1,5 +1,5 @@
 """How many steps a plan window holds when plan_window_steps is not given (issue 32): the step
-mix keeps 32, the window mix sizes its window in samples (2^20) or packs (2^16), a packed window
+mix keeps 32, the window mix sizes its window in samples (2^20) or packs (2^17), a packed window
 holds fewer packs where short samples fill a pack with many, and what the pipeline plans and
 stamps is that K."""
 
@@ -58,17 +58,19 @@ def test_the_window_mix_holds_about_four_million_samples_or_one_under_caps(g, k,
 
 
 def test_packed_window_mix_counts_packs():
-    assert default_window_steps("window", 1024 * 8, packed=True) == 8
+    assert default_window_steps("window", 1024 * 8, packed=True) == 16
+    assert default_window_steps("window", 16384 * 1, packed=True) == 8
     assert default_window_steps("window", 8 * 2, packed=True) == MAX_WINDOW_MIX_STEPS
-    assert 8 * 1024 * 8 == WINDOW_MIX_PACKS
+    assert 16 * 1024 * 8 == WINDOW_MIX_PACKS
 
 
 def test_short_samples_make_a_packed_window_hold_fewer_packs():
     """A packed window's planning holds about 53 bytes a sample (the step mix's about 25): at
     most 2^20 (2^21) samples, whatever the packs hold."""
     g = 1024 * 8
-    # the benchmark's mixes hold 5-9 samples a pack: the packs decide, as before
-    assert default_window_steps("window", g, packed=True, samples_per_pack=8.5) == 8
+    # the benchmark's mixes hold 5-9 samples a pack: about what the packs hold
+    assert default_window_steps("window", g, packed=True, samples_per_pack=6.8) == 16
+    assert default_window_steps("window", g, packed=True, samples_per_pack=8.5) == 15
     assert default_window_steps("step", g, packed=True, samples_per_pack=8.5) == 16
     # 217-token samples in 8,192-token packs: 38 a pack
     spp = 8192 / 217
@@ -134,7 +136,7 @@ def test_the_config_leaves_the_window_mixs_k_to_the_global_batch():
     assert cfg.plan_window_steps is None
     assert cfg.window_steps(8, 4) == MAX_WINDOW_MIX_STEPS
     assert cfg.window_steps(1024, 4) == 512
-    assert cfg.window_steps(1024, 1, packed=True) == 32
+    assert cfg.window_steps(1024, 1, packed=True) == 64
     # under a sequence-length warmup's caps the window mix holds a quarter of the samples
     warm = dataclasses.replace(cfg, seq_length_warmup={"start": 64, "full": 4096,
                                                        "warmup_steps": 100})

@@ -1,29 +1,29 @@
 #!/usr/bin/env python
-"""Peak memory of a packed plan's window when a pack holds many short samples, side by side.
+"""A packed plan's default window, side by side: peak memory, lost compute, planning CPU.
 
-A packed window is sized in packs (2^16 for ``planned_mix: window``, 2^17 for ``step``), but
-its planning holds memory per *sample*: about 53 bytes a sample for the window mix, about 25 for
-the step mix (which packs step by step and holds the window's ids). Where samples are short a
-pack holds dozens, and a window of that many packs holds millions of samples. The default
-window therefore also holds at most 2^20 (window) / 2^21 (step) samples, counted from the length
-index's mean lengths under the run's weights
-(:func:`~energon_ordering.planned.window_size.packed_samples_per_pack`).
+A packed window's planning holds memory per *sample*: about 53 bytes a sample for
+``planned_mix: window``, about 25 for ``step`` (which packs step by step and holds the window's
+ids). Its default window is sized in packs (``window``: 2^17 since 7 December 2026, 2^16
+before; ``step``: 2^17), and also in samples: at most 2^20 (``window``) / 2^21 (``step``),
+counted from the length index's mean lengths under the run's weights
+(:func:`~energon_ordering.planned.window_size.packed_samples_per_pack`), since short samples fill
+a pack with dozens.
 
-For each mix and shape, one process plans with both rules, each row beside the other:
+For each mix and shape, one process plans each rule's window, one row beside the other:
 
-- ``packs only``: K from the packs alone (the rule before 7 December 2026, afternoon);
-- ``packs and samples``: K as the pipeline now takes it by default;
+- ``2^16 packs (before)``: the window mix's default before 7 December 2026;
+- ``packs only``: today's packs without the samples' bound (what short samples would cost);
+- ``now``: the default the pipeline takes;
 
 and prints K, the window's samples, the peak MiB one window's planning allocates (tracemalloc:
-numpy reports its buffers), planning CPU per optimizer step and per 1,000 ranks, idle per
-optimizer step and padding by tokens over ``--windows`` windows (the compute a smaller window
-may cost). ``check:`` lines fail where the default's peak is over 64 MiB or its K differs from
-the pipeline's rule; the benchmark mixes of ``tools/bench_planned.py`` (5-9 samples a pack)
-keep their packs' window, shown by the ``trimodal`` rows.
+numpy reports its buffers), planning CPU per optimizer step per 1,000 ranks, idle per optimizer
+step, padding by tokens and their sum, lost compute, over ``--windows`` windows. ``check:``
+lines fail where the default's peak is over 64 MiB (but for a window of one step: a step is
+planned at once).
 
 Usage:
-    python tools/bench_packed_window_memory.py                      # 1,024 x 8 and 16,384 x 1
-    python tools/bench_packed_window_memory.py --shapes 1024x8 --mixes short
+    python tools/bench_packed_window_memory.py
+    python tools/bench_packed_window_memory.py --shapes 1024x8 --mixes short --planned-mix window
 """
 
 from __future__ import annotations
@@ -46,21 +46,24 @@ from energon_ordering.inspect.synthetic import LENGTH_PROFILES, sample_lengths  
 from energon_ordering.planned.balance import sample_cost  # noqa: E402
 from energon_ordering.planned.cursor import PlanCursor  # noqa: E402
 from energon_ordering.planned.packs import plan_packed_window  # noqa: E402
-from energon_ordering.planned.window_size import (default_window_steps,  # noqa: E402
+from energon_ordering.planned.window_size import (MAX_WINDOW_MIX_STEPS,  # noqa: E402
+                                                  default_window_steps,
                                                   packed_samples_per_pack)
 
 TARGET_MIB = 64.0
+#: The window mix's packs a default window held before 7 December 2026.
+BEFORE_WINDOW_MIX_PACKS = 1 << 16
 
 
 def _mixes(n: int) -> dict[str, tuple[list[np.ndarray], list[float]]]:
     """name -> (lengths per source, weights): chat-like short samples (mean 217 tokens), a
-    mix of them with medium ones, and the benchmark's trimodal mix."""
+    mix of them with medium ones, and ``tools/bench_planned.py``'s three mixes."""
     p = LENGTH_PROFILES
     return {
         "short": ([sample_lengths(p["short"], n, 0)], [1.0]),
         "short+medium": ([sample_lengths(p["short"], n, 1), sample_lengths(p["medium"], n, 2)],
                          [0.8, 0.2]),
-        "trimodal": bench_mixes(n)["trimodal"],
+        **bench_mixes(n),
     }
 
 
@@ -92,15 +95,17 @@ def _row(name, lengths, weights, R, M, k, mix, cap, windows):
                                  minlength=len(sizes)).reshape(-1, R, M))
         used.append(np.bincount(pack, weights=L, minlength=len(sizes)))
     steps = windows * k
+    idle = idle_per_step(np.concatenate(costs))
+    pad = pack_padding_by_tokens(np.concatenate(used), cap)
     return [name, f"{k:,}", f"{len(first.ids):,}", f"{peak:.1f}",
-            f"{cpu * 1e3 / steps / (R / 1000):.2f}",
-            f"{idle_per_step(np.concatenate(costs)):.2%}",
-            f"{pack_padding_by_tokens(np.concatenate(used), cap):.2%}"], peak
+            f"{cpu * 1e3 / steps / (R / 1000):.2f}", f"{idle:.2%}", f"{pad:.2%}",
+            f"{idle + pad:.2%}"], peak
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--shapes", default="1024x8,16384x1", help="Ranks x packs per step, comma-separated.")
-@click.option("--mixes", "mix_names", default="short,short+medium,trimodal")
+@click.option("--shapes", default="1024x1,1024x8,16384x1,16384x2",
+              help="Ranks x packs per step, comma-separated.")
+@click.option("--mixes", "mix_names", default="short,short+medium,trimodal,demo,heavy")
 @click.option("--planned-mix", "planned_mixes", default="window,step")
 @click.option("--cap", default=8192, help="Tokens per pack (pack_seq_length).")
 @click.option("--windows", default=1, help="Windows planned for the idle and padding figures.")
@@ -116,16 +121,20 @@ def main(shapes: str, mix_names: str, planned_mixes: str, cap: int, windows: int
         for shape in shapes.split(","):
             R, M = (int(x) for x in shape.lower().split("x"))
             for mix in [m.strip() for m in planned_mixes.split(",")]:
-                old = default_window_steps(mix, R * M, packed=True)
+                packs = default_window_steps(mix, R * M, packed=True)
                 new = default_window_steps(mix, R * M, packed=True, samples_per_pack=spp)
+                rules = [("packs only", packs), ("now", new)]
+                if mix == "window":
+                    before = max(1, min(MAX_WINDOW_MIX_STEPS, BEFORE_WINDOW_MIX_PACKS // (R * M)))
+                    rules.insert(0, ("2^16 packs (before)", before))
                 rows = []
-                for rule, k in (("packs only", old), ("packs and samples", new)):
+                for rule, k in rules:
                     row, peak = _row(rule, lengths, weights, R, M, k, mix, cap, windows)
                     rows.append(row)
                 click.echo(f"\n{name} ({spp:.1f} samples a pack of {cap:,} tokens), {R:,} ranks "
                            f"x {M} packs, planned_mix {mix}")
-                click.echo(table(["K by", "K", "samples", "peak MiB", "CPU ms/step/1k ranks",
-                                  "idle/step", "padding (tokens)"], rows))
+                click.echo(table(["window", "K", "samples", "peak MiB", "CPU ms/step/1k ranks",
+                                  "idle/step", "padding (tokens)", "lost compute"], rows))
                 check(f"{name} {R}x{M} {mix}: the default window's peak <= {TARGET_MIB:.0f} MiB",
                       peak <= TARGET_MIB or new == 1, f"{peak:.1f} MiB at K = {new}"
                       + (" (one step: a step is planned at once)" if new == 1 else ""))

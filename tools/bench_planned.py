@@ -438,8 +438,8 @@ def packed_table(name, lengths, weights, R, M, windows, cap,
               help="Plan windows per setting (default 2; --quick 1).")
 @click.option("--window-steps", type=int, default=None,
               help="plan_window_steps K of both mixes (default: each mix's own: 32 for step, "
-              "about 2^22 samples or 2^16 packs for window; the plan-only shapes shrink it to "
-              "fit their window).")
+              "about 2^22 samples or 2^17 packs (at most 2^20 samples) for window; the "
+              "plan-only shapes shrink it to fit their window).")
 @click.option("--plan-only-window-samples", "plan_only_samples", type=int,
               default=PLAN_ONLY_WINDOW_SAMPLES, show_default=True,
               help="Most samples of a window at the plan-only shapes: K shrinks to fit (the "

@@ -17,8 +17,10 @@ window's planning holds about 53 bytes a sample (the step mix's, packing step by
 holding the window's ids, about 25), so short samples would make a window of 2^16 packs 2.5
 million samples of 217 tokens and 123 MiB. :func:`packed_samples_per_pack` reads the most
 samples a pack holds on average under the run's weights off the length index, and the window
-holds at most :data:`WINDOW_MIX_PACKED_SAMPLES` (:data:`STEP_MIX_PACKED_SAMPLES`) of them; the
-benchmark's mixes, 5-9 samples a pack of 8,192 tokens, keep their packs' window.
+holds at most :data:`WINDOW_MIX_PACKED_SAMPLES` (:data:`STEP_MIX_PACKED_SAMPLES`) of them. The
+window mix's packs, 2^17, are about what 2^20 samples fill on the benchmark's mixes (5-9 samples
+a pack of 8,192 tokens), so their peak stays at 36-53 MiB; 2^16 packs (before 7 December 2026)
+used half of that for more idle at large global batches (``tools/bench_packed_window_memory.py``).
 
 ``planned_mix="window"`` sizes its window in samples, not steps: a window's steps are bands of
 the window's sorted lengths, so what decides how narrow a band is (padding) and how alike a
@@ -49,8 +51,7 @@ at M = 1 (``advise``) 0.1% against 5.6% with K = 32. At 1,024 ranks (7 December,
 one window each, M = 1 and 8) 2^22 samples against 2^20 lost 0.04-0.36% against 0.25-1.28%, for
 the same planning CPU per step and a peak of 37-38 MiB; at 16,384 ranks x 1 and x 8 they idle
 2.4-6.9% per step against 9.3-40% (``docs/benchmarks.md``, *Windows at 16,384 ranks*). Packed
-at 1,024 ranks, M = 8, K = 8 peaks at 30-51 MiB (K = 32: 143-203 MiB) for about the same idle
-and padding.
+at 1,024 ranks, M = 8, K = 15-16 peaks at 36-53 MiB (K = 8: 18-28 MiB; K = 32: 143-203 MiB).
 
 The mix of a ``"window"`` plan holds per window, so a longer window spreads a source's share
 over more steps: a mixture schedule whose weights change within K steps is followed per window
@@ -87,10 +88,11 @@ WINDOW_MIX_SAMPLES = 1 << 22
 #: The same under the warmup's caps (``seq_length_warmup``), whose planner holds each
 #: candidate's id, age and sort key besides the plan: 2^20 ids, a peak of 40-43 MiB.
 WINDOW_MIX_CAPPED_SAMPLES = 1 << 20
-#: Packs a packed ``"window"`` plan aims for: 2^16 packs of 8,192 tokens hold about 460,000
-#: samples of the trimodal mix, a peak of 30-51 MiB on the three mixes (1,024 ranks, M = 8:
-#: K = 8; K = 32 peaked at 143-203 MiB).
-WINDOW_MIX_PACKS = 1 << 16
+#: Packs a packed ``"window"`` plan aims for (and at most :data:`WINDOW_MIX_PACKED_SAMPLES`
+#: samples): 2^17 packs of 8,192 tokens hold about 890,000 samples of the trimodal mix, a peak
+#: of 36-53 MiB on the benchmark's three mixes (1,024 ranks, M = 8: K = 15-16; K = 32 peaked at
+#: 143-203 MiB). 2^16 until 7 December 2026.
+WINDOW_MIX_PACKS = 1 << 17
 #: Samples a packed window holds at most, whatever its packs: a packed ``"window"`` plan holds
 #: about 53 bytes a sample while it plans (``tools/bench_planned.py``'s mixes and 220-token
 #: samples alike), so 2^20 samples peak near 53 MiB. Short samples fill a pack with many: 2^16
@@ -127,7 +129,7 @@ def default_window_steps(mix: PlannedMix | str, draws_per_step: int, packed: boo
 
     Returns:
         ``"window"``: ``clamp(2^22 // G, 1, 4,096)`` (capped ``2^20 // G``, packed
-        ``2^16 // G`` and at most 2^20 samples); ``"step"``: ``clamp(2^19 // G, 32, 128)``,
+        ``2^17 // G`` and at most 2^20 samples); ``"step"``: ``clamp(2^19 // G, 32, 128)``,
         below 32 only as ``2^20 // G`` (packed ``clamp(2^17 // G, 1, 32)`` and at most 2^21
         samples).
     """
