@@ -65,19 +65,20 @@ def test_packed_window_mix_counts_packs():
 
 
 def test_short_samples_make_a_packed_window_hold_fewer_packs():
-    """A packed window's planning holds about 53 bytes a sample (the step mix's about 25): at
-    most 2^20 (2^21) samples, whatever the packs hold."""
+    """A packed window's planning holds about 53 bytes a sample (the step mix's of one step,
+    beside the window's ids): at most 2^20 samples, whatever the packs hold."""
     g = 1024 * 8
     # the benchmark's mixes hold 5-9 samples a pack: about what the packs hold
     assert default_window_steps("window", g, packed=True, samples_per_pack=6.8) == 16
     assert default_window_steps("window", g, packed=True, samples_per_pack=8.5) == 15
-    assert default_window_steps("step", g, packed=True, samples_per_pack=8.5) == 16
+    assert default_window_steps("step", g, packed=True, samples_per_pack=6.8) == 16
+    assert default_window_steps("step", g, packed=True, samples_per_pack=8.5) == 15
     # 217-token samples in 8,192-token packs: 38 a pack
     spp = 8192 / 217
     k = default_window_steps("window", g, packed=True, samples_per_pack=spp)
     assert k == 3 and k * g * spp <= WINDOW_MIX_PACKED_SAMPLES < (k + 1) * g * spp
     k = default_window_steps("step", g, packed=True, samples_per_pack=spp)
-    assert k == 6 and k * g * spp <= STEP_MIX_PACKED_SAMPLES < (k + 1) * g * spp
+    assert k == 3 and k * g * spp <= STEP_MIX_PACKED_SAMPLES < (k + 1) * g * spp
     # at least one step; padded plans count samples already
     assert default_window_steps("window", 16384 * 8, packed=True, samples_per_pack=spp) == 1
     assert default_window_steps("window", 64, samples_per_pack=100) == default_window_steps(

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """A packed plan's default window, side by side: peak memory, lost compute, planning CPU.
 
-A packed window's planning holds memory per *sample*: about 53 bytes a sample for
-``planned_mix: window``, about 25 for ``step`` (which packs step by step and holds the window's
-ids). Its default window is sized in packs (``window``: 2^17 since 7 December 2026, 2^16
-before; ``step``: 2^17), and also in samples: at most 2^20 (``window``) / 2^21 (``step``),
+A packed window's planning holds memory per *sample*: about 53 bytes a sample of the window for
+``planned_mix: window``; ``step`` packs step by step, so about 53 bytes a sample of one step
+beside the window's ids (8 bytes a sample). Its default window is sized in packs (``window``:
+2^17 since 7 December 2026, 2^16 before; ``step``: 2^17), and also in samples: at most 2^20,
 counted from the length index's mean lengths under the run's weights
 (:func:`~energon_ordering.planned.window_size.packed_samples_per_pack`), since short samples fill
 a pack with dozens.

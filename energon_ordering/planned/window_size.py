@@ -13,9 +13,9 @@ so K = 64 there). Packed, it packs step by step (K does not change the packs): 3
 :data:`STEP_MIX_PACKS` packs.
 
 Packed windows are sized in packs, and also in samples where a pack holds many: a packed
-window's planning holds about 53 bytes a sample (the step mix's, packing step by step and
-holding the window's ids, about 25), so short samples would make a window of 2^16 packs 2.5
-million samples of 217 tokens and 123 MiB. :func:`packed_samples_per_pack` reads the most
+window's planning holds about 53 bytes a sample (the step mix, packing step by step, holds
+the window's ids, 8 bytes a sample, beside one step's packing), so short samples would make a
+window of 2^16 packs 2.5 million samples of 217 tokens and 123 MiB. :func:`packed_samples_per_pack` reads the most
 samples a pack holds on average under the run's weights off the length index, and the window
 holds at most :data:`WINDOW_MIX_PACKED_SAMPLES` (:data:`STEP_MIX_PACKED_SAMPLES`) of them. The
 window mix's packs, 2^17, are about what 2^20 samples fill on the benchmark's mixes (5-9 samples
@@ -100,8 +100,10 @@ WINDOW_MIX_PACKS = 1 << 17
 #: then holds fewer packs (:func:`packed_samples_per_pack`).
 WINDOW_MIX_PACKED_SAMPLES = 1 << 20
 #: The same for a packed ``"step"`` plan, which packs step by step and holds the window's ids
-#: (about 25 bytes a sample: 2^17 packs of 217-token samples peaked at 116 MiB).
-STEP_MIX_PACKED_SAMPLES = 1 << 21
+#: (8 bytes a sample) beside one step's packing (about 53 bytes a sample): 2^17 packs of
+#: 217-token samples peaked at 116 MiB, 2^21 samples at 16,384 ranks x 1-2 packs at 64.5-64.9
+#: MiB. K does not change its packs, so a shorter window costs nothing.
+STEP_MIX_PACKED_SAMPLES = 1 << 20
 #: Samples a padded ``"step"`` plan's window aims for (module docstring).
 STEP_MIX_SAMPLES = 1 << 19
 #: Samples beyond which a ``"step"`` window holds fewer than 32 steps by default (module
@@ -130,7 +132,7 @@ def default_window_steps(mix: PlannedMix | str, draws_per_step: int, packed: boo
     Returns:
         ``"window"``: ``clamp(2^22 // G, 1, 4,096)`` (capped ``2^20 // G``, packed
         ``2^17 // G`` and at most 2^20 samples); ``"step"``: ``clamp(2^19 // G, 32, 128)``,
-        below 32 only as ``2^20 // G`` (packed ``clamp(2^17 // G, 1, 32)`` and at most 2^21
+        below 32 only as ``2^20 // G`` (packed ``clamp(2^17 // G, 1, 32)`` and at most 2^20
         samples).
     """
     mix = check_planned_mix(mix)
