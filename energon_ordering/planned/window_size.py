@@ -15,12 +15,13 @@ so K = 64 there). Packed, it packs step by step (K does not change the packs): 3
 Packed windows are sized in packs, and also in samples where a pack holds many: a packed
 window's planning holds about 53 bytes a sample (the step mix, packing step by step, holds
 the window's ids, 8 bytes a sample, beside one step's packing), so short samples would make a
-window of 2^16 packs 2.5 million samples of 217 tokens and 123 MiB. :func:`packed_samples_per_pack` reads the most
-samples a pack holds on average under the run's weights off the length index, and the window
-holds at most :data:`WINDOW_MIX_PACKED_SAMPLES` (:data:`STEP_MIX_PACKED_SAMPLES`) of them. The
-window mix's packs, 2^17, are about what 2^20 samples fill on the benchmark's mixes (5-9 samples
-a pack of 8,192 tokens), so their peak stays at 36-53 MiB; 2^16 packs (before 7 December 2026)
-used half of that for more idle at large global batches (``tools/bench_packed_window_memory.py``).
+window of 2^16 packs 2.5 million samples of 217 tokens and 123 MiB.
+:func:`packed_samples_per_pack` reads the most samples a pack holds on average under the run's
+weights off the length index, and the window holds at most :data:`WINDOW_MIX_PACKED_SAMPLES`
+(:data:`STEP_MIX_PACKED_SAMPLES`) of them. The window mix's packs, 2^17, are about what 2^20
+samples fill on the benchmark's mixes (5-9 samples a pack of 8,192 tokens), so their peak stays
+at 36-56 MiB; 2^16 packs (before 7 December 2026) used half of that for more idle at large
+global batches (``tools/bench_packed_window_memory.py``).
 
 ``planned_mix="window"`` sizes its window in samples, not steps: a window's steps are bands of
 the window's sorted lengths, so what decides how narrow a band is (padding) and how alike a
