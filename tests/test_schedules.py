@@ -258,3 +258,12 @@ def test_changes_weights_is_whether_two_steps_differ(definition, changes):
     assert s.changes_weights is changes
     table = s.weights_table(np.arange(0, 200))
     assert bool(np.ptp(table, axis=0).max() > 1e-12) is changes  # every step, checked directly
+
+
+def test_columns_of_maps_the_metadataset_order_onto_the_schedule():
+    s = MixtureSchedule.from_dict({"sources": {"a": {"weight": 1.0}, "b": {"weight": 3.0}}})
+    table = s.weights_table([0])
+    # a metadataset listing b before a reads b's column first
+    assert table[:, s.columns_of(["b", "a"])].tolist() == [[0.75, 0.25]]
+    # unnamed sources take the schedule's order
+    assert s.columns_of([None, None]) == [0, 1]

@@ -384,6 +384,13 @@ class MixtureSchedule:
                 steps.add(self.phases[i - 1].end + ph.ramp_steps)
         return np.array(sorted(steps), dtype=np.int64)
 
+    def columns_of(self, names: Sequence[str | None]) -> list[int]:
+        """The column of :meth:`weights_table` of each source of ``names`` (a metadataset's
+        sources, in its order); sources without a name take the schedule's order."""
+        if None in names:
+            return list(range(len(self.sources)))
+        return [list(self.sources).index(n) for n in names]
+
     def weights(self, step: int) -> dict[str, float]:
         """Normalised weights at ``step`` (an int >= 0)."""
         row = self.weights_table([step])[0]

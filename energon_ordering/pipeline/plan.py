@@ -355,9 +355,7 @@ def run_weight_rows(cfg: OrderingConfig, args: BuildArgs) -> np.ndarray:
     if schedule is None:
         return np.asarray([[1.0 if s.weight is None else float(s.weight)
                             for s in args.sources]])
-    names = [s.name for s in args.sources]
-    columns = (list(range(len(schedule.sources))) if None in names
-               else [list(schedule.sources).index(n) for n in names])
+    columns = schedule.columns_of([s.name for s in args.sources])
     return schedule.weights_table(schedule.piece_ends())[:, columns]
 
 

@@ -215,7 +215,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
                     f"OrderingConfig.mixture_schedule names the sources "
                     f"{list(schedule.sources)}, the metadataset {names}; give the schedule "
                     "exactly one weight per metadataset entry.")
-            self._columns = [list(schedule.sources).index(n) for n in names]
+            self._columns = schedule.columns_of(names)
         self._end_step: int | None = None
         self._history: list[dict[str, Any]] = []  # set by reset_state_own / restore_state
         if self.finite and self.end_step() == 0:
