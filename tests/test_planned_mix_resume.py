@@ -15,14 +15,12 @@ from pathlib import Path
 import pytest
 
 from energon_ordering import restore_state_rank
-from energon_ordering.errors import OrderingConfigError, StateMismatchError
+from energon_ordering.errors import StateMismatchError
 from energon_ordering.inspect.rank_simulation import (
-    build_train_loader,
     close_loader,
     resume,
     run_with_cuts,
 )
-from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_elastic_exact import B, K, _packs_seen, _seen, data  # noqa: E402,F401  (data: fixture)
