@@ -40,8 +40,10 @@ from energon_ordering.pipeline.plan import (
     SHUFFLE,
     BuildArgs,
     PipelinePlan,
+    packed_step_note,
     packed_window_steps,
     plan_pipeline,
+    run_samples_per_pack,
 )
 from energon_ordering.pipeline.planned_packs import PlannedPackDataset, PlannedPackSourceDataset
 from energon_ordering.pipeline.planned_source import PlannedSourceDataset, indexed_lengths
@@ -543,7 +545,10 @@ class OrderingTaskEncoder:
         if packs is not None:
             cls = PlannedPackSourceDataset
             # a packed window's default steps depend on how many samples a pack holds
-            k = packed_window_steps(plan.config, plan.args, lengths)
+            spp = run_samples_per_pack(plan.config, plan.args, lengths)
+            k = packed_window_steps(plan.config, plan.args, lengths, samples_per_pack=spp)
+            if (note := packed_step_note(plan.config, plan.args, spp)) is not None:
+                logger.warning(note)
             if k != kw["window_steps"]:
                 logger.info(
                     "length_sort_mode = 'planned' with packing: a plan window holds %d steps "

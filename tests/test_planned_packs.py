@@ -303,6 +303,23 @@ def test_packing_without_a_cap_is_refused(data):
         _loader(data, pack_seq_length=None)
 
 
+def test_a_packed_step_over_the_budget_is_warned_about_once_at_build(data, caplog,
+                                                                    monkeypatch):
+    """Where one step alone holds more samples than a packed window's budget (here a budget of
+    8 samples against 2 ranks x 2 packs of several samples), the build warns once, naming the
+    peak and the fix; within it, nothing is said."""
+    from energon_ordering.planned import window_size
+
+    with caplog.at_level("WARNING"):
+        close_loader(_loader(data, plan_window_steps=None, planned_mix="window"))
+    assert not any("planned at once" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(window_size, "WINDOW_MIX_PACKED_SAMPLES", 8)
+    with caplog.at_level("WARNING"):
+        close_loader(_loader(data, plan_window_steps=None, planned_mix="window"))
+    notes = [r.getMessage() for r in caplog.records if "planned at once" in r.getMessage()]
+    assert len(notes) == 1 and "one optimizer step of 4 packs" in notes[0], notes
+
+
 def test_a_pack_over_its_cap_is_counted_and_warned_about(data, caplog):
     """An encoder that measures samples longer than the length index: the packs go out as
     planned (every rank's plan is the same), counted and warned about once."""

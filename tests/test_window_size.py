@@ -10,7 +10,7 @@ import pytest
 
 from energon_ordering import OrderingConfig
 from energon_ordering.errors import OrderingConfigError
-from energon_ordering.pipeline.plan import (PLANNED_SOURCE, BuildArgs, Source,
+from energon_ordering.pipeline.plan import (PLANNED_SOURCE, BuildArgs, Source, packed_step_note,
                                             packed_window_steps, plan_pipeline, run_weight_rows)
 from energon_ordering.pipeline.stamp import pipeline_stamp
 from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
@@ -18,7 +18,8 @@ from energon_ordering.planned.window_size import (MAX_WINDOW_MIX_STEPS, STEP_MIX
                                                   WINDOW_MIX_CAPPED_SAMPLES,
                                                   WINDOW_MIX_PACKED_SAMPLES, WINDOW_MIX_PACKS,
                                                   WINDOW_MIX_SAMPLES, default_window_steps,
-                                                  packed_samples_per_pack)
+                                                  packed_samples_per_pack,
+                                                  packed_step_over_budget)
 
 PLANNED = dict(length_sort_mode="planned", length_sort_placement="pre-encode",
                length_sort_pool_holds="keys")
@@ -123,6 +124,24 @@ def test_the_run_weights_are_the_blend_or_the_schedules_piece_ends():
     assert packed_window_steps(ramp, args, lengths) <= k_blend
     given = OrderingConfig(**PLANNED, pack_seq_length=800, plan_window_steps=7)
     assert packed_window_steps(given, args, lengths) == 7
+
+
+def test_a_packed_step_over_the_window_budget_is_named_with_its_memory():
+    """A window is at least one step and a step is planned at once: where one step of packs
+    alone holds more samples than the budget, the build says so, with the peak and the fix."""
+    # 16,384 ranks x 8 packs of 217-token samples (37.8 a pack of 8,192 tokens): 4.9 million
+    assert packed_step_over_budget("window", 16384 * 8, 37.8) == pytest.approx(16384 * 8 * 37.8)
+    assert packed_step_over_budget("step", 16384 * 8, 37.8) is not None
+    assert packed_step_over_budget("window", 1024 * 8, 37.8) is None  # 310,000: within
+    assert packed_step_over_budget("window", WINDOW_MIX_PACKED_SAMPLES, 1.0) is None
+    assert packed_step_over_budget("window", WINDOW_MIX_PACKED_SAMPLES, 1.01) is not None
+    cfg = OrderingConfig(**PLANNED, pack_seq_length=8192, micro_batches_per_step=8)
+    big = BuildArgs(batch_size=1, world_size=16384, packing_buffer_size=64,
+                    sources=(Source(name="chat", weight=1.0),))
+    note = packed_step_note(cfg, big, 37.8)
+    assert "131,072 packs" in note and "4,954,522 samples" in note
+    assert "peaks near 250 MiB" in note and "micro_batches_per_step" in note
+    assert packed_step_note(cfg, dataclasses.replace(big, world_size=1024), 37.8) is None
 
 
 def test_bad_inputs_are_named():

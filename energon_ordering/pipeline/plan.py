@@ -25,7 +25,11 @@ from energon_ordering.errors import OrderingConfigError
 from energon_ordering.pool.order import BATCHED_MODES
 from energon_ordering.source_tag import SOURCE_KEY
 from energon_ordering.errors import show
-from energon_ordering.planned.window_size import packed_samples_per_pack
+from energon_ordering.planned.window_size import (
+    PACKED_PLAN_BYTES_PER_SAMPLE,
+    packed_samples_per_pack,
+    packed_step_over_budget,
+)
 
 __all__ = [
     "BATCH",
@@ -334,17 +338,41 @@ def window_steps(cfg: OrderingConfig, args: BuildArgs, packed: bool,
                             samples_per_pack=samples_per_pack)
 
 
-def packed_window_steps(cfg: OrderingConfig, args: BuildArgs,
-                        lengths: Sequence[np.ndarray]) -> int:
-    """K of a packed planned order, read off the length index: :func:`window_steps` with the
-    most samples a pack holds on average under any of the run's weights (the blend weights, or
-    the mixture schedule's at the ends of its pieces) at the run's largest cap
-    (``pack_seq_length``, else the warmup's ``full``)."""
+def packed_window_steps(cfg: OrderingConfig, args: BuildArgs, lengths: Sequence[np.ndarray],
+                        samples_per_pack: float | None = None) -> int:
+    """K of a packed planned order, read off the length index: :func:`window_steps` with
+    :func:`run_samples_per_pack` (``samples_per_pack``, where already read)."""
     if cfg.plan_window_steps is not None:
         return int(cfg.plan_window_steps)
-    rows = run_weight_rows(cfg, args)
+    if samples_per_pack is None:
+        samples_per_pack = run_samples_per_pack(cfg, args, lengths)
+    return window_steps(cfg, args, True, samples_per_pack)
+
+
+def run_samples_per_pack(cfg: OrderingConfig, args: BuildArgs,
+                         lengths: Sequence[np.ndarray]) -> float:
+    """The most samples a pack holds on average under any of the run's weights (the blend
+    weights, or the mixture schedule's at the ends of its pieces) at the run's largest cap
+    (``pack_seq_length``, else the warmup's ``full``): :func:`packed_samples_per_pack`."""
     cap = cfg.pack_seq_length if cfg.pack_seq_length is not None else cfg.seq_length_warmup.full
-    return window_steps(cfg, args, True, packed_samples_per_pack(lengths, rows, int(cap)))
+    return packed_samples_per_pack(lengths, run_weight_rows(cfg, args), int(cap))
+
+
+def packed_step_note(cfg: OrderingConfig, args: BuildArgs, samples_per_pack: float) -> str | None:
+    """What to say where one packed optimizer step alone is over the plan window's budget of
+    samples (:func:`~energon_ordering.planned.window_size.packed_step_over_budget`), else None."""
+    packs = (args.world_size or 1) * cfg.micro_batches_per_step * (args.batch_size or 1)
+    samples = packed_step_over_budget(cfg.resolved_planned_mix, packs, samples_per_pack)
+    if samples is None:
+        return None
+    cap = cfg.pack_seq_length if cfg.pack_seq_length is not None else cfg.seq_length_warmup.full
+    mib = samples * PACKED_PLAN_BYTES_PER_SAMPLE / 2**20
+    return (f"length_sort_mode = 'planned' with packing: one optimizer step of {packs:,} packs "
+            f"holds about {samples:,.0f} samples ({samples_per_pack:,.1f} a pack of {cap:,} "
+            f"tokens on the length index), and a step is planned at once: the loader worker "
+            f"that plans it peaks near {mib:,.0f} MiB, above the plan window's budget (a window "
+            f"is one step here, whatever plan_window_steps is). Fewer tokens a step lower it "
+            f"(fewer micro_batches_per_step or data-parallel ranks, a smaller pack_seq_length).")
 
 
 def run_weight_rows(cfg: OrderingConfig, args: BuildArgs) -> np.ndarray:

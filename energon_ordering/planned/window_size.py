@@ -73,6 +73,7 @@ from .window import DEFAULT_WINDOW_STEPS
 __all__ = ["MAX_WINDOW_MIX_STEPS", "MAX_WINDOW_STEPS", "STEP_MAX_WINDOW_STEPS", "STEP_MIX_PACKS",
            "STEP_MIX_MAX_SAMPLES", "STEP_MIX_SAMPLES", "WINDOW_MIX_CAPPED_SAMPLES",
            "WINDOW_MIX_PACKS", "WINDOW_MIX_PACKED_SAMPLES", "STEP_MIX_PACKED_SAMPLES",
+           "PACKED_PLAN_BYTES_PER_SAMPLE", "packed_step_over_budget",
            "WINDOW_MIX_SAMPLES", "default_window_steps", "packed_samples_per_pack"]
 
 #: The largest ``plan_window_steps`` of the step mix (``OrderingConfig`` refuses more): its
@@ -105,6 +106,8 @@ WINDOW_MIX_PACKED_SAMPLES = 1 << 20
 #: 217-token samples peaked at 116 MiB, 2^21 samples at 16,384 ranks x 1-2 packs at 64.5-64.9
 #: MiB. K does not change its packs, so a shorter window costs nothing.
 STEP_MIX_PACKED_SAMPLES = 1 << 20
+#: Bytes a packed plan holds a sample while it plans (the packed windows' budgets above).
+PACKED_PLAN_BYTES_PER_SAMPLE = 53
 #: Samples a padded ``"step"`` plan's window aims for (module docstring).
 STEP_MIX_SAMPLES = 1 << 19
 #: Samples beyond which a ``"step"`` window holds fewer than 32 steps by default (module
@@ -187,3 +190,18 @@ def packed_samples_per_pack(lengths: Sequence[np.ndarray], weights: np.ndarray, 
     mean = (w / w.sum(axis=1, keepdims=True)) @ means
     least = float(mean.min())
     return max(1.0, float(cap) / least) if least > 0 else float(cap)
+
+
+def packed_step_over_budget(mix: PlannedMix | str, packs_per_step: int,
+                            samples_per_pack: float) -> float | None:
+    """The samples one packed optimizer step holds where they are over the mix's window budget
+    (:data:`WINDOW_MIX_PACKED_SAMPLES`, :data:`STEP_MIX_PACKED_SAMPLES`), else None.
+
+    A window holds at least one step, and a step is planned at once, so such a step's planning
+    peaks above the budget's memory (about :data:`PACKED_PLAN_BYTES_PER_SAMPLE` bytes a sample)
+    whatever ``plan_window_steps`` is: 16,384 ranks x 8 packs of 8,192 tokens of 217-token
+    samples are about 4.9 million samples a step."""
+    mix = check_planned_mix(mix)
+    budget = WINDOW_MIX_PACKED_SAMPLES if mix == "window" else STEP_MIX_PACKED_SAMPLES
+    samples = float(packs_per_step) * float(samples_per_pack)
+    return samples if samples > budget else None
