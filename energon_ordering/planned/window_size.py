@@ -84,11 +84,12 @@ MAX_WINDOW_STEPS = 1024
 #: sample batch pool lost 0.20-0.24%; 4,096 steps lost 0.06-0.16% (``tools/bench_planned.py``).
 MAX_WINDOW_MIX_STEPS = 4096
 #: Samples a ``"window"`` plan of padded micro-batches aims for without the warmup's caps: 2^22
-#: ids, planned in their own 32 MiB and a peak of 44-59 MiB (``tools/bench_window_mix_memory.py``:
-#: the dealing's temporaries grow with a step's samples; 16,384 x 8 x 4 at K = 8: 59 MiB).
+#: ids, planned in their own 32 MiB and a peak of 59-61 MiB (``tools/bench_window_mix_memory.py``
+#: at 98329d7, ``tools/bench_planned.py`` at c65b2ac: the counting sort's and the dealing's
+#: temporaries beside the plan).
 WINDOW_MIX_SAMPLES = 1 << 22
 #: The same under the warmup's caps (``seq_length_warmup``), whose planner holds each
-#: candidate's id, age and sort key besides the plan: 2^20 ids, a peak of 40-43 MiB.
+#: candidate's id, age and sort key besides the plan: 2^20 ids, a peak of 45-47 MiB.
 WINDOW_MIX_CAPPED_SAMPLES = 1 << 20
 #: Packs a packed ``"window"`` plan aims for (and at most :data:`WINDOW_MIX_PACKED_SAMPLES`
 #: samples): 2^17 packs of 8,192 tokens hold about 890,000 samples of the trimodal mix, a peak
