@@ -159,22 +159,27 @@ def _planned_entry(state):
 
 
 def test_a_version_1_state_restores_unless_an_elastic_resume_dealt_it(data):
-    """States of PLANNED_STATE_VERSION 1 continue alike unless their history holds an elastic
-    restore (version 1 moved samples between the steps of that window): refused, by name."""
+    """States of PLANNED_STATE_VERSION 1 and 2 (which had no ``_epoch_offset``: their next
+    epochs started under no rotation) continue alike unless a version-1 history holds an
+    elastic restore (version 1 moved samples between the steps of that window): refused, by
+    name."""
     from energon_ordering.errors import StateMismatchError
 
     _, plain = _run(data, 2, 3, 6, save_at={6})
     current, _ = _run(data, 2, 3, 3, state=plain[6])
     entry = _planned_entry(plain[6])
-    assert entry["_stamp"]["state_version"] == 2
-    entry["_stamp"]["state_version"] = 1
-    rest, _ = _run(data, 2, 3, 3, state=plain[6])
-    assert rest == current  # taken as it is
+    assert entry["_stamp"]["state_version"] == 3 and entry["_epoch_offset"] == 0
+    del entry["_epoch_offset"]
+    for version in (2, 1):
+        entry["_stamp"]["state_version"] = version
+        rest, _ = _run(data, 2, 3, 3, state=plain[6])
+        assert rest == current  # taken as it is
     _, states = _run(data, 3, 2, 8, save_at={8})
     _, moved = _run(data, 2, 3, 3, state=states[8], save_at={3})
     entry = _planned_entry(moved[3])
     assert entry["_history"]
     entry["_stamp"]["state_version"] = 1
+    del entry["_epoch_offset"]
     loader = _loader(data, 2, 3, 0)
     with pytest.raises(StateMismatchError, match=r"version 1.*elastic resume.*_history"):
         restore_state_rank(loader, moved[3])

@@ -39,7 +39,7 @@ def _state(**edits: Any) -> dict[str, Any]:
                    "micro_batches_per_step": M, "batch_size": B, "finite": False},
         "_epoch": 0, "_next": 5, "_offset": 0,
         "_cursor": {"window": 1, "drawn": [11, 5], "carry": [-0.2, 0.2]},
-        "_start_step": 0, "_history": [],
+        "_start_step": 0, "_history": [], "_epoch_offset": 0,
     }
     state.update(edits)
     return state
@@ -90,6 +90,8 @@ CURSOR = {"window": 1, "drawn": [11, 5], "carry": [-0.2, 0.2]}
     (dict(_cursor={**CURSOR, "deferred": [-1]}), r"_cursor\['deferred'\]\[0\] = -1"),
     (dict(_cursor={**CURSOR, "deferred": 3}), r"_cursor\['deferred'\] = 3 \(int\) must be a list"),
     (dict(_cursor={**CURSOR, "deferred": [0] * 1025}), r"_cursor\['deferred'\] = .* at most 1024"),
+    (dict(_epoch_offset=1), r"_epoch_offset = 1 \(int\) must be an int in \[0, 0\]"),
+    (dict(_epoch_offset=None), r"_epoch_offset = None \(NoneType\)"),
     (dict(_history={"at_step": 0}), r"_history = \{'at_step': 0\} \(dict\) must be a list"),
     (dict(_history=[{"at_step": 0, "world_size": 0, "micro_batches_per_step": 1}]),
      r"_history\[0\]\['world_size'\] = 0 .* >= 1"),

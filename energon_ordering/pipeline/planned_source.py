@@ -114,12 +114,15 @@ __all__ = ["PLANNED_STATE_VERSION", "PlannedSourceDataset", "indexed_lengths"]
 logger = logging.getLogger(__name__)
 
 #: Bumped when the saved state of :class:`PlannedSourceDataset` changes its layout or meaning.
+#: 3: a worker that has run into a finite epoch's end also saves the rotation of the loader
+#: workers its next epoch starts under (``_epoch_offset``: its first micro-batch is its
+#: process's); a state of 2 continues as 2 did, under none (:meth:`_current_version`).
 #: 2: after an elastic restore every step keeps the samples (packs) of the run's first shape,
 #: dealt onto the new ranks; 1 re-balanced the restore window's tail across its steps (packs:
 #: re-dealt them) and planned later windows for the new shape. A state of 1 without an elastic
 #: restore in its history continues alike and is taken
 #: (:meth:`PlannedSourceDataset._current_version`).
-PLANNED_STATE_VERSION = 2
+PLANNED_STATE_VERSION = 3
 
 #: Whether a loader worker plans its next window on a thread while it consumes the current one
 #: (:mod:`energon_ordering.pipeline.plan_ahead`), so no micro-batch waits for a plan at a window
@@ -167,7 +170,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
     """
 
     _savable_fields = ("_stamp", "_epoch", "_next", "_offset", "_cursor", "_start_step",
-                       "_history")
+                       "_history", "_epoch_offset")
 
 
     def __init__(
@@ -323,6 +326,10 @@ class PlannedSourceDataset(SavableDataset[Any]):
         # only in the worker)
         self._next: int | None = None
         self._offset = 0
+        # with _next None after a finite epoch's end: the rotation of the loader workers that
+        # epoch starts under (Energon's WorkerConfig.worker_id_offset); a worker's first
+        # micro-batch of it is its torch process's, (worker id - rotation) mod workers
+        self._epoch_offset = 0
         start = self.elastic_start
         self._epoch = 0 if start is None else int(start.get("epoch", 0))
         # the global optimizer step this loader started at, and the data-parallel shapes in
@@ -353,16 +360,24 @@ class PlannedSourceDataset(SavableDataset[Any]):
         return super().save_state()
 
     def _current_version(self, state: Any) -> Any:
-        """``state`` as the current version reads it: a version-1 state whose continuation the
-        current logic keeps is taken as it is (a copy, stamped with the current version);
-        every other state is returned unchanged, for the stamp check to judge."""
+        """``state`` as the current version reads it: a state of version 1 or 2 whose
+        continuation the current logic keeps is taken (a copy with the fields added since at
+        their earlier meaning, stamped with the current version); every other state is returned
+        unchanged, for the stamp check to judge."""
         stamp = state.get("_stamp") if isinstance(state, dict) else None
-        if isinstance(stamp, dict) and "planned_mix" not in stamp and stamp.get(
-                "state_version") in (1, PLANNED_STATE_VERSION):
+        version = stamp.get("state_version") if isinstance(stamp, dict) else None
+        if version not in (1, 2, PLANNED_STATE_VERSION):
+            return state
+        if "planned_mix" not in stamp:
             # written before planned_mix existed: the step mix, the only one then
             stamp = {**stamp, "planned_mix": "step"}
             state = type(state)({**state, "_stamp": stamp})
-        if not (isinstance(stamp, dict) and stamp.get("state_version") == 1):
+        if version == PLANNED_STATE_VERSION:
+            return state
+        # before version 3 no rotation was saved: the next epoch started as under none
+        state = type(state)({"_epoch_offset": 0, **state,
+                             "_stamp": {**stamp, "state_version": PLANNED_STATE_VERSION}})
+        if version == 2:
             return state
         if state.get("_history"):
             raise StateMismatchError(
@@ -371,7 +386,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 f"{show(state.get('_history'))}), whose windows this version deals differently "
                 f"(version {PLANNED_STATE_VERSION}); continue it with the version that wrote it, "
                 "or start the data stream fresh.")
-        return type(state)({**state, "_stamp": {**stamp, "state_version": PLANNED_STATE_VERSION}})
+        return state
 
     #: Whether the plan's micro-batches are packs (their sample counts only the plan knows).
     _packed = False
@@ -458,11 +473,23 @@ class PlannedSourceDataset(SavableDataset[Any]):
                 f"{B2}, or set allow_global_batch_change = True (OrderingConfig, a recipe or "
                 "--allow-global-batch-change) to continue the global order with the new one.")
         workers = max(1, len(saved))
+        # a worker that has run into a finite epoch's end while the others still hold its last
+        # micro-batches is saved in the next epoch (its next micro-batch unknown until that
+        # epoch begins): it holds nothing of the epoch the others continue, which is the
+        # position, its start step, history and cursor
+        epoch = min(int(state.get("_epoch", 0)) for state in known)
+        first = next(state for state in known if int(state.get("_epoch", 0)) == epoch)
         nexts, cursors = [], []
         start = int(first.get("_start_step", 0))
         for w, (state, offset) in enumerate(saved):
-            n = None if state is None else state["_next"]
-            n = start * M1 + w if n is None else int(n)
+            if state is not None and int(state.get("_epoch", 0)) > epoch:
+                continue
+            if state is None:
+                n = start * M1 + w
+            elif state["_next"] is None:  # its process's first micro-batch (see __iter__)
+                n = start * M1 + (w - int(state.get("_epoch_offset", 0))) % workers
+            else:
+                n = int(state["_next"])
             nexts.append(n + int(offset) * workers)
             if state is not None:
                 cursors.append(state["_cursor"])
@@ -491,7 +518,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
                             "batch_size": B1})
         cursor = min(cursors, key=lambda c: int(c["window"]))
         self.elastic_start = {"step": step, "history": history, "cursor": dict(cursor),
-                              "epoch": int(first.get("_epoch", 0))}
+                              "epoch": epoch}
         self.reset_state_own()
         self._stamp = self._expected_stamp()
 
@@ -793,12 +820,15 @@ class PlannedSourceDataset(SavableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         workers = self._workers()
         if self._next is None:
-            worker = self.worker_config.rank_worker_id()
-            if self._ended_here:
-                # this worker ran the last epoch to its end: the loader starts the next epoch
-                # at its first process, whatever logical worker a restore made that process
-                # (Energon keeps WorkerConfig.worker_id_offset for the loader's life)
-                worker = (worker - WorkerConfig.worker_id_offset) % workers
+            # the epoch's first micro-batch of this worker. After a finite epoch's end the
+            # loader starts the next epoch at its first process, whatever logical worker a
+            # restore made that process (Energon keeps WorkerConfig.worker_id_offset for the
+            # loader's life): the micro-batch of this worker's process, under this loader's
+            # rotation where the end was met here (or restored before the next epoch began),
+            # else under the rotation of the loader that began it (saved; 0 for a fresh start)
+            rotation = (WorkerConfig.worker_id_offset if self._ended_here
+                        else self._epoch_offset)
+            worker = (self.worker_config.rank_worker_id() - rotation) % workers
             self._next = self._start_step * self.micro_batches_per_step + worker
         self._ended_here = False
         if self.plan_ahead:  # in the process that iterates (a forked worker starts its own)
@@ -859,6 +889,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         pipeline stamp when a restored worker has nothing left of the epoch): its next epoch
         starts by loader process, as after an end run here (see :meth:`__iter__`)."""
         self._ended_here = True
+        self._epoch_offset = int(WorkerConfig.worker_id_offset)
 
     def _epoch_over(self, b: int) -> bool:
         """True if micro-batch ``b`` lies beyond the end of a finite epoch."""
@@ -874,6 +905,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self._cancel_ahead()
         self._forget_shared_plans()
         self._ended_here = True
+        self._epoch_offset = int(WorkerConfig.worker_id_offset)  # saved: see __iter__
         self._epoch = epoch
         self._next = None
         self._offset = 0

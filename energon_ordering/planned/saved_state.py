@@ -34,7 +34,8 @@ __all__ = [
 ]
 
 #: The saved fields of ``PlannedSourceDataset`` (a subclass passes its own).
-PLANNED_FIELDS = ("_stamp", "_epoch", "_next", "_offset", "_cursor", "_start_step", "_history")
+PLANNED_FIELDS = ("_stamp", "_epoch", "_next", "_offset", "_cursor", "_start_step", "_history",
+                  "_epoch_offset")
 
 #: The stamp fields an elastic resume reads as the shape the state was saved at.
 _SHAPE_FIELDS = ("world_size", "micro_batches_per_step", "batch_size")
@@ -67,7 +68,9 @@ def check_planned_state(
     step), ``drawn`` with one int >= 0 per source (in a finite epoch at least the epoch's
     start) and ``carry`` with one finite number per source; ``_history`` is a list of dicts
     whose ``at_step`` is an int in ``[0, _start_step]`` and whose ``world_size``,
-    ``micro_batches_per_step`` (and ``batch_size``, when present) are ints >= 1.
+    ``micro_batches_per_step`` (and ``batch_size``, when present) are ints >= 1;
+    ``_epoch_offset`` (the workers' rotation a next epoch starts under) is an int in
+    ``[0, workers)``.
 
     Args:
         state: One loader worker's saved state of the stage (a mapping).
@@ -115,6 +118,7 @@ def check_planned_state(
     offset = state["_offset"]
     check_saved_int(owner, "_offset", offset,
                     maximum=0 if nxt is None else None if packed else B - 1)
+    check_saved_int(owner, "_epoch_offset", state["_epoch_offset"], maximum=int(workers) - 1)
     _check_cursor(owner, state["_cursor"], sizes, window_steps,
                   last_step=start if nxt is None else int(nxt) // M,
                   epoch=epoch if finite else 0)
