@@ -354,8 +354,14 @@ def run_samples_per_pack(cfg: OrderingConfig, args: BuildArgs,
     """The most samples a pack holds on average under any of the run's weights (the blend
     weights, or the mixture schedule's at the ends of its pieces) at the run's largest cap
     (``pack_seq_length``, else the warmup's ``full``): :func:`packed_samples_per_pack`."""
-    cap = cfg.pack_seq_length if cfg.pack_seq_length is not None else cfg.seq_length_warmup.full
-    return packed_samples_per_pack(lengths, run_weight_rows(cfg, args), int(cap))
+    return packed_samples_per_pack(lengths, run_weight_rows(cfg, args), _packed_cap(cfg))
+
+
+def _packed_cap(cfg: OrderingConfig) -> int:
+    """The largest cap a packed plan packs to: ``pack_seq_length``, else the warmup's
+    ``full``."""
+    return int(cfg.pack_seq_length if cfg.pack_seq_length is not None
+               else cfg.seq_length_warmup.full)
 
 
 def packed_step_note(cfg: OrderingConfig, args: BuildArgs, samples_per_pack: float) -> str | None:
@@ -365,7 +371,7 @@ def packed_step_note(cfg: OrderingConfig, args: BuildArgs, samples_per_pack: flo
     samples = packed_step_over_budget(cfg.resolved_planned_mix, packs, samples_per_pack)
     if samples is None:
         return None
-    cap = cfg.pack_seq_length if cfg.pack_seq_length is not None else cfg.seq_length_warmup.full
+    cap = _packed_cap(cfg)
     mib = samples * PACKED_PLAN_BYTES_PER_SAMPLE / 2**20
     return (f"length_sort_mode = 'planned' with packing: one optimizer step of {packs:,} packs "
             f"holds about {samples:,.0f} samples ({samples_per_pack:,.1f} a pack of {cap:,} "

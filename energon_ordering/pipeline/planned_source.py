@@ -241,11 +241,6 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self.prefetch_threads = PREFETCH_THREADS
         #: Plan each window while the one before it is consumed (:mod:`.plan_ahead`).
         self.plan_ahead = PLAN_AHEAD
-        #: This worker's last epoch ended in this process, or before the loader's current
-        #: iteration (:meth:`epoch_ended_before`): its next epoch starts by loader process. Not
-        #: saved: a restored worker not yet asked in the epoch starts as the loader's rotation
-        #: says (see __iter__).
-        self._ended_here = False
         #: The global optimizer step of the micro-batch of the sample yielded last (not saved:
         #: :meth:`emission_step`).
         self._emitting_step = 0
@@ -409,7 +404,6 @@ class PlannedSourceDataset(SavableDataset[Any]):
         )
         check_planned_state(state, **self._state_shape(), workers=self._workers())
         super().restore_state(state)
-        self._ended_here = False
         self._forget_plans()
         check_next_in_epoch(type(self).__name__, self._next, self.end_step(),
                             self.micro_batches_per_step, self._workers())
@@ -823,14 +817,11 @@ class PlannedSourceDataset(SavableDataset[Any]):
             # the epoch's first micro-batch of this worker. After a finite epoch's end the
             # loader starts the next epoch at its first process, whatever logical worker a
             # restore made that process (Energon keeps WorkerConfig.worker_id_offset for the
-            # loader's life): the micro-batch of this worker's process, under this loader's
-            # rotation where the end was met here (or restored before the next epoch began),
-            # else under the rotation of the loader that began it (saved; 0 for a fresh start)
-            rotation = (WorkerConfig.worker_id_offset if self._ended_here
-                        else self._epoch_offset)
-            worker = (self.worker_config.rank_worker_id() - rotation) % workers
+            # loader's life): the micro-batch of this worker's process under the rotation the
+            # epoch starts under (_epoch_offset: set where the end is met, or where a restored
+            # worker learns it ended before the loader's iteration; saved; 0 for a fresh start)
+            worker = (self.worker_config.rank_worker_id() - self._epoch_offset) % workers
             self._next = self._start_step * self.micro_batches_per_step + worker
-        self._ended_here = False
         if self.plan_ahead:  # in the process that iterates (a forked worker starts its own)
             self.plan_windows_ahead()
         try:
@@ -888,7 +879,6 @@ class PlannedSourceDataset(SavableDataset[Any]):
         """This worker's epoch ended before the loader's current iteration began (called by the
         pipeline stamp when a restored worker has nothing left of the epoch): its next epoch
         starts by loader process, as after an end run here (see :meth:`__iter__`)."""
-        self._ended_here = True
         self._epoch_offset = int(WorkerConfig.worker_id_offset)
 
     def _epoch_over(self, b: int) -> bool:
@@ -904,7 +894,6 @@ class PlannedSourceDataset(SavableDataset[Any]):
     def _start_epoch(self, epoch: int) -> None:
         self._cancel_ahead()
         self._forget_shared_plans()
-        self._ended_here = True
         self._epoch_offset = int(WorkerConfig.worker_id_offset)  # saved: see __iter__
         self._epoch = epoch
         self._next = None
