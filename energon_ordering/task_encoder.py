@@ -41,13 +41,14 @@ from energon_ordering.pipeline.plan import (
     BuildArgs,
     PipelinePlan,
     packed_step_note,
-    packed_window_steps,
     plan_pipeline,
     run_samples_per_pack,
+    run_window_steps,
+    window_repeat_note,
 )
 from energon_ordering.pipeline.planned_packs import PlannedPackDataset, PlannedPackSourceDataset
 from energon_ordering.pipeline.planned_source import PlannedSourceDataset, indexed_lengths
-from energon_ordering.pipeline.sources import describe_source
+from energon_ordering.pipeline.sources import describe_source, source_label
 from energon_ordering.pipeline.stamp import pipeline_stamp
 from energon_ordering.pool.finite_shuffle_buffer import FiniteShuffleBufferDataset
 from energon_ordering.pool.deferred_load import Defer, DeferredLength, Materialize, split_loader
@@ -542,24 +543,32 @@ class OrderingTaskEncoder:
         kw = dict(source.kwargs)
         packs = plan.stage(PLANNED_PACK)
         cls = PlannedSourceDataset
+        spp = None
         if packs is not None:
             cls = PlannedPackSourceDataset
             # a packed window's default steps depend on how many samples a pack holds
             spp = run_samples_per_pack(plan.config, plan.args, lengths)
-            k = packed_window_steps(plan.config, plan.args, lengths, samples_per_pack=spp)
             if (note := packed_step_note(plan.config, plan.args, spp)) is not None:
                 logger.warning(note)
-            if k != kw["window_steps"]:
-                logger.info(
-                    "length_sort_mode = 'planned' with packing: a plan window holds %d steps "
-                    "rather than %d: a pack holds many of these short samples, and a window's "
-                    "planning holds about 53 bytes a sample (set plan_window_steps to choose)",
-                    k, kw["window_steps"])
-            kw["window_steps"] = build.loads.window_steps = k
             logger.info(
                 "length_sort_mode = 'planned' with packing: the plan builds every pack "
                 "(packing_buffer_size = %s and %s unused); %s packs each",
                 packing_buffer_size, plan.args.packer[0], plan.args.packer[1])
+        # the default window reads the length index: the samples a pack holds, and each
+        # source's size (on repeating data no window draws a source beyond one epoch of it)
+        k = run_window_steps(plan.config, plan.args, lengths, packs is not None, spp)
+        if k != kw["window_steps"]:
+            logger.info(
+                "length_sort_mode = 'planned': a plan window holds %d steps rather than %d, "
+                "read off the length index (no window draws a source of repeating data beyond "
+                "its size%s; set plan_window_steps to choose)", k, kw["window_steps"],
+                ", and a packed window's planning holds about 53 bytes a sample"
+                if packs is not None else "")
+        names = [source_label(d) for d in datasets]
+        if (note := window_repeat_note(plan.config, plan.args, lengths, k, spp,
+                                       names=names)) is not None:
+            logger.warning(note)
+        kw["window_steps"] = build.loads.window_steps = k
         dataset: SavableDataset = cls(readers, loaders, lengths, **kw, worker_config=worker_config)
         if packs is None:
             return self._encode_and_batch_train(

@@ -118,8 +118,9 @@ def test_every_rank_reads_the_plans_packs_within_the_cap(data):
 
 def test_short_samples_shrink_the_default_packed_window_and_it_is_stamped(data, monkeypatch):
     """A packed plan's default window holds at most WINDOW_MIX_PACKED_SAMPLES samples, read off
-    the length index (its planning holds about 53 bytes a sample): here a budget of 2^12
-    samples, so 2 ranks x 2 packs a step take 4,096 / (samples a pack) // 4 steps, not 4,096.
+    the length index (its planning holds about 53 bytes a sample): here a budget of 2^7
+    samples, so 2 ranks x 2 packs a step take 128 / (samples a pack) // 4 steps, fewer than
+    the steps in which no source is drawn beyond its size (which bound it on this small data).
     The loader plans that window, stamps it, resumes in it and refuses a state of another."""
     from energon_ordering.pipeline.plan import BuildArgs, Source, packed_window_steps
     from energon_ordering.planned import window_size
@@ -129,16 +130,18 @@ def test_short_samples_shrink_the_default_packed_window_and_it_is_stamped(data, 
     def make():
         return _loader(data, **cfg)
 
-    roomy = run_with_cuts(make, 2, [1])[1][1]
-    assert _saved_stamp(roomy)["plan_window_steps"] == 4096  # 2^17 packs / 4, at most 4,096
-    monkeypatch.setattr(window_size, "WINDOW_MIX_PACKED_SAMPLES", 1 << 12)
     readers = _readers(data)
     lengths = [np.array([r.visit(i)[2] for i in range(len(r))]) for r in readers]
+    spp = window_size.packed_samples_per_pack(lengths, [[0.7, 0.3]], CAP)
+    # on this small repeating data the window first holds one epoch of its sources at most
+    epoch = window_size.steps_within_an_epoch([len(x) for x in lengths], [[0.7, 0.3]], 4 * spp)
+    roomy = run_with_cuts(make, 2, [1])[1][1]
+    assert _saved_stamp(roomy)["plan_window_steps"] == epoch < 4096  # not 2^17 packs / 4
+    monkeypatch.setattr(window_size, "WINDOW_MIX_PACKED_SAMPLES", 1 << 7)
     args = BuildArgs(batch_size=B, world_size=2, packing_buffer_size=32,
                      sources=(Source(name="web", weight=0.7), Source(name="code", weight=0.3)))
     k = packed_window_steps(packed(**cfg), args, lengths)
-    spp = window_size.packed_samples_per_pack(lengths, [[0.7, 0.3]], CAP)
-    assert k == int(4096 / spp) // 4 and 2 <= k < 4096
+    assert k == int(128 / spp) // 4 and 2 <= k < epoch
     # what inspect and check-resume report: the build's own
     assert planned_window_steps(data, packed(**cfg), world_size=2, batch_size=B,
                                 packing_buffer_size=32,
@@ -444,3 +447,4 @@ def test_a_packed_state_of_an_older_plan_version_is_refused_naming_it(data):
             r"the data stream fresh")):
         restore_state_rank(loader, states[2])
     close_loader(loader)
+

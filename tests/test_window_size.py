@@ -11,7 +11,8 @@ import pytest
 from energon_ordering import OrderingConfig
 from energon_ordering.errors import OrderingConfigError
 from energon_ordering.pipeline.plan import (PLANNED_SOURCE, BuildArgs, Source, packed_step_note,
-                                            packed_window_steps, plan_pipeline, run_weight_rows)
+                                            packed_window_steps, plan_pipeline, run_weight_rows,
+                                            run_window_steps, window_repeat_note)
 from energon_ordering.pipeline.stamp import pipeline_stamp
 from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS
 from energon_ordering.planned.window_size import (MAX_WINDOW_MIX_STEPS, STEP_MIX_PACKED_SAMPLES,
@@ -19,7 +20,8 @@ from energon_ordering.planned.window_size import (MAX_WINDOW_MIX_STEPS, STEP_MIX
                                                   WINDOW_MIX_PACKED_SAMPLES, WINDOW_MIX_PACKS,
                                                   WINDOW_MIX_SAMPLES, default_window_steps,
                                                   packed_samples_per_pack,
-                                                  packed_step_over_budget)
+                                                  packed_step_over_budget, steps_within_an_epoch,
+                                                  window_epoch_draws)
 
 PLANNED = dict(length_sort_mode="planned", length_sort_placement="pre-encode",
                length_sort_pool_holds="keys")
@@ -202,3 +204,53 @@ def test_each_mix_refuses_its_own_largest_window():
         OrderingConfig(**PLANNED, planned_mix="window", plan_window_steps=4097)
     with pytest.raises(OrderingConfigError, match="over the limit of 1,024"):
         OrderingConfig(**PLANNED, planned_mix="step", plan_window_steps=1025)
+
+
+def test_a_window_draws_each_source_of_repeating_data_within_its_size():
+    """Found by review (7 December 2026): a default window of 4,096 steps of 32 samples drew
+    22,000 samples 6 times over, and its sort by length put a sample's copies (one length) in
+    one optimizer step. On repeating data the default window holds at most the steps in which
+    no source is drawn beyond its size."""
+    # 20,000 + 2,000 samples at 10 : 1, 32 a step: each source's epoch is 687.5 steps
+    assert window_epoch_draws([20000, 2000], [[10, 1]], 32, 1) == pytest.approx(
+        [32 * 10 / 11 / 20000, 32 / 11 / 2000])
+    assert steps_within_an_epoch([20000, 2000], [[10, 1]], 32) == 687
+    assert steps_within_an_epoch([20000, 20000], [[10, 1]], 32) == 687  # the heavier decides
+    # a schedule's rows: the most a source is weighted over the run
+    assert steps_within_an_epoch([1000, 1000], [[1, 0], [1, 1]], 10) == 100
+    assert steps_within_an_epoch([1000, 0], [[1, 0]], 10) == 100  # an unweighted source
+    assert steps_within_an_epoch([100, 100], [[1, 1]], 8) == 25  # exactly one epoch
+    assert steps_within_an_epoch([10], [[1]], 32) == 1  # smaller than a step: at least one
+    with pytest.raises(ValueError, match="weights of shape"):
+        window_epoch_draws([10, 10], [[1.0]], 8, 1)
+    with pytest.raises(ValueError, match="sizes >= 0"):
+        window_epoch_draws([-1], [[1.0]], 8, 1)
+
+
+def test_the_build_bounds_the_default_window_by_the_sources_sizes_and_names_a_given_one():
+    args = BuildArgs(batch_size=4, world_size=8, sources=(Source(name="web", weight=10.0),
+                                                          Source(name="curated", weight=1.0)))
+    lengths = [np.full(20000, 300), np.full(2000, 900)]
+    cfg = OrderingConfig(**PLANNED, planned_mix="window")
+    assert cfg.window_steps(8, 4) == MAX_WINDOW_MIX_STEPS  # from the global batch alone
+    assert run_window_steps(cfg, args, lengths, False) == 687
+    assert window_repeat_note(cfg, args, lengths, 687) is None
+    step = dataclasses.replace(cfg, planned_mix="step")
+    assert run_window_steps(step, args, lengths, False) == 128  # within an epoch already
+    # finite data draws each sample once an epoch: the window is not bounded
+    finite = dataclasses.replace(args, repeat=False)
+    assert run_window_steps(cfg, finite, lengths, False) == MAX_WINDOW_MIX_STEPS
+    # packed: the samples a step draws are its packs times the most samples a pack holds
+    assert run_window_steps(cfg, dataclasses.replace(args, packing_buffer_size=8), lengths,
+                            True, samples_per_pack=4.0) == 687 // 4
+    # a given window is kept, and named where it draws a source twice or more
+    given = OrderingConfig(**PLANNED, planned_mix="window", plan_window_steps=2048)
+    assert run_window_steps(given, args, lengths, False) == 2048
+    note = window_repeat_note(given, args, lengths, 2048)
+    assert "'curated': 2,000 samples, about 5,958 drawn a window" in note
+    assert "'web'" in note and "plan_window_steps <= 687" in note
+    # a source smaller than its share of one step repeats in any window
+    tiny = [np.full(20000, 300), np.full(2, 900)]
+    assert run_window_steps(cfg, args, tiny, False) == 1
+    assert "smaller than what one optimizer step draws of it" in window_repeat_note(
+        cfg, args, tiny, 1)

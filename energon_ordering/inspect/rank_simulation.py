@@ -182,11 +182,12 @@ def _train_dataset(path: str | Path, ordering: OrderingConfig, rank: int, world_
 
 def planned_window_steps(path: str | Path, ordering: OrderingConfig, *, world_size: int,
                          batch_size: int, task_encoder_factory: Callable[[], Any] | None = None,
-                         packing_buffer_size: int | None = None) -> int:
+                         packing_buffer_size: int | None = None, repeat: bool = True) -> int:
     """K, the steps of a plan window, as the planned order's build settles it and stamps it
-    (a packed plan's default reads the length index: short samples, fewer packs a window),
-    read off rank 0's pipeline; nothing is iterated."""
-    node = _train_dataset(path, ordering, 0, world_size, 0, batch_size, None, None, True,
+    (a default reads the length index: on repeating data no window draws a source beyond its
+    size, and short samples make a packed window hold fewer packs), read off rank 0's
+    pipeline; nothing is iterated."""
+    node = _train_dataset(path, ordering, 0, world_size, 0, batch_size, None, None, repeat,
                           task_encoder_factory, packing_buffer_size)
     while not isinstance(node, PipelineStampDataset):
         node = getattr(node, "dataset", None)

@@ -29,6 +29,8 @@ from energon_ordering.planned.window_size import (
     PACKED_PLAN_BYTES_PER_SAMPLE,
     packed_samples_per_pack,
     packed_step_over_budget,
+    steps_within_an_epoch,
+    window_epoch_draws,
 )
 
 __all__ = [
@@ -340,13 +342,70 @@ def window_steps(cfg: OrderingConfig, args: BuildArgs, packed: bool,
 
 def packed_window_steps(cfg: OrderingConfig, args: BuildArgs, lengths: Sequence[np.ndarray],
                         samples_per_pack: float | None = None) -> int:
-    """K of a packed planned order, read off the length index: :func:`window_steps` with
-    :func:`run_samples_per_pack` (``samples_per_pack``, where already read)."""
+    """K of a packed planned order, read off the length index: :func:`run_window_steps`."""
+    return run_window_steps(cfg, args, lengths, True, samples_per_pack)
+
+
+def run_window_steps(cfg: OrderingConfig, args: BuildArgs, lengths: Sequence[np.ndarray],
+                     packed: bool, samples_per_pack: float | None = None) -> int:
+    """K the planned order plans with, read off the length index: ``plan_window_steps`` if
+    given; else the mix's default (:func:`window_steps`; packed, after the samples a pack holds,
+    :func:`run_samples_per_pack`, ``samples_per_pack`` where already read), on repeating data
+    at most the steps in which no source is drawn beyond its size
+    (:func:`~energon_ordering.planned.window_size.steps_within_an_epoch`): a window sorts its
+    draws by length, so the copies of a sample drawn twice in it (one length) would share an
+    optimizer step. The same on every rank and at every resume (a pure function of the length
+    index, the weights and the global batch)."""
     if cfg.plan_window_steps is not None:
         return int(cfg.plan_window_steps)
-    if samples_per_pack is None:
+    if packed and samples_per_pack is None:
         samples_per_pack = run_samples_per_pack(cfg, args, lengths)
-    return window_steps(cfg, args, True, samples_per_pack)
+    k = window_steps(cfg, args, packed, samples_per_pack if packed else None)
+    if args.repeat:
+        k = min(k, steps_within_an_epoch([len(x) for x in lengths], run_weight_rows(cfg, args),
+                                         _samples_per_step(cfg, args, samples_per_pack)))
+    return k
+
+
+def window_repeat_note(cfg: OrderingConfig, args: BuildArgs, lengths: Sequence[np.ndarray],
+                       k: int, samples_per_pack: float | None = None,
+                       names: Sequence[str] | None = None) -> str | None:
+    """What to say where a window of ``k`` steps draws a source of repeating data beyond its
+    size (its samples' copies then share optimizer steps), else None. ``names``: each source's
+    name in the text (default: the sources' own, else their position)."""
+    if names is None:
+        names = [s.name or f"source {i}" for i, s in enumerate(args.sources)]
+    if not args.repeat:
+        return None
+    sizes = [len(x) for x in lengths]
+    rows = run_weight_rows(cfg, args)
+    per_step = _samples_per_step(cfg, args, samples_per_pack)
+    share = window_epoch_draws(sizes, rows, per_step, k)
+    over = [s for s in range(len(sizes)) if share[s] > 1]
+    if not over:
+        return None
+    fit = steps_within_an_epoch(sizes, rows, per_step)
+    what = "; ".join(f"{show(names[s])}: {sizes[s]:,} samples, about "
+                     f"{share[s] * sizes[s]:,.0f} drawn a window" for s in over)
+    if fit >= k:  # a source smaller than its share of one step
+        return (f"length_sort_mode = 'planned': a source of repeating data is smaller than "
+                f"what one optimizer step draws of it ({what}): its samples repeat within "
+                f"steps. Give it more samples or a lower weight.")
+    given = cfg.plan_window_steps is not None
+    return (f"length_sort_mode = 'planned': a plan window of {k:,} steps draws a source of "
+            f"repeating data beyond its size ({what}); the window sorts its draws by length, "
+            f"so the copies of a sample share an optimizer step. "
+            + (f"Set plan_window_steps <= {fit:,} (or leave it unset: the default keeps every "
+               f"window within one epoch of each source)." if given else
+               f"Set plan_window_steps <= {fit:,}."))
+
+
+def _samples_per_step(cfg: OrderingConfig, args: BuildArgs,
+                      samples_per_pack: float | None) -> float:
+    """Samples an optimizer step draws: ``R M B`` padded; packed, its packs times the most
+    samples a pack holds (``samples_per_pack``)."""
+    g = (args.world_size or 1) * cfg.micro_batches_per_step * (args.batch_size or 1)
+    return g * (1.0 if samples_per_pack is None else float(samples_per_pack))
 
 
 def run_samples_per_pack(cfg: OrderingConfig, args: BuildArgs,

@@ -15,7 +15,7 @@ from energon_ordering.pipeline.plan import Source
 from energon_ordering.source_tag import SOURCE_KEY
 from energon_ordering.errors import show
 
-__all__ = ["describe_source", "source_name"]
+__all__ = ["describe_source", "source_label", "source_name"]
 
 
 def source_name(loaded: Any) -> str:
@@ -31,6 +31,14 @@ def source_name(loaded: Any) -> str:
             f"give it `subflavors: {{{SOURCE_KEY}: NAME}}`."
         )
     return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def source_label(loaded: Any) -> str:
+    """A metadataset entry's name for messages: :func:`source_name`, else how it shows."""
+    try:
+        return source_name(loaded)
+    except OrderingConfigError:
+        return show(loaded.dataset)
 
 
 def describe_source(loaded: Any, *, named: bool) -> Source:

@@ -74,7 +74,8 @@ __all__ = ["MAX_WINDOW_MIX_STEPS", "MAX_WINDOW_STEPS", "STEP_MAX_WINDOW_STEPS", 
            "STEP_MIX_MAX_SAMPLES", "STEP_MIX_SAMPLES", "WINDOW_MIX_CAPPED_SAMPLES",
            "WINDOW_MIX_PACKS", "WINDOW_MIX_PACKED_SAMPLES", "STEP_MIX_PACKED_SAMPLES",
            "PACKED_PLAN_BYTES_PER_SAMPLE", "packed_step_over_budget",
-           "WINDOW_MIX_SAMPLES", "default_window_steps", "packed_samples_per_pack"]
+           "WINDOW_MIX_SAMPLES", "default_window_steps", "packed_samples_per_pack",
+           "steps_within_an_epoch", "window_epoch_draws"]
 
 #: The largest ``plan_window_steps`` of the step mix (``OrderingConfig`` refuses more): its
 #: balancing costs memory and time that grow as K^2.
@@ -206,3 +207,44 @@ def packed_step_over_budget(mix: PlannedMix | str, packs_per_step: int,
     budget = WINDOW_MIX_PACKED_SAMPLES if mix == "window" else STEP_MIX_PACKED_SAMPLES
     samples = float(packs_per_step) * float(samples_per_pack)
     return samples if samples > budget else None
+
+
+def window_epoch_draws(sizes: Sequence[int], weights: np.ndarray, samples_per_step: float,
+                       window_steps: int) -> np.ndarray:
+    """Per source, the most draws a window of ``window_steps`` steps takes of it, as a share of
+    its size (its epoch): ``max_row(w_s) x samples_per_step x K / size_s`` (0 for a source
+    without weight or samples).
+
+    Above 1, a window draws some of the source's samples twice or more; the window's sort by
+    length then puts the copies of a sample (one length) side by side, in one optimizer step.
+
+    Args:
+        sizes: Samples of each source (its length index).
+        weights: ``[n, S]`` rows of weights the run can draw by (normalised here), as
+            :func:`packed_samples_per_pack`'s.
+        samples_per_step: Samples an optimizer step draws: ``R M B`` padded; packed, its packs
+            times the most samples a pack holds (:func:`packed_samples_per_pack`).
+        window_steps: K.
+    """
+    w = np.atleast_2d(np.asarray(weights, dtype=np.float64))
+    n = np.asarray(sizes, dtype=np.float64)
+    if w.shape[1] != len(n) or not np.isfinite(w).all() or (w < 0).any() or (
+            w.sum(axis=1) <= 0).any() or (n < 0).any():
+        raise ValueError(f"window_epoch_draws: weights of shape {w.shape} for {len(n)} source "
+                         "sizes; give rows of finite weights >= 0, one > 0, and sizes >= 0.")
+    share = (w / w.sum(axis=1, keepdims=True)).max(axis=0)
+    draws = share * float(samples_per_step) * int(window_steps)
+    return np.divide(draws, n, out=np.zeros_like(draws), where=n > 0)
+
+
+def steps_within_an_epoch(sizes: Sequence[int], weights: np.ndarray,
+                          samples_per_step: float) -> int:
+    """The most steps a window holds while it draws no source beyond its size (one epoch of
+    it; :func:`window_epoch_draws` <= 1), at least 1: a source smaller than its share of one
+    step repeats samples in any order."""
+    per_step = window_epoch_draws(sizes, weights, samples_per_step, 1)
+    drawn = per_step > 0
+    if not drawn.any():
+        return MAX_WINDOW_MIX_STEPS
+    # 1e-9: a window of exactly one epoch (size / draws a step whole) is not cut by rounding
+    return max(1, int(np.floor((1.0 / per_step[drawn]).min() + 1e-9)))
