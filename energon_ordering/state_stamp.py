@@ -141,7 +141,15 @@ FIELD_FIXES: dict[str, str] = {
         "The planned order's windows hold another number of optimizer steps "
         "(OrderingConfig.plan_window_steps, Megatron: --plan-window-steps; left unset it "
         "follows the global batch, and with packing also how many samples a pack holds, read "
-        "off the length index): set plan_window_steps to the saved value to resume."
+        "off the length index, and on repeating data the sources' sizes): set "
+        "plan_window_steps to the saved value to resume (if planned_mix changed too, set it "
+        "back first: each mix has its own default window and limit)."
+    ),
+    "planned_mix": (
+        "The planned order holds its mix per optimizer step or per plan window "
+        "(OrderingConfig.planned_mix, Megatron: --planned-mix), and the two place samples in "
+        "other steps: resume with planned_mix set explicitly to the saved value (the default "
+        "'auto' takes the step mix only where mixture_schedule changes the weights)."
     ),
     "packing": (
         "A planned order with packing stamps what its packs depend on: the packed plan's logic "
@@ -160,6 +168,10 @@ FIELD_FIXES: dict[str, str] = {
         "(keep, drop or error); resume with the policy the state was written with."
     ),
 }
+
+#: Fields whose fix is not given where the field named beside them differs too (its change
+#: is the cause: the window mix's plan version is stamped only under the window mix).
+_CAUSED_BY = {"window_mix_plan_version": "planned_mix"}
 
 #: The field naming the version of a stamp's layout: a state of another version is refused as
 #: a whole (its fields cannot be compared one by one).
@@ -185,6 +197,9 @@ def _fixes(saved: Any, expected: dict[str, Any]) -> str:
     fixes = []
     for k in [*expected, *(k for k in saved if k not in expected)]:
         fix = FIELD_FIXES.get(k)
+        cause = _CAUSED_BY.get(k)
+        if cause is not None and saved.get(cause) != expected.get(cause):
+            continue
         if saved.get(k) != expected.get(k) and fix is not None and fix not in fixes:
             fixes.append(fix)
     return " ".join(fixes)

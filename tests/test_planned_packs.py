@@ -448,3 +448,21 @@ def test_a_packed_state_of_an_older_plan_version_is_refused_naming_it(data):
         restore_state_rank(loader, states[2])
     close_loader(loader)
 
+
+@pytest.mark.parametrize("saved_packed", [True, False], ids=["packed-to-padded", "padded-to-packed"])
+def test_a_state_saved_with_packing_turned_on_or_off_is_refused_naming_packing(data,
+                                                                               saved_packed):
+    """Found by review (7 December 2026): a padded planned state restored with packing on
+    raised a bare KeyError deep in Energon; the other way it named no setting."""
+    def loader(packed_run):
+        if packed_run:
+            return _loader(data)
+        return build_train_loader(data, ordering=packed(pack_seq_length=None), rank=0,
+                                  world_size=2, batch_size=B,
+                                  task_encoder_factory=IndexedSyntheticTaskEncoder)
+    state = run_with_cuts(lambda: loader(saved_packed), 3, [2])[1][2]
+    other = loader(not saved_packed)
+    with pytest.raises(StateMismatchError, match="saved with packing and is configured without "
+                       "it, or the other way round.*pack_seq_length.*packing_buffer_size"):
+        restore_state_rank(other, state)
+    close_loader(other)

@@ -43,6 +43,7 @@ from megatron.energon.worker import WorkerConfig
 
 from energon_ordering.errors import OrderingConfigError, show
 from energon_ordering.saved_counters import check_saved_counts
+from energon_ordering.state_stamp import check_writer
 from energon_ordering.planned.balance import sample_cost
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.plan_check import packed_plan_matches_inputs
@@ -58,7 +59,8 @@ from energon_ordering.warmup.schedule import SeqLenWarmup
 from energon_ordering.warmup.token_layout import TokenLayout
 
 from .plan_ahead import WindowAtHand
-from .planned_source import RESTORE_KIND, PlannedSourceDataset, _cursor_of, _cursor_state
+from .planned_source import (PACKING_CHANGED, RESTORE_KIND, PlannedSourceDataset, _cursor_of,
+                             _cursor_state)
 from .shared_plans import stream_digest
 
 __all__ = ["PlannedPackDataset", "PlannedPackSourceDataset", "pack_tag"]
@@ -313,6 +315,7 @@ class PlannedPackDataset(BaseWrapperDataset[Any, Any]):
         self._counts = self._new_counts()
 
     def restore_state(self, state: FlexState) -> None:
+        check_writer(type(self).__name__, state, PACKING_CHANGED)
         if "_counts" not in state:  # saved before the counters were: counted from here on
             state = type(state)({**state, "_counts": self._new_counts()})
         check_saved_counts(type(self).__name__, "_counts", state["_counts"],

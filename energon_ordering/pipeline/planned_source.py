@@ -107,7 +107,7 @@ from energon_ordering.pipeline.window_mix_share import (
     window_mix_plan_problem,
 )
 from energon_ordering.pool.byte_range_reader import ByteRangeReader
-from energon_ordering.state_stamp import check_stamp
+from energon_ordering.state_stamp import check_stamp, check_writer
 
 __all__ = ["PLANNED_STATE_VERSION", "PlannedSourceDataset", "indexed_lengths"]
 
@@ -123,6 +123,13 @@ logger = logging.getLogger(__name__)
 #: restore in its history continues alike and is taken
 #: (:meth:`PlannedSourceDataset._current_version`).
 PLANNED_STATE_VERSION = 3
+
+#: Why a planned state sits at another class's position: packing was turned on or off.
+PACKING_CHANGED = (
+    "The planned order was saved with packing and is configured without it, or the other way "
+    "round: configure packing as the saved run did (OrderingConfig.pack_seq_length and "
+    "get_train_dataset's packing_buffer_size; Megatron-LM: --packing-seq-length and "
+    "--packing-buffer-size), or start the data stream fresh.")
 
 #: Whether a loader worker plans its next window on a thread while it consumes the current one
 #: (:mod:`energon_ordering.pipeline.plan_ahead`), so no micro-batch waits for a plan at a window
@@ -396,6 +403,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
 
     def restore_state(self, state: FlexState) -> None:
         self._cancel_ahead()
+        check_writer(type(self).__name__, state, PACKING_CHANGED)
         state = self._current_version(state)
         check_stamp(
             type(self).__name__, state, self._expected_stamp(),
