@@ -265,6 +265,13 @@ class OrderingConfig:
                 f"{list(BLEND_POLICIES)}."
             )
         object.__setattr__(self, "mixture_schedule", self._resolve_schedule(self.mixture_schedule))
+        if (self.blend_policy != "random" and self.mixture_schedule is None
+                and self.length_sort_mode != "planned"):
+            raise OrderingConfigError(
+                f"OrderingConfig.blend_policy = {show(self.blend_policy)} needs a "
+                "mixture_schedule: without one Energon blends the metadataset's weights at "
+                "random and the policy would do nothing; add a mixture_schedule with those "
+                "weights (a one-phase schedule), or drop blend_policy.")
         warmup = self.seq_length_warmup
         if isinstance(warmup, Mapping):
             warmup = dict(warmup)

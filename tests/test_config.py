@@ -126,6 +126,11 @@ def test_recipe_may_point_to_a_schedule_file(tmp_path):
         (dict(micro_batches_per_step=0), OrderingConfigError, r"micro_batches_per_step = 0"),
         (dict(total_steps=0), OrderingConfigError, r"total_steps = 0 must be >= 1"),
         (dict(blend_policy="greedy"), OrderingConfigError, r"blend_policy = 'greedy' is unknown"),
+        # found by review (7 December 2026): silently random without a schedule
+        (dict(blend_policy="deterministic"), OrderingConfigError,
+         r"blend_policy = 'deterministic' needs a mixture_schedule.*drop blend_policy"),
+        (dict(blend_policy="deterministic", length_sort_pool_size=64, length_sort_mode="batch"),
+         OrderingConfigError, r"blend_policy = 'deterministic' needs a mixture_schedule"),
         (dict(schedule_lag_compensation="yes"), OrderingTypeError, r"schedule_lag_compensation = 'yes'"),
         (dict(mixture_schedule=42), OrderingTypeError, r"mixture_schedule = 42 must be"),
         (dict(mixture_schedule={"phases": [{"until": 0.5, "weights": {"a": 1}}]}),
