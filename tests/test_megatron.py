@@ -151,6 +151,12 @@ def test_bare_schedule_file(tmp_path):
          r"--seq-length-warmup-start = 4: must be >= --seq-length-warmup-multiple-of = 8"),
         ("--seq-length-warmup-steps 100 --seq-length-warmup-start 256 --seq-length-warmup-multiple-of 0",
          r"--seq-length-warmup-multiple-of = 0"),
+        # found by review (7 December 2026): read alone, they were silently dropped
+        ("--seq-length-warmup-start 512",
+         r"--seq-length-warmup-start = 512: is read only with --seq-length-warmup-steps N > 0"),
+        ("--seq-length-warmup-multiple-of 64",
+         r"--seq-length-warmup-multiple-of = 64: is read only with --seq-length-warmup-steps"),
+        ("--packing-buffer-size 0", r"--packing-buffer-size = 0: must be an int > 0"),
         ("--global-batch-size 100", r"--global-batch-size = 100: must be a multiple of --micro-batch-size \(4\) x data-parallel size \(8\)"),
         ("--data-mixture-schedule /nope.yaml", r"--data-mixture-schedule = '/nope.yaml'.*no file"),
     ],

@@ -254,7 +254,7 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
     # Megatron's own packing flags (examples/multimodal: --packing-buffer-size, default None =
     # off; --packing-seq-length, default 0 = unset); not duplicated here, only read.
     packing = getattr(args, "packing_buffer_size", None)
-    if packing is not None and (not isinstance(packing, int) or packing < 0):
+    if packing is not None and (not isinstance(packing, int) or packing < 1):
         raise _err("--packing-buffer-size", packing, "must be an int > 0 (or unset: no packing).")
     if packing:
         base["packing_buffer_size"] = packing
@@ -302,6 +302,15 @@ def ordering_config_from_args(args: Any) -> OrderingConfig:
                                                  multiple_of=multiple)
     elif steps == 0:
         base.pop("seq_length_warmup", None)
+    if steps is None:  # the warmup flags define a warmup together: none is read alone
+        for flag_name in ("seq_length_warmup_start", "seq_length_warmup_multiple_of"):
+            value = getattr(args, flag_name, None)
+            if value is not None:
+                raise _err("--" + flag_name.replace("_", "-"), value,
+                           "is read only with --seq-length-warmup-steps N > 0 (the warmup "
+                           "flags define a warmup together); add --seq-length-warmup-steps, or "
+                           "drop it (a recipe's seq_length_warmup sets its own start and "
+                           "multiple_of).")
     overflow = getattr(args, "seq_length_warmup_overflow", None)
     if overflow is not None:
         base["seq_length_overflow"] = overflow
