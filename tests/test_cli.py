@@ -423,8 +423,10 @@ def test_plan_needs_total_steps_from_the_recipe_or_the_flag(runner, wrong_inputs
 
 def test_plan_takes_total_steps_from_the_recipe_and_the_flag_overrides_it(runner, tmp_path):
     demo = str(RECIPES / "demo.yaml")  # total_steps: 300, phase 1 from 0.7 with a 20-step ramp
-    res = runner.invoke(main, ["plan", demo, "--global-batch-size", "32", "--out", str(tmp_path)])
+    out = tmp_path / "new" / "folder"  # created, as inspect and advise create theirs
+    res = runner.invoke(main, ["plan", demo, "--global-batch-size", "32", "--out", str(out)])
     assert res.exit_code == 0, res.output
+    assert (out / "plan.png").is_file()
     rows = {ln.split()[0]: ln for ln in res.stdout.splitlines() if ln[:1].isdigit()}
     assert "last step of phase 0" in rows["209"]
     assert "phase 1: ramp of 20 steps starts" in rows["210"]

@@ -143,6 +143,15 @@ def test_off_by_default_and_energon_blend_described():
                          sources=(Source(weight=1), Source(weight=9)))
     blend = plan_pipeline(OrderingConfig(), weighted).stage("BlendDataset")
     assert blend.kwargs == {"mode": "dataset_weight", "weights": (1.0, 9.0)} and blend.energon
+    # found by review (7 December 2026): Energon's bare AssertionError at the first batch
+    for bad in (0.0, -1.0, float("nan")):
+        zero = BuildArgs(batch_size=2, blend_mode="dataset_weight",
+                         sources=(Source(weight=bad), Source(weight=1)))
+        for cfg in (OrderingConfig(), OrderingConfig(length_sort_pool_size=8,
+                                                     length_sort_mode="batch")):
+            with pytest.raises(OrderingConfigError, match=r"blend weights are \{'entry 0': "
+                               r".*give every `blend:` entry a weight > 0"):
+                plan_pipeline(cfg, zero)
     epochized = BuildArgs(batch_size=2, blend_mode="sample_repetitions", repeat=False,
                           sources=(Source(repetitions=2), Source(repetitions=1)))
     names = [s.name for s in plan_pipeline(OrderingConfig(), epochized)]

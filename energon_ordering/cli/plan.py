@@ -232,6 +232,7 @@ def command(recipe: str, total_steps: int | None, global_batch_size: int, metada
     from energon_ordering.inspect.plots import plot_plan
 
     try:
+        Path(out).mkdir(parents=True, exist_ok=True)  # as inspect and advise do
         png = plot_plan(Path(out) / "plan.png", total_steps=total_steps, schedule=sched, warmup=w,
                         name=name)
     except OSError as e:

@@ -260,12 +260,29 @@ def plan_pipeline(config: OrderingConfig, args: BuildArgs) -> PipelinePlan:
     """
     packing = _packing_buffer_size(config, args)
     _validate(config, args, packing)
+    stages = tuple(_stages(config, args, packing))
+    _check_energon_weights(stages, args)
     return PipelinePlan(
         config=config,
         args=args,
-        stages=tuple(_stages(config, args, packing)),
+        stages=stages,
         packing_buffer_size=packing,
     )
+
+
+def _check_energon_weights(stages: Sequence[Stage], args: BuildArgs) -> None:
+    """Energon's blend by the metadataset's weights takes each weight > 0 (its bare
+    ``AssertionError`` otherwise, at the first batch)."""
+    for stage in stages:
+        weights = dict(stage.settings).get("weights") if stage.name == BLEND else None
+        if weights is None or all(math.isfinite(w) and w > 0 for w in weights):
+            continue
+        named = {(s.name or f"entry {i}"): s.weight for i, s in enumerate(args.sources)}
+        raise OrderingConfigError(
+            f"the metadataset's blend weights are {show(named)} (entries in the order of its "
+            "`blend:` list), and Energon blends by them "
+            "only where every weight is > 0: give every `blend:` entry a weight > 0 (remove an "
+            "entry to leave it out), or use a mixture_schedule, whose weights may be 0.")
 
 
 def _packing_buffer_size(cfg: OrderingConfig, args: BuildArgs) -> int | None:
