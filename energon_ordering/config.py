@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -291,6 +292,7 @@ class OrderingConfig:
                 "mapping {start, full, warmup_steps[, multiple_of, kind, overflow]}."
             )
         object.__setattr__(self, "seq_length_warmup", warmup)
+        self._warn_beyond_the_run()
         if self.seq_length_overflow is None:
             object.__setattr__(self, "seq_length_overflow", "keep")
         if self.length_sort_pool_size < 0:
@@ -498,6 +500,26 @@ class OrderingConfig:
     def planned(self) -> bool:
         """True for the planned global order (``length_sort_mode = "planned"``)."""
         return self.length_sort_mode == PLANNED
+
+    def _warn_beyond_the_run(self) -> None:
+        """Warns (once per message) where ``total_steps`` ends the run before the mixture
+        schedule's last change or the warmup's full length: the run never reaches them."""
+        total = self.total_steps
+        if total is None:
+            return
+        schedule, warmup = self.mixture_schedule, self.seq_length_warmup
+        if schedule is not None and (step := schedule.first_change_after(total)) is not None:
+            warnings.warn(
+                f"OrderingConfig.mixture_schedule changes its weights at step {step:,}, after "
+                f"the run's last step (total_steps = {total:,}): the run never reaches that "
+                "change. Give the phases' `until` as fractions of total_steps, or set "
+                "total_steps to the run's length.", UserWarning, stacklevel=4)
+        if warmup is not None and warmup.warmup_steps > total:
+            warnings.warn(
+                f"OrderingConfig.seq_length_warmup.warmup_steps = {warmup.warmup_steps:,} is "
+                f"longer than the run (total_steps = {total:,}): its samples never reach the "
+                f"full length ({warmup.full:,} tokens). Set warmup_steps <= {total:,}.",
+                UserWarning, stacklevel=4)
 
     def _resolve_schedule(self, value: Any) -> MixtureSchedule | None:
         if value is None:

@@ -194,3 +194,33 @@ def test_bad_planned_mix(kwargs, exc, match):
     with pytest.raises(exc, match=match) as e:
         OrderingConfig(**kwargs)
     assert "\n" not in str(e.value)
+
+
+def test_a_schedule_or_warmup_beyond_the_run_is_warned_about():
+    """Found by review (7 December 2026): an anneal at step 17,165 of a 1,000-step run, or a
+    warmup of 5,000 steps, was accepted silently; the run never reaches either."""
+    late = {"phases": [{"until": 17165, "weights": {"web": 0.6, "cur": 0.4}},
+                       {"until": 19073, "weights": {"web": 0.3, "cur": 0.7}}]}
+    with pytest.warns(UserWarning, match=r"changes its weights at step 17,165, after the run's "
+                      r"last step \(total_steps = 1,000\)"):
+        OrderingConfig(total_steps=1000, mixture_schedule=late)
+    with pytest.warns(UserWarning, match=r"changes its weights at step 1,000"):  # one past
+        OrderingConfig(total_steps=1000, mixture_schedule={"phases": [
+            {"until": 1000, "weights": {"web": 0.6, "cur": 0.4}},
+            {"until": 2000, "weights": {"web": 0.3, "cur": 0.7}}]})
+    with pytest.warns(UserWarning, match=r"warmup_steps = 5,000 is longer than the run"):
+        OrderingConfig(total_steps=1000,
+                       seq_length_warmup={"start": 64, "full": 512, "warmup_steps": 5000})
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # fractions, a last phase running past the end, or no total_steps: nothing to say
+        OrderingConfig(total_steps=1000, mixture_schedule={"phases": [
+            {"until": 0.5, "weights": {"web": 0.6, "cur": 0.4}},
+            {"until": 1.0, "weights": {"web": 0.3, "cur": 0.7}}]})
+        OrderingConfig(total_steps=1000, mixture_schedule={"phases": [
+            {"until": 500, "weights": {"web": 0.6, "cur": 0.4}},
+            {"until": 2000, "weights": {"web": 0.3, "cur": 0.7}}]})
+        OrderingConfig(mixture_schedule=late)
+        OrderingConfig(total_steps=1000,
+                       seq_length_warmup={"start": 64, "full": 512, "warmup_steps": 1000})

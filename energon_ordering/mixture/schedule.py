@@ -384,6 +384,20 @@ class MixtureSchedule:
                 steps.add(self.phases[i - 1].end + ph.ramp_steps)
         return np.array(sorted(steps), dtype=np.int64)
 
+    def first_change_after(self, total_steps: int, tolerance: float = 0.01) -> int | None:
+        """The first step at or after ``total_steps`` whose normalised weights differ from those
+        of the run's last step (``total_steps - 1``) by more than ``tolerance``: a change the
+        run never reaches (a ramp ending at ``total_steps`` moves less than that in its last
+        step); None if none."""
+        last = int(total_steps) - 1
+        later = [int(p) for p in self.piece_ends() if p > last]
+        if not later:
+            return None
+        table = self.weights_table([last, *later])
+        table = table / table.sum(axis=1, keepdims=True)
+        differs = np.abs(table[1:] - table[0]).max(axis=1) > tolerance
+        return later[int(np.argmax(differs))] if differs.any() else None
+
     def columns_of(self, names: Sequence[str | None]) -> list[int]:
         """The column of :meth:`weights_table` of each source of ``names`` (a metadataset's
         sources, in its order); sources without a name take the schedule's order."""
