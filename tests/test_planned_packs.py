@@ -466,3 +466,19 @@ def test_a_state_saved_with_packing_turned_on_or_off_is_refused_naming_packing(d
                        "it, or the other way round.*pack_seq_length.*packing_buffer_size"):
         restore_state_rank(other, state)
     close_loader(other)
+
+
+def test_a_cap_below_a_media_items_tokens_is_named_not_the_length_index(data, caplog):
+    """Found by review (7 December 2026): a warmup starting below an image's 64 tokens made
+    packs over their cap, and the warning told the user to rebuild a correct length index."""
+    import logging
+
+    warm = {"start": 32, "full": CAP, "warmup_steps": 8}
+    with caplog.at_level(logging.WARNING, logger="energon_ordering"):
+        records = run_ranks(data, ordering=packed(seq_length_warmup=warm), world_size=2,
+                            steps=2, batch_size=B, packing_buffer_size=32,
+                            task_encoder_factory=IndexedSyntheticTaskEncoder)
+    assert records[0]
+    text = " ".join(r.getMessage() for r in caplog.records if "planned packing" in r.getMessage())
+    assert "its media tokens alone are over the cap" in text and "seq_length_warmup.start" in text
+    assert "Rebuild the index" not in text

@@ -353,10 +353,21 @@ class PlannedPackDataset(BaseWrapperDataset[Any, Any]):
         tokens than its cap: the plan packed the length index's lengths, so the encoder
         measures samples longer than the index says. The pack goes out as planned (nothing is
         dropped or moved: every rank's plan stays the same)."""
-        total = sum(float(self.length_fn(x)) for x in samples)  # type: ignore[misc]
+        sizes = [float(self.length_fn(x)) for x in samples]  # type: ignore[misc]
+        total = sum(sizes)
         if total <= cap:
             return
         counts["packs_over_cap"] += 1
+        if not self._warned and max(sizes) > cap:
+            # one sample alone over the cap after the cut: what the cut may not shorten (a
+            # media item's tokens) is longer than the cap, whatever the length index says
+            self._warned = True
+            logger.warning(
+                "planned packing: a sample of optimizer step %d holds %d tokens, over its "
+                "pack's cap of %d, and the cut could not shorten it (its media tokens alone are "
+                "over the cap: kept whole). Raise the cap above a media item's tokens "
+                "(seq_length_warmup.start, or pack_seq_length); this pack and later ones go "
+                "out as planned (counted as packs_over_cap).", step, int(max(sizes)), cap)
         if not self._warned:
             self._warned = True
             logger.warning(
