@@ -89,14 +89,16 @@ def planned_name(cfg: OrderingConfig, ranks: int, batch_size: int,
 
 
 def planned_repeats(path: str, cfg: OrderingConfig, records: list[list[Any]], *,
-                    ranks: int, batch_size: int) -> int:
+                    ranks: int, batch_size: int, window_steps: int | None = None) -> int:
     """Samples a planned run drew more often than their source's epochs allow (must be 0).
 
     A planned source's next epoch is a new permutation dealt over all ranks, so once a source
     wraps its samples return, on any rank: "keys on two ranks" does not apply. Within one epoch
     each sample is drawn once; the run's windows draw at most ``integral of weight x G + 1``
     samples of a source (the carry keeps each source within one sample of it), so a sample may
-    appear at most ``ceil(that / source size)`` times.
+    appear at most ``ceil(that / source size)`` times. ``window_steps``: the run's K (the
+    build's, :func:`~energon_ordering.inspect.rank_simulation.planned_window_steps`); None: the
+    config's for the global batch.
     """
     from collections import Counter
 
@@ -106,7 +108,7 @@ def planned_repeats(path: str, cfg: OrderingConfig, records: list[list[Any]], *,
 
     sizes = data_sizes(path)
     names = [n for n, _, _ in sizes]
-    k = cfg.window_steps(ranks, batch_size)
+    k = cfg.window_steps(ranks, batch_size) if window_steps is None else window_steps
     m = cfg.micro_batches_per_step
     steps = min(len(r) for r in records) // m
     planned_steps = -(-steps // k) * k
@@ -165,8 +167,8 @@ def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, nu
               task_encoder_factory=task_encoder_factory)
     if plan_cfg is not None:
         k = None
-        if plan_cfg.packing_buffer_size is not None and plan_cfg.plan_window_steps is None:
-            with user_errors():  # a packed window's default reads the length index
+        if plan_cfg.plan_window_steps is None:
+            with user_errors():  # the default reads the length index (sizes; packed, lengths)
                 k = planned_window_steps(path, plan_cfg, world_size=ranks,
                                          batch_size=batch_size,
                                          task_encoder_factory=task_encoder_factory)
@@ -186,7 +188,7 @@ def run_inspection(path: str, cfg: OrderingConfig, *, ranks: int, steps: int, nu
             results[name] = measure(records[name], period, mbps, cfg.mixture_schedule)
             if c.planned:
                 results[name] = dataclasses.replace(results[name], overlapping_keys=planned_repeats(
-                    path, c, records[name], ranks=ranks, batch_size=batch_size))
+                    path, c, records[name], ranks=ranks, batch_size=batch_size, window_steps=k))
     out.mkdir(parents=True, exist_ok=True)
     note = _mix_note(cfg, results, window)
     png = plot_run(out / "inspect.png", runs=records, micro_batches_per_step=mbps,
