@@ -25,6 +25,7 @@ from energon_ordering.pipeline.planned_source import PlannedSourceDataset
 from energon_ordering.pipeline.shared_plans import (
     MAX_AGE_S,
     PLAN_DIR_ENV,
+    UNWRITTEN_LOCK_S,
     SharedPlans,
     folder_refusal,
     forget_stream,
@@ -107,6 +108,40 @@ def test_a_lock_held_too_long_plans_here(tmp_path):
     shared = SharedPlans(tmp_path, "s", wait_s=0.2)
     Path(tmp_path / "plan-s-000000000-a.npy.lock").write_text(f"{os.uname().nodename} {os.getpid()}")
     assert np.array_equal(shared.ids(0, "a", SHAPE, _ids), _ids())
+
+
+def test_a_full_folder_plans_here(tmp_path, monkeypatch):
+    """Found by review (7 December 2026): a full file system (/dev/shm is 64 MB in a default
+    container) failed the lock's write, and the error left the loader."""
+    import errno
+
+    import energon_ordering.pipeline.shared_plans as shared_plans
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shared_plans.os, "write", full)
+    got = SharedPlans(tmp_path, "s", wait_s=30).ids(0, "a", SHAPE, _ids)
+    monkeypatch.undo()
+    assert np.array_equal(got, _ids())
+    assert not list(tmp_path.glob("*.lock"))  # its lock is not left behind
+
+
+def test_a_lock_its_maker_never_wrote_is_taken_over_after_a_while(tmp_path):
+    """Found by review: a process killed between making its lock and writing its host and pid
+    left a lock every process waited on for wait_s, window after window."""
+    lock = tmp_path / "plan-s-000000000-a.npy.lock"
+    lock.write_text("")
+    past = time.time() - 2 * UNWRITTEN_LOCK_S
+    os.utime(lock, (past, past))
+    t0 = time.monotonic()
+    assert np.array_equal(SharedPlans(tmp_path, "s", wait_s=30).ids(0, "a", SHAPE, _ids), _ids())
+    assert time.monotonic() - t0 < 5 and not lock.exists()
+    # one just made (its maker about to write it) is waited for, as a held one
+    fresh = tmp_path / "plan-s-000000001-a.npy.lock"
+    fresh.write_text("")
+    assert np.array_equal(SharedPlans(tmp_path, "s", wait_s=0.2).ids(1, "a", SHAPE, _ids), _ids())
+    assert fresh.exists()
 
 
 def test_an_unwritable_folder_plans_every_time(tmp_path):
@@ -340,6 +375,37 @@ def test_lengths_of_the_same_name_and_size_but_other_values_get_their_own_plans(
         monkeypatch.setenv(PLAN_DIR_ENV, str(tmp_path / "plans"))
         runs.append((_order(mapped), alone))
     assert all(shared == alone for shared, alone in runs)
+
+
+def test_a_lengths_file_deleted_or_replaced_mid_run_changes_neither_order_nor_plans(
+        tmp_path, monkeypatch):
+    """Found by review (7 December 2026): each window read the lengths files' digests anew, so
+    a deleted file (as a stale index's message advises) failed the next window, and a file
+    replaced under the same name named this process's plans after the other values (another
+    run's plans of those were then taken: the same draws, another arrangement)."""
+    rng = np.random.default_rng(1)
+    values, mapped = _lengths_files(tmp_path, rng)
+    monkeypatch.setenv(PLAN_DIR_ENV, "off")
+    alone = _order(values, ranks=1)[0]
+    monkeypatch.setenv(PLAN_DIR_ENV, str(tmp_path / "plans"))
+    running = _source(mapped, 0)
+    seen = [running.micro_batch_ids(b).tolist() for b in range(2)]  # window 0 planned
+    files = [Path(x.filename) for x in mapped]
+    others = [rng.integers(10, 4000, len(v)).astype(float) for v in values]
+    for path, other, x in zip(files, others, mapped):  # replaced: same names, shapes, dtypes
+        path.unlink()
+        np.save(path, other.astype(x.dtype))
+    monkeypatch.setenv(PLAN_DIR_ENV, "off")
+    other_alone = _order(others, ranks=1)[0]
+    monkeypatch.setenv(PLAN_DIR_ENV, str(tmp_path / "plans"))
+    reread = [split_lengths(path, lambda: None) for path in files]
+    assert _order(reread, ranks=1)[0] == other_alone  # another run writes the new ones' plans
+    seen += [running.micro_batch_ids(b).tolist() for b in range(2, 12)]
+    assert seen == alone
+    for path in files:  # deleted: the mapped data and its digests stay this process's
+        path.unlink()
+    assert [running.micro_batch_ids(b).tolist() for b in range(12, 16)] == _order(
+        values, ranks=1, batches=16)[0][12:]
 
 
 @pytest.fixture(scope="module")

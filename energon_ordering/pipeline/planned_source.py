@@ -254,6 +254,10 @@ class PlannedSourceDataset(SavableDataset[Any]):
         self._executor: ThreadPoolExecutor | None = None  # per process, never pickled
         self._local: threading.local | None = None
         self._thread_readers: list[ByteRangeReader] = []  # the prefetch threads' copies
+        #: The lengths' content digests, read once per process where it maps them (a file
+        #: deleted or replaced later changes neither the data mapped nor its plans' name);
+        #: [] where they could not be read: no sharing.
+        self._digests: list[str] | None = None
         self.reset_state_own()
 
     # -- state -----------------------------------------------------------------------------
@@ -617,10 +621,24 @@ class PlannedSourceDataset(SavableDataset[Any]):
         named by a file: nothing would tell two processes' lengths apart)."""
         files = [getattr(x, "filename", None) for x in self.lengths]
         folder = plan_dir() if all(files) else None
-        digests = [lengths_content_digest(x) for x in self.lengths] if folder else None
+        digests = self._lengths_digests() if folder else None
+        if not digests:
+            folder = None
         stream = stream_digest(PLAN_VERSION, digests, [len(x) for x in self.lengths], self.seed,
                                self.window_steps, world_size, micro_batches, batch_size)
         return SharedPlans(folder, stream, total=self.ids.total)
+
+    def _lengths_digests(self) -> list[str]:
+        """The lengths' content digests, read at this process's first use ([] where a file
+        cannot be read: its windows are then planned here, unshared; one log line)."""
+        if self._digests is None:
+            try:
+                self._digests = [lengths_content_digest(x) for x in self.lengths]
+            except OSError as e:
+                logger.warning("planned order: the length index cannot be read again (%s); "
+                               "this process plans its windows itself (unshared)", e)
+                self._digests = []
+        return self._digests
 
     def _forget_shared_plans(self) -> None:
         """Removes this stream's shared plans, of every shape it ran at (its loader is closed
@@ -761,7 +779,7 @@ class PlannedSourceDataset(SavableDataset[Any]):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_executor": None, "_local": None, "_thread_readers": [],
-                "_ahead": None, "_hand": None,
+                "_ahead": None, "_hand": None, "_digests": None,
                 "lengths": [reopen(x) for x in self.lengths]}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

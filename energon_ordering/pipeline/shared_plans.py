@@ -24,9 +24,12 @@ Clean-up: a writer removes the stream's plans of windows three or more behind th
 so a stream holds at most three windows there (8 MiB each at 1,024 ranks, M = 8, B = 4), and
 any plan, lock or temporary file in the folder older than a day (:data:`MAX_AGE_S`: runs that
 ended or crashed); :func:`forget_stream` removes a stream's plans when its loader closes or its
-epoch ends. When the folder cannot be used or written, or a lock's holder died or took longer
-than ``wait_s``, a process plans the window itself (one log line): sharing saves time and never
-changes an order.
+epoch ends. When the folder cannot be used or written (its file system full, too), or a
+lock's holder died (also between making the lock and writing itself into it:
+:data:`UNWRITTEN_LOCK_S`) or took longer than ``wait_s``, a process plans the window itself (one
+log line): sharing saves time and never changes an order. The planned source names its plans
+after its lengths' content as it mapped them, read once per process, so a lengths file deleted
+or replaced while a run goes on changes neither its order nor the plans it shares.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ logger = logging.getLogger(__name__)
 #: The environment variable that names the folder (``off``: no sharing).
 PLAN_DIR_ENV = "ENERGON_ORDERING_PLAN_DIR"
 
+#: Seconds after which a lock file that names no holder is taken as left by a process that
+#: died between making it and writing its host and pid (a holder writes them at once).
+UNWRITTEN_LOCK_S = 10.0
 #: Windows kept per stream (the newest written and the two before it).
 KEEP_WINDOWS = 3
 
@@ -224,14 +230,18 @@ class SharedPlans:
                 self._off(str(e))
                 return plan()
             try:
-                os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
-                os.close(fd)
+                try:
+                    os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
+                finally:
+                    os.close(fd)
+            except OSError as e:  # e.g. the folder's file system is full (/dev/shm)
+                _unlink(lock)
+                self._off(str(e))
+                return plan()
+            try:
                 return self._plan_here(path, window, plan)
             finally:
-                try:
-                    lock.unlink()
-                except OSError:
-                    pass
+                _unlink(lock)
 
     def _plan_here(self, path: Path, window: int, plan: Callable[[], np.ndarray]) -> np.ndarray:
         """Plans the window, writes it for the others and cleans the folder up."""
@@ -279,17 +289,22 @@ class SharedPlans:
 
     @staticmethod
     def _stale(lock: Path) -> bool:
-        """True if ``lock`` was taken by a process of this host that no longer runs."""
+        """True if ``lock`` was taken by a process of this host that no longer runs, or holds
+        no holder :data:`UNWRITTEN_LOCK_S` after it was made (its maker died between making
+        and writing it)."""
         try:
             host, pid = lock.read_text().split()
         except (OSError, ValueError):
-            return False  # gone, or being written: look again
+            try:  # gone, or being written: look again, unless it stayed unwritten
+                unwritten = time.time() - os.lstat(lock).st_mtime > UNWRITTEN_LOCK_S
+            except OSError:
+                return False
+            if unwritten:
+                _unlink(lock)
+            return unwritten
         if host != socket.gethostname() or process_alive(int(pid)):
             return False
-        try:
-            lock.unlink()
-        except OSError:
-            pass
+        _unlink(lock)
         return True
 
     def _clean(self, window: int) -> None:
@@ -312,3 +327,10 @@ class SharedPlans:
                     os.unlink(entry.path)
             except (OSError, ValueError):
                 pass
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
