@@ -16,12 +16,12 @@ import pytest
 from energon_ordering import OrderingConfig
 from energon_ordering.inspect.lost_compute import (idle_per_micro_batch, idle_per_step,
                                                    micro_batch_costs, padding_by_tokens)
-from energon_ordering.inspect.rank_simulation import run_ranks
+from energon_ordering.inspect.rank_simulation import planned_window_steps, run_ranks
 from energon_ordering.inspect.synthetic import SourceSpec
 from energon_ordering.inspect.synthetic_task import IndexedSyntheticTaskEncoder
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.window import plan_window, window_weights
-from energon_ordering.planned.window_size import default_window_steps
+from energon_ordering.planned.window_size import default_window_steps, steps_within_an_epoch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from indexed_data import indexed_synthetic  # noqa: E402
@@ -61,12 +61,21 @@ def test_pipeline_figures_are_the_plans(data, mix, m):
     readers = _readers(data)
     lengths = [np.array([rd.visit(i)[2] for i in range(len(rd))]) for rd in readers]
     offsets = np.concatenate(([0], np.cumsum([len(x) for x in lengths])))
-    k = default_window_steps(mix, R * m * B)
-    assert k == (128 if mix == "step" else 4096)
-    plan = plan_window(lengths, seed=7, cursor=PlanCursor.start(2),
-                       weights=window_weights(np.array([0.7, 0.3]), 0, k), window_steps=k,
-                       world_size=R, micro_batch=B, micro_batches_per_step=m, mix=mix)
-    ids = plan.ids[:STEPS]
+    # the default window, on this small repeating data at most one epoch of each source
+    k = min(default_window_steps(mix, R * m * B),
+            steps_within_an_epoch([len(x) for x in lengths], [[0.7, 0.3]], R * m * B))
+    assert k < (128 if mix == "step" else 4096)
+    assert k == planned_window_steps(data, cfg, world_size=R, batch_size=B,
+                                     task_encoder_factory=IndexedSyntheticTaskEncoder)
+    cursor, windows = PlanCursor.start(2), []
+    while sum(len(w) for w in windows) < STEPS:
+        plan = plan_window(lengths, seed=7, cursor=cursor,
+                           weights=window_weights(np.array([0.7, 0.3]), len(windows), k),
+                           window_steps=k, world_size=R, micro_batch=B,
+                           micro_batches_per_step=m, mix=mix)
+        windows.append(plan.ids)
+        cursor = plan.next_cursor
+    ids = np.concatenate(windows)[:STEPS]
     src = np.searchsorted(offsets, ids, side="right") - 1
     planned = np.array([lengths[s][g - offsets[s]] for s, g in zip(src.ravel(), ids.ravel())],
                        dtype=np.float64).reshape(ids.shape)

@@ -24,6 +24,10 @@ from energon_ordering.inspect.rank_simulation import (
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_elastic_exact import B, K, _packs_seen, _seen, data  # noqa: E402,F401  (data: fixture)
+from energon_ordering.planned.window_size import steps_within_an_epoch  # noqa: E402
+
+#: test_elastic_exact's sources: web 300 samples, code 160.
+SIZES = (300, 160)
 from test_elastic_exact import _loader as _any_loader  # noqa: E402
 from test_elastic_exact import _run as _any_run  # noqa: E402
 from tiers import cases  # noqa: E402
@@ -255,21 +259,25 @@ def _refused(loader, state, match):
 
 
 def test_a_global_batch_change_under_the_default_window_names_plan_window_steps(data):
-    """The default K follows the global batch: a resume that changes it (allowed) would plan
-    windows of another K, so it is refused naming plan_window_steps and the saved K."""
+    """The default K follows the global batch (on this small repeating data, through the
+    steps in which no source is drawn beyond its size): a resume that changes it (allowed)
+    would plan windows of another K, so it is refused naming plan_window_steps and the saved
+    K."""
     kw = dict(plan_window_steps=None, allow_global_batch_change=True)
-    _, states = _run(data, 2, 256, 256, save_at={256}, **kw)  # G = 2,048: K = 512
-    # G = 512: K = 2^20 / 512 = 2,048
-    _refused(_loader(data, 2, 64, 0, **kw), states[256],
-             r"plan_window_steps: saved 512 != configured 2048.*set plan_window_steps")
+    saved, now = (steps_within_an_epoch(SIZES, [[0.7, 0.3]], 2 * m * B) for m in (2, 4))
+    assert saved != now
+    _, states = _run(data, 2, 2, 4, save_at={4}, **kw)
+    _refused(_loader(data, 2, 4, 0, **kw), states[4],
+             rf"plan_window_steps: saved {saved} != configured {now}.*set plan_window_steps")
 
 
-@pytest.mark.parametrize("mix, k", [("step", 128), ("window", 4096)])
-def test_a_state_of_the_old_fixed_window_is_refused_naming_plan_window_steps(data, mix, k):
+@pytest.mark.parametrize("mix", ["step", "window"])
+def test_a_state_of_the_old_fixed_window_is_refused_naming_plan_window_steps(data, mix):
     """A state saved when the default window was 32 steps (plan_window_steps: 32 stands for
-    it) restored with today's default (128 steps for the step mix, 4,096 for the window mix at
-    this global batch): refused, naming the setting, both values and the fix; with
+    it) restored with today's default (here one epoch of the sources: fewer steps than either
+    mix's own default): refused, naming the setting, both values and the fix; with
     plan_window_steps: 32 the same state resumes exactly."""
+    k = steps_within_an_epoch(SIZES, [[0.7, 0.3]], 2 * 2 * B)
     _, states = _run(data, 2, 2, 4, save_at={3}, mix=mix, plan_window_steps=32)
     _refused(_loader(data, 2, 2, 0, mix=mix, plan_window_steps=None), states[3],
              rf"plan_window_steps: saved 32 != configured {k}.*set plan_window_steps")
