@@ -7,7 +7,10 @@ The planned order is a function of lengths only, so no pipeline is needed: each 
 :func:`~energon_ordering.planned.packs.plan_packed_window`) is computed exactly as every rank
 computes it, and measured with :mod:`energon_ordering.inspect.lost_compute`.
 
-Mixes (``--samples`` per mix):
+Mixes (``--samples`` per mix, 8 million: no source is drawn beyond its size in any default
+window measured here; with 2 million, as before 7 December 2026, the 1,024-rank windows drew
+a source up to 2.9 times, and now, as the pipeline does on repeating data, hold fewer steps:
+:func:`window_steps_for`):
 
 - ``trimodal``: one source, 50% ~300, 35% ~1,200, 15% ~4,000 tokens (the package's benchmark
   mix, :data:`~energon_ordering.inspect.synthetic.LENGTH_PROFILES`);
@@ -82,7 +85,7 @@ from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.packs import plan_packed_window
 from energon_ordering.planned.window import plan_window, window_weights
 from energon_ordering.planned.window_size import (WINDOW_MIX_SAMPLES, default_window_steps,
-                                                  packed_samples_per_pack)
+                                                  packed_samples_per_pack, steps_within_an_epoch)
 
 BATCH = 4
 RANKS = (2, 8, 64, 1024)
@@ -339,13 +342,20 @@ PLAN_ONLY_SAMPLES: list[int] = [PLAN_ONLY_WINDOW_SAMPLES]
 
 
 def window_steps_for(R: int, M: int, b: int, plan_only: bool, mix: str, packed: bool,
-                     samples_per_pack: float | None = None) -> int:
+                     samples_per_pack: float | None = None,
+                     lengths: list[np.ndarray] | None = None,
+                     weights: list[float] | None = None) -> int:
     """K of ``mix`` at the shape: ``--window-steps``, else the package's default
     (:func:`~energon_ordering.planned.window_size.default_window_steps`; packed, with the
-    mix's samples per pack as the pipeline reads them off the length index); plan-only shapes
-    shrink it to fit their window."""
+    mix's samples per pack as the pipeline reads them off the length index), at most the steps
+    in which no source of ``lengths`` is drawn beyond its size, as the pipeline bounds it on
+    repeating data (else the window's copies of a sample would share steps and flatter its
+    padding); plan-only shapes shrink it to fit their window."""
     k = WINDOW_STEPS[0] or default_window_steps(mix, R * M * b, packed,
                                                 samples_per_pack=samples_per_pack)
+    if not WINDOW_STEPS[0] and lengths is not None:
+        k = min(k, steps_within_an_epoch([len(x) for x in lengths], [weights],
+                                         R * M * b * (samples_per_pack or 1.0)))
     if not plan_only:
         return k
     return int(max(1, min(k, PLAN_ONLY_SAMPLES[0] // (R * M * b))))
@@ -353,7 +363,8 @@ def window_steps_for(R: int, M: int, b: int, plan_only: bool, mix: str, packed: 
 
 def padded_table(name, lengths, weights, pop, R, M, windows, dataset_samples,
                  plan_only: bool) -> tuple[list[Row], dict[str, int]]:
-    ks = {mix: window_steps_for(R, M, BATCH, plan_only, mix, False) for mix in ("step", "window")}
+    ks = {mix: window_steps_for(R, M, BATCH, plan_only, mix, False, lengths=lengths,
+                                weights=weights) for mix in ("step", "window")}
     k = ks["step"]
     rows: list[Row] = []
     pool_rows: list[Row] = []
@@ -394,7 +405,8 @@ def padded_table(name, lengths, weights, pop, R, M, windows, dataset_samples,
 def packed_table(name, lengths, weights, R, M, windows, cap,
                  plan_only: bool) -> tuple[list[Row], dict[str, int]]:
     spp = packed_samples_per_pack(lengths, [weights], cap)
-    ks = {mix: window_steps_for(R, M, 1, plan_only, mix, True, spp) for mix in ("step", "window")}
+    ks = {mix: window_steps_for(R, M, 1, plan_only, mix, True, spp, lengths=lengths,
+                                weights=weights) for mix in ("step", "window")}
     k = ks["step"]
     rows: list[Row] = []
     base = None
@@ -445,7 +457,7 @@ def packed_table(name, lengths, weights, R, M, windows, cap,
               help="Most samples of a window at the plan-only shapes: K shrinks to fit (the "
               "window mix's default window; more sorts narrower bands for more memory).")
 @click.option("--cap", type=int, default=8192, help="Tokens per pack (pack_seq_length).")
-@click.option("--samples", type=int, default=2_000_000, help="Samples per mix.")
+@click.option("--samples", type=int, default=8_000_000, help="Samples per mix.")
 @click.option("--dataset-samples", type=int, default=10_000_000,
               help="Dataset size that bounds the pools the package accepts.")
 def main(quick: bool, ranks: str | None, micro_batches: str | None,
