@@ -68,14 +68,17 @@ def winning_mix(meta: Path, cfg: OrderingConfig, *, ranks: int, batch_size: int,
     tokens) at the demo's shape, as ``advise`` predicts it from the length indexes, and each
     mix's predicted lost compute (``{mix: share}``)."""
     from energon_ordering.config import PLANNED_MIXES
-    from energon_ordering.inspect.advise import best_planned, load_population, predict_planned
+    from energon_ordering.inspect.advise import (best_planned, data_sizes, load_population,
+                                                 predict_planned, source_samples)
 
     with user_errors():
         plan_cfg = as_planned(cfg)
         pop = load_population(meta)
+        sizes = source_samples(data_sizes(meta))
         mixes = [predict_planned(pop, batch_size=batch_size, ranks=(ranks,), step_ranks=ranks,
                                  micro_batches_per_step=cfg.micro_batches_per_step, steps=steps,
-                                 window_steps=plan_cfg.plan_window_steps, seed=cfg.seed, mix=mix)
+                                 window_steps=plan_cfg.plan_window_steps, seed=cfg.seed, mix=mix,
+                                 source_sizes=sizes)
                  for mix in PLANNED_MIXES]
     best = best_planned(mixes, ranks)
     assert best is not None  # PLANNED_MIXES is not empty

@@ -70,7 +70,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,7 +94,7 @@ from energon_ordering.length_index.index import LengthIndex, length_index_files
 from energon_ordering.pool.order import POOL_ORDERS, pool_seed
 from energon_ordering.planned.cursor import PlanCursor
 from energon_ordering.planned.window import DEFAULT_WINDOW_STEPS, plan_window, window_weights
-from energon_ordering.planned.window_size import default_window_steps
+from energon_ordering.planned.window_size import default_window_steps, steps_within_an_epoch
 from energon_ordering.pool.ramp import RAMP_MIN_POOL, pool_size_at
 from energon_ordering.sqlite_file import connect_readonly
 from energon_ordering.errors import show
@@ -114,6 +114,7 @@ __all__ = [
     "fit_first_batch",
     "step_share_deviation",
     "data_sizes",
+    "source_samples",
     "load_population",
     "measure_costs",
     "order_positions",
@@ -197,6 +198,14 @@ def data_sizes(path: str | Path) -> list[tuple[str, int, float | None]]:
     from energon_ordering.pipeline.sources import source_name as _source_name
 
     return [(_source_name(e), len(e.dataset), e.weight) for e in _entries(path)]
+
+
+def source_samples(sizes: Sequence[tuple[str, int, float | None]]) -> dict[str, int]:
+    """``{source: samples}`` of :func:`data_sizes` (entries of one source summed)."""
+    out: dict[str, int] = {}
+    for name, n, _ in sizes:
+        out[name] = out.get(name, 0) + int(n)
+    return out
 
 
 def worker_share(sizes: Sequence[int], ranks: int, num_workers: int) -> int:
@@ -714,11 +723,20 @@ class PlannedPrediction:
         return self.worst_step_samples if self.mix == "step" else self.worst_window_samples
 
 
-def planned_window_steps(mix: str, draws_per_step: int, window_steps: int | None) -> int:
+def planned_window_steps(mix: str, draws_per_step: int, window_steps: int | None,
+                         sizes: Sequence[int] | None = None,
+                         weights: Sequence[float] | None = None) -> int:
     """K of a planned prediction: ``window_steps``, or ``mix``'s default for a global batch of
     ``draws_per_step`` samples (:func:`~energon_ordering.planned.window_size.
-    default_window_steps`)."""
-    return default_window_steps(mix, draws_per_step) if window_steps is None else window_steps
+    default_window_steps`), at most the steps in which no source of ``sizes`` samples is drawn
+    beyond its size at ``weights`` (the build's bound on repeating data:
+    :func:`~energon_ordering.planned.window_size.steps_within_an_epoch`)."""
+    if window_steps is not None:
+        return window_steps
+    k = default_window_steps(mix, draws_per_step)
+    if sizes is not None and weights is not None:
+        k = min(k, steps_within_an_epoch(sizes, [weights], draws_per_step))
+    return k
 
 
 def predict_planned(
@@ -733,6 +751,7 @@ def predict_planned(
     seed: int = 0,
     has_index: bool | None = None,
     mix: str = "step",
+    source_sizes: Mapping[str, int] | None = None,
 ) -> PlannedPrediction:
     """The planned order of ``pop``'s lengths (split by source, blended by each source's share
     of the population) at each rank count, measured like :func:`predict_order`.
@@ -753,11 +772,15 @@ def predict_planned(
         has_index: Whether every dataset has a length index (default: the population's lengths
             come from one).
         mix: ``planned_mix``, ``"step"`` or ``"window"``.
+        source_sizes: ``{source: samples}`` of the data (:func:`data_sizes`): the default K
+            draws no source beyond its size, as the build's does (None: not bounded).
     """
     m = micro_batches_per_step
     present = [j for j in range(len(pop.source_names)) if (pop.sources == j).any()]
     per_source = [pop.lengths[pop.sources == j] for j in present]
     weights = np.array([len(x) for x in per_source], dtype=np.float64)
+    sizes = (None if source_sizes is None else
+             [int(source_sizes.get(pop.source_names[j], 0)) for j in present])
     idle: dict[int, float] = {}
     idle_step: dict[int, float] = {}
     worst: dict[int, float] = {}
@@ -768,7 +791,7 @@ def predict_planned(
     share_pp: dict[str, tuple[float, float]] = {}
     for r in sorted(set(ranks) | {step_ranks}):
         g = r * m * batch_size
-        k = planned_window_steps(mix, g, window_steps)
+        k = planned_window_steps(mix, g, window_steps, sizes, weights)
         windows = max(1, min(-(-max(1, steps // m) // k), PLANNED_MAX_SAMPLES // (k * g)))
         run = planned_run(per_source, weights, world_size=r, micro_batch=batch_size,
                           micro_batches_per_step=m, steps=windows * k,
@@ -787,7 +810,7 @@ def predict_planned(
             codes = np.asarray(present)[run.sources]  # population source codes
             disp_batch, disp_step, share_pp = _source_mix(pop, PlannedRun.rank_major(codes), m)
     return PlannedPrediction(
-        planned_window_steps(mix, step_ranks * m * batch_size, window_steps),
+        planned_window_steps(mix, step_ranks * m * batch_size, window_steps, sizes, weights),
         {r: idle[r] for r in sorted(idle)}, padding, disp_batch, disp_step,
         share_pp, worst, plan_seconds, planned_steps,
         pop.origin == "length index" if has_index is None else has_index,
@@ -1288,12 +1311,13 @@ def advise(
             say(f"{mode} pool {size:,}")
             predictions.append(predict_order(pop, mode=mode, pool_size=size, **common))
     mixes = []
+    source_sizes = source_samples(sizes)
     for mix in PLANNED_MIXES:
-        k = planned_window_steps(mix, ranks * micro_batches_per_step * batch_size, window_steps)
-        say(f"planned order (K={k}, planned_mix: {mix})")
+        say(f"planned order (planned_mix: {mix})")
         mixes.append(predict_planned(pop, batch_size=batch_size, ranks=counts, step_ranks=ranks,
                                      micro_batches_per_step=micro_batches_per_step, steps=steps,
-                                     window_steps=window_steps, seed=seed, mix=mix))
+                                     window_steps=window_steps, seed=seed, mix=mix,
+                                     source_sizes=source_sizes))
     planned = best_planned(mixes, ranks)
     costs = []
     if measure:

@@ -47,8 +47,9 @@ shape (G = R M B per step)    K            samples per window
 Measured by ``tools/bench_planned.py --quick`` (5 December, 8 ranks, M = 2, B = 4, padded):
 lost compute (idle per optimizer step + padding by tokens) 0.02-0.04% on the trimodal, demo and
 heavy-tailed mixes with K = 4,096, 0.05-0.14% with K = 1,024, 1.4-4.0% with K = 32 (2,048
-samples a window), against 0.79-1.14% for a batch pool of 100,000 samples; on the demo's data
-at M = 1 (``advise``) 0.1% against 5.6% with K = 32. At 1,024 ranks (7 December, side by side,
+samples a window), against 0.79-1.14% for a batch pool of 100,000 samples; on the demo's 5,200
+samples at M = 1 (``advise``, 7 December) 1.9% at the 100 steps that data allows against 5.6%
+with K = 32 (0.1% at 4,096 steps before then came from copies of samples sharing steps). At 1,024 ranks (7 December, side by side,
 one window each, M = 1 and 8) 2^22 samples against 2^20 lost 0.04-0.36% against 0.25-1.28%, for
 the same planning CPU per step and a peak of 37-38 MiB; at 16,384 ranks x 1 and x 8 they idle
 2.4-6.9% per step against 9.3-40% (``docs/benchmarks.md``, *Windows at 16,384 ranks*). Packed
@@ -56,9 +57,15 @@ at 1,024 ranks, M = 8, K = 15-16 peaks at 36-53 MiB (K = 8: 18-28 MiB; K = 32: 1
 
 The mix of a ``"window"`` plan holds per window, so a longer window spreads a source's share
 over more steps: a mixture schedule whose weights change within K steps is followed per window
-(its zero weights still per step). Set ``plan_window_steps`` to bound that. K depends only on
-the global batch, which an elastic resume keeps; a resume that changes the global batch
-(``allow_global_batch_change``) needs ``plan_window_steps`` set to the saved run's K.
+(its zero weights still per step). Set ``plan_window_steps`` to bound that.
+
+On repeating data the build also keeps a default window within one epoch of every source
+(:func:`steps_within_an_epoch`, read off the length index): a window sorts its draws by length,
+so the copies of a sample drawn twice in it (one length) would share an optimizer step; a given
+``plan_window_steps`` beyond that is kept and warned about (:func:`window_epoch_draws`). K
+depends only on the global batch, the length index and the weights, which an elastic resume
+keeps; a resume that changes the global batch (``allow_global_batch_change``) needs
+``plan_window_steps`` set to the saved run's K.
 """
 
 from __future__ import annotations
