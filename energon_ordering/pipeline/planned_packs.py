@@ -336,38 +336,41 @@ class PlannedPackDataset(BaseWrapperDataset[Any, Any]):
         tag = pack_tag(samples[0])
         assert tag is not None
         step = tag[0] // self.micro_batches_per_step
-        kept = (self.cutter.cut(x, tag[4], step=step, counts=counts) for x in samples)
+        kept_whole = counts["kept_over_cap"]
+        kept = [self.cutter.cut(x, tag[4], step=step, counts=counts) for x in samples]
         cut = [k[0] for k in kept if k is not None]
         if not cut:
             return None
         if self.length_fn is not None:
-            self._check_fit(cut, tag[4], step, counts)
+            # the cutter keeps a sample whole where its media tokens alone are over the cap
+            self._check_fit(cut, tag[4], step, counts,
+                            media_over_cap=counts["kept_over_cap"] > kept_whole)
         if self.sample_encoder is not None:  # as Energon's packer: on the selected samples
             cut = [self.sample_encoder(x) for x in cut]
         with packing_round(tag[4]):  # ordering_pack_target() answers the plan's cap
             packed = self.final_packer(cut)
         return set_sample_restore_key(packed, *keys, src=self)
 
-    def _check_fit(self, samples: list[Any], cap: int, step: int, counts: dict[str, int]) -> None:
+    def _check_fit(self, samples: list[Any], cap: int, step: int, counts: dict[str, int],
+                   media_over_cap: bool = False) -> None:
         """Counts (and warns once per worker about) a pack whose encoded samples hold more
         tokens than its cap: the plan packed the length index's lengths, so the encoder
         measures samples longer than the index says. The pack goes out as planned (nothing is
         dropped or moved: every rank's plan stays the same)."""
-        sizes = [float(self.length_fn(x)) for x in samples]  # type: ignore[misc]
-        total = sum(sizes)
+        total = sum(float(self.length_fn(x)) for x in samples)  # type: ignore[misc]
         if total <= cap:
             return
         counts["packs_over_cap"] += 1
-        if not self._warned and max(sizes) > cap:
-            # one sample alone over the cap after the cut: what the cut may not shorten (a
-            # media item's tokens) is longer than the cap, whatever the length index says
+        if not self._warned and media_over_cap:
+            # what the cut may not shorten (a media item's tokens) is longer than the cap,
+            # whatever the length index says
             self._warned = True
             logger.warning(
-                "planned packing: a sample of optimizer step %d holds %d tokens, over its "
-                "pack's cap of %d, and the cut could not shorten it (its media tokens alone are "
-                "over the cap: kept whole). Raise the cap above a media item's tokens "
+                "planned packing: a pack of optimizer step %d holds %d tokens, over its cap of "
+                "%d, because the cut could not shorten a sample of it (its media tokens alone "
+                "are over the cap: kept whole). Raise the cap above a media item's tokens "
                 "(seq_length_warmup.start, or pack_seq_length); this pack and later ones go "
-                "out as planned (counted as packs_over_cap).", step, int(max(sizes)), cap)
+                "out as planned (counted as packs_over_cap).", step, int(total), cap)
         if not self._warned:
             self._warned = True
             logger.warning(
