@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from energon_ordering.planned.window_size import default_window_steps
+from energon_ordering.planned.window_size import default_window_steps, steps_within_an_epoch
 import pytest
 from click.testing import CliRunner
 
@@ -268,8 +268,11 @@ def test_advise_cli_recommends_planned_with_its_settings(tmp_path):
         "8", "--steps", "256", "--out", str(tmp_path),
         "--task-encoder", "energon_ordering.inspect.synthetic_task:IndexedSyntheticTaskEncoder"])
     assert res.exit_code == 0, res.output
-    for mix in ("step", "window"):  # each mix's default window at 64 ranks x 8 x 4
-        k = default_window_steps(mix, 64 * 8 * 4)
+    for mix in ("step", "window"):  # each mix's default window at 64 ranks x 8 x 4, at most
+        # one epoch of each 1,600-sample source (here one step: a source's share of a step
+        # is 1,024 samples)
+        k = min(default_window_steps(mix, 64 * 8 * 4),
+                steps_within_an_epoch([1600, 1600], [[1, 1]], 64 * 8 * 4))
         assert re.search(rf"planned \(K={k}, {mix}\) .* yes \(index\)", res.output)
     assert re.search(r"recommended: length_sort_mode: planned, planned_mix: (step|window), "
                      "length_sort_placement: pre-encode, length_sort_pool_holds: keys",

@@ -5,6 +5,7 @@ that loses the least compute at the demo's shape); the tables lead with lost com
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -13,15 +14,18 @@ import yaml
 from click.testing import CliRunner
 
 from energon_ordering.cli import main
-from energon_ordering.cli.demo import winning_mix
+from energon_ordering.cli.demo import DEMO_SOURCES, winning_mix
+from energon_ordering.cli.recipe import load_recipe
 from energon_ordering.cli.inspect import as_planned, planned_repeats, pool_off
-from energon_ordering.planned.window_size import default_window_steps
+from energon_ordering.planned.window_size import default_window_steps, steps_within_an_epoch
 from energon_ordering.inspect.rank_simulation import BatchRecord
 from energon_ordering.inspect.synthetic import SourceSpec
 from energon_ordering import OrderingConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from indexed_data import indexed_synthetic  # noqa: E402
+
+RECIPES = Path(__file__).parent.parent / "recipes"
 
 TE = "energon_ordering.inspect.synthetic_task:IndexedSyntheticTaskEncoder"
 
@@ -138,7 +142,13 @@ def test_demo_shows_the_planned_order_as_a_third_run(tmp_path):
     lost = results["predicted_lost_compute"]
     mix = min(lost, key=lost.get)
     assert f"planned run: planned_mix: {mix}, the granularity that loses the least" in res.output
-    k = default_window_steps(mix, 4 * 1 * 4)  # the demo's shape: 4 ranks x 1 x 4
+    # the demo's shape, 4 ranks x 1 x 4: its default window, at most one epoch of each source
+    # of the data at --scale 0.2 under the recipe's schedule (the build reads it off the index)
+    schedule = load_recipe(str(RECIPES / "demo.yaml")).mixture_schedule
+    sizes = {n: max(1, round(c * 0.2)) for n, c, _ in DEMO_SOURCES}
+    bound = steps_within_an_epoch([sizes[s] for s in schedule.sources],
+                                  schedule.weights_table(schedule.piece_ends()), 4 * 1 * 4)
+    k = min(default_window_steps(mix, 4 * 1 * 4), bound)
     name = f"planned (K={k}, {mix})"
     assert results["planned_mix"] == {name: mix}
     header = next(line for line in res.output.splitlines()  # not the progress lines
@@ -170,7 +180,9 @@ def test_demo_plans_the_packs_of_a_packing_recipe(tmp_path):
     header = next(line for line in res.output.splitlines()
                   if line.startswith(" ") and line.lstrip().startswith("pool off"))
     # planned_mix 'window' does not plan packs: the recipe's mix, said so
-    assert "planned (K=32, step)" in header  # packed step: 32 steps
+    # packed step: 32 steps, here fewer (one epoch of the small data's sources at most)
+    found = re.search(r"planned \(K=(\d+), step\)", header)
+    assert found and 1 <= int(found.group(1)) < 32, header
     assert "planned run: the recipe's planned_mix (with packing the plan builds the packs" in \
         res.output
     assert "packs per step here, each pack built to its step's cap" in res.output
