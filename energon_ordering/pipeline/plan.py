@@ -260,24 +260,23 @@ def plan_pipeline(config: OrderingConfig, args: BuildArgs) -> PipelinePlan:
     """
     packing = _packing_buffer_size(config, args)
     _validate(config, args, packing)
-    stages = tuple(_stages(config, args, packing))
-    _check_energon_weights(stages, args)
-    return PipelinePlan(
+    plan = PipelinePlan(
         config=config,
         args=args,
-        stages=stages,
+        stages=tuple(_stages(config, args, packing)),
         packing_buffer_size=packing,
     )
+    _check_energon_weights(plan)
+    return plan
 
 
-def _check_energon_weights(stages: Sequence[Stage], args: BuildArgs) -> None:
+def _check_energon_weights(plan: PipelinePlan) -> None:
     """Energon's blend by the metadataset's weights takes each weight > 0 (its bare
     ``AssertionError`` otherwise, at the first batch)."""
-    for stage in stages:
-        weights = dict(stage.settings).get("weights") if stage.name == BLEND else None
-        if weights is None or all(math.isfinite(w) and w > 0 for w in weights):
-            continue
-        named = {(s.name or f"entry {i}"): s.weight for i, s in enumerate(args.sources)}
+    blend = plan.stage(BLEND)
+    weights = None if blend is None else blend.kwargs.get("weights")
+    if weights is not None and not all(math.isfinite(w) and w > 0 for w in weights):
+        named = {(s.name or f"entry {i}"): s.weight for i, s in enumerate(plan.args.sources)}
         raise OrderingConfigError(
             f"the metadataset's blend weights are {show(named)} (entries in the order of its "
             "`blend:` list), and Energon blends by them "
@@ -390,8 +389,6 @@ def window_repeat_note(cfg: OrderingConfig, args: BuildArgs, lengths: Sequence[n
     """What to say where a window of ``k`` steps draws a source of repeating data beyond its
     size (its samples' copies then share optimizer steps), else None. ``names``: each source's
     name in the text (default: the sources' own, else their position)."""
-    if names is None:
-        names = [s.name or f"source {i}" for i, s in enumerate(args.sources)]
     if not args.repeat:
         return None
     sizes = [len(x) for x in lengths]
@@ -402,19 +399,20 @@ def window_repeat_note(cfg: OrderingConfig, args: BuildArgs, lengths: Sequence[n
     if not over:
         return None
     fit = steps_within_an_epoch(sizes, rows, per_step)
+    if names is None:
+        names = [s.name or f"source {i}" for i, s in enumerate(args.sources)]
     what = "; ".join(f"{show(names[s])}: {sizes[s]:,} samples, about "
                      f"{share[s] * sizes[s]:,.0f} drawn a window" for s in over)
     if fit >= k:  # a source smaller than its share of one step
         return (f"length_sort_mode = 'planned': a source of repeating data is smaller than "
                 f"what one optimizer step draws of it ({what}): its samples repeat within "
                 f"steps. Give it more samples or a lower weight.")
-    given = cfg.plan_window_steps is not None
+    # k > fit: a given plan_window_steps (the default is at most fit)
     return (f"length_sort_mode = 'planned': a plan window of {k:,} steps draws a source of "
             f"repeating data beyond its size ({what}); the window sorts its draws by length, "
-            f"so the copies of a sample share an optimizer step. "
-            + (f"Set plan_window_steps <= {fit:,} (or leave it unset: the default keeps every "
-               f"window within one epoch of each source)." if given else
-               f"Set plan_window_steps <= {fit:,}."))
+            f"so the copies of a sample share an optimizer step. Set plan_window_steps <= "
+            f"{fit:,} (or leave it unset: the default keeps every window within one epoch of "
+            f"each source).")
 
 
 def _samples_per_step(cfg: OrderingConfig, args: BuildArgs,
